@@ -1,0 +1,53 @@
+# llminfer: two commands. `make lab` opens the handbook; `make test` checks it.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+NB     := $(sort $(wildcard chapters/[0-9][0-9]_*.ipynb))
+export PYTHONHASHSEED := 0
+
+.PHONY: lab test test-unit test-notebooks test-e2e notebooks bench bench-quick model clean help
+
+help:
+	@echo "make lab        create .venv if needed and open JupyterLab on chapters/"
+	@echo "make test       unit tests + every notebook under nbval (strict)"
+	@echo "make test-e2e   the widgets in JupyterLab, driven in headless Chromium"
+	@echo "make notebooks  re-execute and normalise the chapters (commits their outputs)"
+	@echo "make bench      the side-by-side benchmark (writes data/benchmarks/)"
+	@echo "make model      rebuild the bundled model in data/models/tiny-capitals"
+	@echo "make clean      remove .venv and caches"
+
+# The environment: made once, reinstalled only when the pins or the package change.
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): requirements.txt pyproject.toml | $(PY)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab --notebook-dir=chapters
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --nbval --nbval-sanitize-with chapters/sanitize.cfg -p no:cacheprovider chapters
+
+test-e2e: $(STAMP)
+	$(PY) -m pytest -q -m e2e tests/e2e
+
+notebooks: $(STAMP)
+	$(PY) -m llminfer.notebooks $(NB)
+
+bench: $(STAMP)
+	$(PY) -m llminfer.bench
+
+model: $(STAMP)
+	$(PY) data/build_model.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
