@@ -1,0 +1,107 @@
+"""The notebook runner: executes in place, normalises outputs, reports failures without touching the file."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+from llminfer import notebooks
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _write(path: Path, cells) -> Path:
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+    return path
+
+
+def test_normalise_drops_widget_state_counts_from_one_and_scrubs_paths():
+    repo = "/some/checkout/llminfer"
+    nb = new_notebook(cells=[
+        new_markdown_cell("# title"),
+        new_code_cell("x = 1", execution_count=7, metadata={"execution": {"iopub.status.busy": "2026"},
+                                                          "tags": ["keep"]}),
+        new_code_cell("", execution_count=None),
+        new_code_cell("x", execution_count=9, outputs=[
+            new_output("execute_result", data={"text/plain": f"'{repo}/chapters'"}, execution_count=9),
+            new_output("display_data", data={"text/plain": "VBox()",
+                                             notebooks.WIDGET_VIEW_MIME: {"model_id": "abc"}}),
+            new_output("display_data", data={notebooks.WIDGET_VIEW_MIME: {"model_id": "def"}}),
+            new_output("stream", name="stdout", text=f"loaded {repo}/data/models/tiny\n"),
+        ]),
+    ])
+    nb.metadata["widgets"] = {notebooks.WIDGET_STATE_MIME: {"state": {}}}
+    nb.metadata["language_info"] = {"name": "python", "version": "3.12.3"}
+
+    out = notebooks.normalise(nb, replacements=[(repo, "<repo>")])
+
+    assert "widgets" not in out.metadata
+    assert out.metadata["language_info"] == {"name": "python"}
+    code = [c for c in out.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in code] == [1, None, 2]
+    assert "execution" not in code[0].metadata and code[0].metadata["tags"] == ["keep"]
+    outputs = code[2].outputs
+    assert len(outputs) == 3, "the widget-only output should be dropped, the others kept"
+    assert outputs[0].execution_count == 2
+    assert outputs[0].data["text/plain"] == "'<repo>/chapters'"
+    assert notebooks.WIDGET_VIEW_MIME not in outputs[1].data and outputs[1].data["text/plain"] == "VBox()"
+    assert outputs[2].text == "loaded <repo>/data/models/tiny\n"
+    assert nb.cells[1].execution_count == 7, "normalise must not modify its input"
+    nbformat.validate(out)
+
+
+def test_path_replacements_put_longer_paths_first():
+    pairs = notebooks.path_replacements(REPO)
+    lengths = [len(path) for path, _ in pairs]
+    assert lengths == sorted(lengths, reverse=True)
+    assert (str(REPO), "<repo>") in pairs
+    assert notebooks.scrub_text(f"{REPO}/x", pairs) == "<repo>/x"
+
+
+def test_run_executes_in_place_in_the_notebook_folder(tmp_path):
+    chapters = tmp_path / "chapters"
+    chapters.mkdir()
+    (chapters / "marker.txt").write_text("found me")
+    path = _write(chapters / "00_tiny.ipynb", [
+        new_markdown_cell("A tiny notebook."),
+        new_code_cell("import os\nprint(open('marker.txt').read())"),
+        new_code_cell("print(os.getcwd())"),
+        new_code_cell("import ipywidgets\nipywidgets.IntSlider(value=3)"),
+        new_code_cell("6 * 7"),
+    ])
+
+    elapsed = notebooks.run_notebook(path, timeout=60)
+
+    assert elapsed > 0
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert [c.execution_count for c in code] == [1, 2, 3, 4]
+    assert code[0].outputs[0].text == "found me\n"
+    cwd_line = code[1].outputs[0].text
+    assert str(tmp_path) not in cwd_line and cwd_line.endswith("/chapters\n")
+    assert "widgets" not in nb.metadata
+    for output in code[2].outputs:
+        assert notebooks.WIDGET_VIEW_MIME not in output.get("data", {})
+    assert code[3].outputs[0].data["text/plain"] == "42"
+    assert code[3].outputs[0].execution_count == 4
+    assert all("execution" not in c.metadata for c in code)
+
+
+def test_main_reports_a_failing_notebook_and_leaves_it_unchanged(tmp_path, capsys):
+    path = _write(tmp_path / "broken.ipynb", [new_code_cell("raise ValueError('boom')")])
+    before = path.read_text()
+
+    status = notebooks.main([str(path), "--timeout", "60"])
+
+    assert status == 1
+    assert path.read_text() == before
+    assert "boom" in capsys.readouterr().err
+
+
+def test_main_refuses_a_missing_file(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        notebooks.main([str(tmp_path / "nope.ipynb")])
+    assert "no such notebook" in capsys.readouterr().err
