@@ -1,0 +1,204 @@
+"""Device-aware timing and the machine's measured ceilings. Chapter 04.
+
+    synchronize(device)                          wait for queued work on device
+    time_fn(fn, device, warmup=2, repeats=10)    -> TimingResult(median_s, iqr_s, times_s)
+    measure_copy_bandwidth(device, dtype)        -> Ceiling (bytes read + written per second)
+    measure_matvec_bandwidth(device, dtype)      -> Ceiling (matrix bytes per second of a matvec)
+    measure_matmul_flops(device, dtype)          -> Ceiling (FLOP/s of a square matmul)
+    measure_ceilings(device, dtype)              -> dict of the three
+
+Each call of `fn` is timed on its own after `warmup` untimed calls: on CUDA
+between two CUDA events recorded on the current stream, elsewhere with
+`torch.utils.benchmark.utils.timer.timer`, the clock `torch.utils.benchmark`
+uses (it synchronises any accelerator before reading the time). Report the
+median; the interquartile range says how noisy the machine was.
+
+The ceilings are the rates this machine reaches on the simplest kernels that
+stress one resource, in the dtype of the run, so that a model's speed can be
+quoted as a fraction of them (MBU for decode, MFU for prefill) rather than of
+a datasheet figure. Sizes are chosen far larger than the CPU caches and then
+capped by free memory; `ValueError` says so before anything is allocated.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.utils.benchmark.utils.timer import timer as _benchmark_clock
+
+__all__ = ["TimingResult", "Ceiling", "synchronize", "time_fn", "free_memory_bytes",
+           "check_fits", "measure_copy_bandwidth", "measure_matvec_bandwidth",
+           "measure_matmul_flops", "measure_ceilings", "measure_bandwidth", "dtype_bytes"]
+
+
+@dataclass
+class TimingResult:
+    """Median, interquartile range and every sample of a timed call, in seconds. Chapter 04."""
+    median_s: float
+    iqr_s: float
+    times_s: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_times(cls, times_s: list[float]) -> "TimingResult":
+        """Returns the summary of a list of per-call times."""
+        if not times_s:
+            raise ValueError("no times to summarise; pass repeats >= 1")
+        ordered = sorted(times_s)
+        if len(ordered) >= 2:
+            q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+        else:
+            q1 = q3 = ordered[0]
+        return cls(statistics.median(ordered), q3 - q1, list(times_s))
+
+
+@dataclass
+class Ceiling:
+    """A measured hardware rate (bytes/s or FLOP/s) and how it was measured. Chapter 04."""
+    rate: float              # bytes/s for bandwidths, FLOP/s for matmul
+    timing: TimingResult
+    work: float              # bytes moved or FLOPs done by one call
+    what: str                # e.g. "copy of 512 MiB float32"
+
+    def as_dict(self) -> dict:
+        """Returns a JSON-ready description."""
+        return {"rate": self.rate, "median_s": self.timing.median_s, "iqr_s": self.timing.iqr_s,
+                "work": self.work, "what": self.what}
+
+
+def _device(device) -> torch.device:
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    """Returns the bytes of one element of dtype."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def synchronize(device) -> None:
+    """Waits until every kernel queued on device has finished (a no-op on CPU). Chapter 04."""
+    device = _device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def time_fn(fn: Callable[[], object], device, warmup: int = 2, repeats: int = 10) -> TimingResult:
+    """Returns the median and IQR of `repeats` timed calls of fn() after `warmup` untimed ones. Chapter 04."""
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"warmup={warmup}, repeats={repeats}: need warmup >= 0 and repeats >= 1")
+    device = _device(device)
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    if device.type == "cuda":
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)   # elapsed_time is in milliseconds
+    else:
+        for _ in range(repeats):
+            start = _benchmark_clock()
+            fn()
+            synchronize(device)
+            times.append(_benchmark_clock() - start)
+    return TimingResult.from_times(times)
+
+
+def free_memory_bytes(device) -> int:
+    """Returns the memory that can still be allocated on device (MemAvailable on CPU)."""
+    device = _device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62   # unknown: do not refuse
+
+
+def check_fits(nbytes: int, device, what: str, fraction: float = 0.8) -> None:
+    """Raises ValueError if nbytes is more than `fraction` of the free memory on device."""
+    free = free_memory_bytes(device)
+    if nbytes > fraction * free:
+        raise ValueError(
+            f"{what} needs {nbytes / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free on "
+            f"{_device(device)} (limit {fraction:.0%} of free); choose a smaller size")
+
+
+def _default_bytes(device: torch.device) -> int:
+    return (1 << 30) if device.type == "cuda" else (256 << 20)
+
+
+def measure_copy_bandwidth(device, dtype=torch.float32, nbytes: int | None = None,
+                           repeats: int = 7) -> Ceiling:
+    """Returns the rate of a large device-to-device copy, counting bytes read plus written. Chapter 04."""
+    device = _device(device)
+    nbytes = nbytes or 2 * _default_bytes(device)
+    numel = max(1, nbytes // dtype_bytes(dtype))
+    check_fits(2 * numel * dtype_bytes(dtype), device, "the copy-bandwidth test")
+    source = torch.ones(numel, dtype=dtype, device=device)
+    target = torch.empty_like(source)
+    timing = time_fn(lambda: target.copy_(source), device, warmup=2, repeats=repeats)
+    moved = 2 * numel * dtype_bytes(dtype)
+    return Ceiling(moved / timing.median_s, timing, moved,
+                   f"copy of {numel * dtype_bytes(dtype) / 2**20:.0f} MiB {str(dtype).replace('torch.', '')}")
+
+
+def measure_matvec_bandwidth(device, dtype=torch.float32, nbytes: int | None = None,
+                             repeats: int = 7) -> Ceiling:
+    """Returns the matrix bytes per second of a large matrix-vector product (decode's kernel). Chapter 04."""
+    device = _device(device)
+    nbytes = nbytes or 2 * _default_bytes(device)
+    cols = 4096
+    rows = max(1, nbytes // (cols * dtype_bytes(dtype)))
+    check_fits(rows * cols * dtype_bytes(dtype), device, "the matvec-bandwidth test")
+    matrix = torch.randn(rows, cols, device=device).to(dtype)
+    vector = torch.randn(1, cols, device=device).to(dtype)
+    timing = time_fn(lambda: torch.nn.functional.linear(vector, matrix), device, warmup=2,
+                     repeats=repeats)
+    moved = rows * cols * dtype_bytes(dtype)
+    return Ceiling(moved / timing.median_s, timing, moved,
+                   f"({rows} x {cols}) matrix times a vector, {str(dtype).replace('torch.', '')}")
+
+
+def measure_matmul_flops(device, dtype=torch.float32, n: int | None = None,
+                         repeats: int = 5) -> Ceiling:
+    """Returns the FLOP/s of an n x n by n x n matmul (2 n^3 FLOPs). Chapter 04."""
+    device = _device(device)
+    n = n or (8192 if device.type == "cuda" else 1536)
+    check_fits(3 * n * n * dtype_bytes(dtype), device, f"the {n} x {n} matmul test")
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    timing = time_fn(lambda: a @ b, device, warmup=2, repeats=repeats)
+    flops = 2 * n ** 3
+    return Ceiling(flops / timing.median_s, timing, flops,
+                   f"({n} x {n}) @ ({n} x {n}) matmul, {str(dtype).replace('torch.', '')}")
+
+
+def measure_ceilings(device, dtype=torch.float32, quick: bool = False) -> dict[str, Ceiling]:
+    """Returns the copy bandwidth, matvec bandwidth and matmul rate of device in dtype. Chapter 04."""
+    device = _device(device)
+    scale = 4 if quick else 1
+    base = _default_bytes(device) // scale
+    return {
+        "copy_bandwidth": measure_copy_bandwidth(device, dtype, nbytes=2 * base,
+                                                 repeats=3 if quick else 7),
+        "matvec_bandwidth": measure_matvec_bandwidth(device, dtype, nbytes=2 * base,
+                                                     repeats=3 if quick else 7),
+        "matmul_flops": measure_matmul_flops(device, dtype, repeats=3 if quick else 5,
+                                             n=(1024 if quick and device.type == "cpu" else None)),
+    }
+
+
+measure_bandwidth = measure_copy_bandwidth   # the short name: the copy is the usual bandwidth figure

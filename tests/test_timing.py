@@ -1,0 +1,72 @@
+"""Timing and measured ceilings."""
+import time
+
+import pytest
+import torch
+
+from llminfer import timing
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_summary_of_known_times():
+    result = timing.TimingResult.from_times([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert result.median_s == 3.0
+    assert result.iqr_s == 2.0                 # quartiles 2 and 4
+    assert result.times_s == [5.0, 1.0, 3.0, 2.0, 4.0]
+    with pytest.raises(ValueError, match="repeats"):
+        timing.TimingResult.from_times([])
+
+
+def test_time_fn_measures_a_known_duration_and_counts_calls():
+    calls = []
+
+    def sleep_10ms():
+        calls.append(1)
+        time.sleep(0.01)
+
+    result = timing.time_fn(sleep_10ms, "cpu", warmup=2, repeats=5)
+    assert len(calls) == 7
+    assert len(result.times_s) == 5
+    assert 0.0095 <= result.median_s < 0.2
+
+
+@pytest.mark.parametrize("warmup, repeats", [(-1, 3), (0, 0)])
+def test_time_fn_rejects_bad_counts(warmup, repeats):
+    with pytest.raises(ValueError, match=f"repeats={repeats}"):
+        timing.time_fn(lambda: None, "cpu", warmup=warmup, repeats=repeats)
+
+
+def test_cpu_ceilings_are_positive_and_count_work():
+    copy = timing.measure_copy_bandwidth("cpu", torch.float32, nbytes=8 << 20, repeats=3)
+    assert copy.work == 2 * (8 << 20)                     # read and written
+    assert copy.rate == pytest.approx(copy.work / copy.timing.median_s)
+    matvec = timing.measure_matvec_bandwidth("cpu", torch.float32, nbytes=8 << 20, repeats=3)
+    assert matvec.work == 8 << 20
+    matmul = timing.measure_matmul_flops("cpu", torch.float32, n=256, repeats=3)
+    assert matmul.work == 2 * 256 ** 3
+    for ceiling in (copy, matvec, matmul):
+        assert ceiling.rate > 0 and ceiling.as_dict()["rate"] == ceiling.rate
+
+
+def test_bfloat16_ceiling_counts_two_byte_elements():
+    copy = timing.measure_copy_bandwidth("cpu", torch.bfloat16, nbytes=1 << 20, repeats=2)
+    assert copy.work == 2 * (1 << 20)
+    assert timing.dtype_bytes(torch.bfloat16) == 2
+
+
+def test_too_large_a_ceiling_test_is_refused_before_allocating():
+    with pytest.raises(ValueError, match="GiB"):
+        timing.measure_copy_bandwidth("cpu", torch.float32, nbytes=1 << 50)
+    with pytest.raises(ValueError, match="matmul"):
+        timing.measure_matmul_flops("cpu", torch.float32, n=1 << 22)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_events_time_gpu_work():
+    a = torch.randn(2048, 2048, device="cuda")
+    result = timing.time_fn(lambda: a @ a, "cuda", warmup=2, repeats=5)
+    assert len(result.times_s) == 5 and result.median_s > 0
+    copy = timing.measure_copy_bandwidth("cuda", torch.bfloat16, nbytes=64 << 20, repeats=3)
+    assert copy.rate > 1e10            # any CUDA device copies faster than 10 GB/s
