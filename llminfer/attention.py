@@ -1,0 +1,95 @@
+"""Attention, written out step by step for teaching and through the fused kernel for speed. Chapter 02.
+
+Shapes follow the usual convention: q is (B, n_heads, T_q, head_dim); k and v are (B, n_kv_heads, T_k, head_dim).
+When n_kv_heads < n_heads (grouped-query attention) each K/V head serves n_heads // n_kv_heads query heads.
+A causal mask lines the queries up with the *last* T_q keys, so query i sits at absolute position
+T_k - T_q + i and sees keys 0 .. T_k - T_q + i: the same rule serves a whole prompt (T_q = T_k) and
+a decode step against a cache (T_q = 1, which sees every key).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["attention", "fast_attention", "causal_mask", "repeat_kv", "softmax"]
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() < 2 or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(
+            f"q, k and v must have the same number of dimensions (…, T, head_dim); got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share head_dim to be compared; got {q.shape[-1]} and {k.shape[-1]}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must hold the same number of tokens; got {k.shape[-2]} and {v.shape[-2]}")
+    if q.dim() == 4 and q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"{q.shape[1]} query heads cannot share {k.shape[1]} K/V heads; n_heads must be a multiple of n_kv_heads"
+        )
+    if k.shape[-2] < q.shape[-2]:
+        raise ValueError(f"{q.shape[-2]} queries but only {k.shape[-2]} keys: every query needs its own key")
+
+
+def causal_mask(t_q: int, t_k: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Boolean (t_q, t_k) mask, True where query i may look at key j (j <= t_k - t_q + i). Chapter 02."""
+    offset = t_k - t_q
+    rows = torch.arange(t_q, device=device).unsqueeze(1)  # (t_q, 1)
+    cols = torch.arange(t_k, device=device).unsqueeze(0)  # (1, t_k)
+    return cols <= rows + offset
+
+
+def repeat_kv(x: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """(B, n_kv_heads, T, D) -> (B, n_kv_heads * n_groups, T, D): each K/V head copied for the query heads it serves."""
+    if n_groups == 1:
+        return x
+    batch, n_kv_heads, seq_len, head_dim = x.shape
+    x = x[:, :, None, :, :].expand(batch, n_kv_heads, n_groups, seq_len, head_dim)
+    return x.reshape(batch, n_kv_heads * n_groups, seq_len, head_dim)
+
+
+def softmax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """exp(s - max) / sum exp(s - max): the numerically safe softmax, written out. Chapter 02."""
+    shifted = scores - scores.amax(dim=dim, keepdim=True)
+    exp = shifted.exp()
+    return exp / exp.sum(dim=dim, keepdim=True)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (output, weights): scores = q·kᵀ·scale, mask, softmax, weights·v, step by step. Chapter 02.
+
+    `scale=None` is the standard 1/√head_dim; the worked example in chapter 02 uses scale=1.
+    """
+    _check_shapes(q, k, v)
+    if q.dim() == 4:
+        n_groups = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, n_groups), repeat_kv(v, n_groups)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-2, -1)) * scale                # (…, T_q, T_k)  how well each query matches each key
+    if causal:
+        allowed = causal_mask(q.shape[-2], k.shape[-2], device=q.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))  # the future is invisible
+    weights = softmax(scores.float(), dim=-1).to(q.dtype)    # (…, T_q, T_k)  each row sums to 1
+    output = weights @ v                                      # (…, T_q, head_dim)  a weighted mix of the values
+    return output, weights
+
+
+def fast_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                   scale: float | None = None) -> torch.Tensor:
+    """Returns the same output as `attention`, through F.scaled_dot_product_attention (no weights). Chapter 02."""
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    gqa = q.dim() == 4 and q.shape[1] != k.shape[1]
+    mask = None
+    is_causal = False
+    if causal and t_q > 1:
+        if t_q == t_k:
+            is_causal = True                    # the kernel's own top-left mask is the right one here
+        else:
+            mask = causal_mask(t_q, t_k, device=q.device)
+    # (a single query, or causal=False, needs no mask: it sees every key)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)

@@ -1,0 +1,215 @@
+"""The Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU. Chapter 01.
+
+Parameter names follow Hugging Face's Llama/Qwen2 checkpoints (without the leading "model."), so a
+checkpoint maps onto this module name for name.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import fast_attention
+from .config import ModelConfig
+from .kv_cache import KVCache
+
+__all__ = ["Transformer", "RMSNorm", "rope_frequencies", "apply_rope"]
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · weight, computed in float32. Chapter 01."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_frequencies(config: ModelConfig) -> torch.Tensor:
+    """(head_dim // 2,) float32 inverse frequencies θ^(-2i/d), with Llama 3's long-context rescaling if configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling and scaling.get("rope_type") == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are slowed down by `factor`, short ones kept, the band between blended smoothly
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (i, i + d/2) pair of x (B, H, T, D) by its position's angle; cos, sin are (T, D). Chapter 02."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary positions and an optional KV cache. Chapter 02."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None, start_pos: int) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.q_proj(x).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
+        k = self.k_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        v = self.v_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, start_pos, k, v)  # (B, H_kv, start_pos + T, D): the whole prefix
+        out = fast_attention(q, k, v, causal=True)                # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) · up(x)). Chapter 01."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.dim, config.hidden_dim, bias=False)
+        self.up_proj = nn.Linear(config.dim, config.hidden_dim, bias=False)
+        self.down_proj = nn.Linear(config.hidden_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """x + attention(norm(x)), then + mlp(norm(x)). Chapter 01."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache, start_pos):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """A Llama-family decoder; `forward(input_ids, cache=None, start_pos=0)` returns logits. Chapter 01."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, batch_size: int = 1, max_seq_len: int | None = None) -> KVCache:
+        """A preallocated KVCache on this model's device and dtype. Chapter 04."""
+        return KVCache.for_config(self.config, batch_size, max_seq_len, device=self.device, dtype=self.dtype)
+
+    def rope_tables(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin tables (end, head_dim) in the model's dtype, computed once in float32 and grown on demand."""
+        cached = self._rope_cache
+        if cached is None or cached[0].shape[0] < end or cached[0].device != self.device or cached[0].dtype != self.dtype:
+            size = min(self.config.max_seq_len, max(end, 256, 2 * (cached[0].shape[0] if cached else 0)))
+            inv_freq = rope_frequencies(self.config).to(self.device)
+            angles = torch.outer(torch.arange(size, device=self.device, dtype=torch.float32), inv_freq)
+            angles = torch.cat((angles, angles), dim=-1)                   # (size, head_dim)
+            cached = (angles.cos().to(self.dtype), angles.sin().to(self.dtype))
+            self._rope_cache = cached
+        return cached
+
+    def check_input(self, input_ids: torch.Tensor, cache: KVCache | None, start_pos: int) -> None:
+        """Raise ValueError, before any compute, for ids or positions this model cannot take."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be a (batch, seq_len) tensor of token ids, got {shape}; "
+                             "wrap a single sequence as torch.tensor([ids])")
+        if input_ids.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        batch, seq_len = input_ids.shape
+        if seq_len == 0:
+            raise ValueError("the prompt must hold at least one token, got 0")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside the vocabulary of {self.config.vocab_size} ids "
+                             f"(valid ids are 0..{self.config.vocab_size - 1}); was the text encoded by this "
+                             "model's own tokenizer?")
+        end = start_pos + seq_len
+        if end > self.config.max_seq_len:
+            raise ValueError(f"{end} positions (start_pos={start_pos} + {seq_len} tokens) exceed the model's "
+                             f"max_seq_len={self.config.max_seq_len}; shorten the input")
+        if cache is not None:
+            cache.check_write(start_pos, seq_len, batch)
+        elif start_pos != 0:
+            raise ValueError(f"start_pos={start_pos} needs a cache holding the earlier positions; pass cache=...")
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits (B, T, vocab), or (B, 1, vocab) with last_only; writes K/V into `cache` at start_pos. Chapter 01."""
+        self.check_input(input_ids, cache, start_pos)
+        return self.forward_unchecked(input_ids.to(self.device), cache, start_pos, last_only)
+
+    def forward_unchecked(self, input_ids: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
+                          last_only: bool = False) -> torch.Tensor:
+        """`forward` without the input checks, for the decode loop that has already made them."""
+        seq_len = input_ids.shape[1]
+        cos, sin = self.rope_tables(start_pos + seq_len)
+        cos, sin = cos[start_pos:start_pos + seq_len], sin[start_pos:start_pos + seq_len]  # (T, head_dim)
+        x = self.embed_tokens(input_ids)                                  # (B, T, dim)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, start_pos)                      # (B, T, dim)
+        if cache is not None:
+            cache.length = start_pos + seq_len
+        if last_only:
+            x = x[:, -1:]                                                 # (B, 1, dim)
+        return self.lm_head(self.norm(x))                                 # (B, T, vocab)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> "Transformer":
+        """Fill the weights with N(0, std²) (norms with ones), reproducibly from `seed`; returns self."""
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
+                param.copy_(values.to(param.dtype))
+        return self
