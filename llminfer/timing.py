@@ -17,7 +17,7 @@ The ceilings are the rates this machine reaches on the simplest kernels that
 stress one resource, in the dtype of the run, so that a model's speed can be
 quoted as a fraction of them (MBU for decode, MFU for prefill) rather than of
 a datasheet figure. Sizes are chosen far larger than the CPU caches and then
-capped by free memory; `ValueError` says so before anything is allocated.
+checked against free memory: `MemoryError` says so before anything is allocated.
 """
 from __future__ import annotations
 
@@ -128,10 +128,10 @@ def free_memory_bytes(device) -> int:
 
 
 def check_fits(nbytes: int, device, what: str, fraction: float = 0.8) -> None:
-    """Raises ValueError if nbytes is more than `fraction` of the free memory on device."""
+    """Raises MemoryError if nbytes is more than `fraction` of the free memory on device."""
     free = free_memory_bytes(device)
     if nbytes > fraction * free:
-        raise ValueError(
+        raise MemoryError(
             f"{what} needs {nbytes / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free on "
             f"{_device(device)} (limit {fraction:.0%} of free); choose a smaller size")
 

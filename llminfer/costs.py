@@ -1,0 +1,157 @@
+"""FLOP and byte counts of a forward pass, from a ModelConfig alone. Chapter 04.
+
+These are the numbers that a speed is compared with: a prefill is judged by
+the floating-point operations it has to do (compute-bound), a decode step by
+the bytes it has to read (memory-bound). Nothing here touches a tensor.
+
+    matmul_params(cfg)                       weights that multiply every token
+    forward_flops(cfg, n_tokens, start_pos)  FLOPs of one forward over n_tokens new positions
+    prefill_flops(cfg, prompt_len)           FLOPs of the prefill (logits of the last position only)
+    decode_step_bytes(cfg, context_len, ...) bytes one decode step reads: weights + K/V cache
+    decode_bytes(cfg, prompt_len, new_tokens) bytes read by a whole cached decode
+    cache_vs_recompute_flops(cfg, prompt_len, new_tokens)  the chapter 04 prediction
+    roofline_seconds(flops, nbytes, flops_per_s, bytes_per_s)  the slower of the two limits
+
+Conventions: one multiply-add is 2 FLOPs; attention is causal, so a query at
+absolute position p scores p + 1 keys; element-wise work (norms, RoPE,
+softmax, SwiGLU gate) is left out, being a few FLOPs per activation against
+thousands per weight. `cfg` is any object with the ModelConfig fields
+vocab_size, dim, n_layers, n_heads, n_kv_heads, hidden_dim and head_dim.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "head_dim_of", "layer_matmul_params", "matmul_params", "weight_bytes",
+    "attention_flops", "forward_flops", "prefill_flops", "decode_step_flops",
+    "kv_bytes_per_token", "decode_step_bytes", "decode_bytes",
+    "CacheVsRecompute", "cache_vs_recompute_flops", "roofline_seconds",
+]
+
+
+def head_dim_of(cfg) -> int:
+    """Returns the per-head width: cfg.head_dim, or dim // n_heads when unset. Chapter 04."""
+    head_dim = getattr(cfg, "head_dim", None)
+    return int(head_dim) if head_dim else cfg.dim // cfg.n_heads
+
+
+def layer_matmul_params(cfg) -> int:
+    """Returns the weights one decoder layer multiplies each token by (q, k, v, o, MLP). Chapter 04."""
+    head_dim = head_dim_of(cfg)
+    q_out = cfg.n_heads * head_dim
+    kv_out = cfg.n_kv_heads * head_dim
+    attention = cfg.dim * q_out + 2 * cfg.dim * kv_out + q_out * cfg.dim   # wq, wk, wv, wo
+    mlp = 3 * cfg.dim * cfg.hidden_dim                                     # gate, up, down
+    return attention + mlp
+
+
+def matmul_params(cfg, with_head: bool = True) -> int:
+    """Returns the weights every token meets in a matmul: all layers, plus the output head. Chapter 04."""
+    head = cfg.vocab_size * cfg.dim if with_head else 0
+    return cfg.n_layers * layer_matmul_params(cfg) + head
+
+
+def weight_bytes(cfg, dtype_bytes: int) -> int:
+    """Returns the bytes of weights one decode step must read (the embedding table only if tied). Chapter 04.
+
+    A decode step reads every layer weight, the norms and the output head once;
+    an untied embedding table is only gathered (one row per token), so it is
+    not read in full. A tied table *is* the head and is counted once.
+    """
+    head_dim = head_dim_of(cfg)
+    bias = (cfg.n_heads + 2 * cfg.n_kv_heads) * head_dim if getattr(cfg, "qkv_bias", False) else 0
+    norms = cfg.n_layers * 2 * cfg.dim + cfg.dim
+    params = matmul_params(cfg) + cfg.n_layers * bias + norms
+    return params * dtype_bytes
+
+
+def attention_flops(cfg, n_tokens: int, start_pos: int = 0) -> int:
+    """Returns the FLOPs of q·k scores and the weighted sum of v for n_tokens new causal queries. Chapter 04."""
+    # queries at positions start_pos .. start_pos + n_tokens - 1 each see (position + 1) keys
+    keys_seen = n_tokens * start_pos + n_tokens * (n_tokens + 1) // 2
+    per_key = 2 * 2 * cfg.n_heads * head_dim_of(cfg)         # scores and mix, multiply-add = 2
+    return cfg.n_layers * per_key * keys_seen
+
+
+def forward_flops(cfg, n_tokens: int, start_pos: int = 0, logits_positions: int | None = None,
+                  batch_size: int = 1) -> int:
+    """Returns the FLOPs of one forward over n_tokens new positions after start_pos cached ones. Chapter 04.
+
+    logits_positions: how many positions go through the output head (default all n_tokens).
+    """
+    if n_tokens < 0 or start_pos < 0 or batch_size < 1:
+        raise ValueError(f"n_tokens={n_tokens}, start_pos={start_pos}, batch_size={batch_size}: "
+                         "counts must be >= 0 and batch_size >= 1")
+    logits_positions = n_tokens if logits_positions is None else logits_positions
+    layers = 2 * cfg.n_layers * layer_matmul_params(cfg) * n_tokens
+    head = 2 * cfg.vocab_size * cfg.dim * logits_positions
+    return batch_size * (layers + head + attention_flops(cfg, n_tokens, start_pos))
+
+
+def prefill_flops(cfg, prompt_len: int, batch_size: int = 1) -> int:
+    """Returns the FLOPs of a prefill: all prompt positions, the head on the last one only. Chapter 04."""
+    return forward_flops(cfg, prompt_len, 0, logits_positions=1, batch_size=batch_size)
+
+
+def decode_step_flops(cfg, context_len: int, batch_size: int = 1) -> int:
+    """Returns the FLOPs of one cached decode step whose new token sits at position context_len. Chapter 04."""
+    return forward_flops(cfg, 1, context_len, logits_positions=1, batch_size=batch_size)
+
+
+def kv_bytes_per_token(cfg, dtype_bytes: int) -> int:
+    """Returns the bytes of K and V that one cached position holds across all layers. Chapter 04."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * head_dim_of(cfg) * dtype_bytes
+
+
+def decode_step_bytes(cfg, context_len: int, dtype_bytes: int, batch_size: int = 1) -> int:
+    """Returns the bytes one decode step reads: the weights once, plus each sequence's K/V cache. Chapter 04.
+
+    context_len is the number of positions attended to, the new one included.
+    """
+    if context_len < 1 or batch_size < 1:
+        raise ValueError(f"context_len={context_len}, batch_size={batch_size}: both must be >= 1")
+    return weight_bytes(cfg, dtype_bytes) + batch_size * context_len * kv_bytes_per_token(cfg, dtype_bytes)
+
+
+def decode_bytes(cfg, prompt_len: int, new_tokens: int, dtype_bytes: int, batch_size: int = 1) -> int:
+    """Returns the bytes read by new_tokens cached decode steps after a prompt of prompt_len. Chapter 04.
+
+    Step i (0-based) writes position prompt_len + i and attends to prompt_len + i + 1 positions.
+    """
+    return sum(decode_step_bytes(cfg, prompt_len + i + 1, dtype_bytes, batch_size)
+               for i in range(new_tokens))
+
+
+@dataclass(frozen=True)
+class CacheVsRecompute:
+    """FLOPs of decoding with a K/V cache and by recomputation, and their ratio. Chapter 04."""
+    cached_flops: int        # prefill once, then one position per step
+    recompute_flops: int     # every step runs the whole sequence so far again
+    speedup: float           # recompute_flops / cached_flops
+
+
+def cache_vs_recompute_flops(cfg, prompt_len: int, new_tokens: int,
+                             recompute_all_logits: bool = False) -> CacheVsRecompute:
+    """Returns the FLOP prediction for generating new_tokens after prompt_len with and without a cache. Chapter 04.
+
+    Both strategies produce the first new token from a prefill of the prompt.
+    Each later token t (1 .. new_tokens - 1) costs a one-position step at
+    position prompt_len + t - 1 with a cache, or a forward over all
+    prompt_len + t positions without one. With recompute_all_logits the
+    uncached forward also runs the head on every position.
+    """
+    if prompt_len < 1 or new_tokens < 1:
+        raise ValueError(f"prompt_len={prompt_len}, new_tokens={new_tokens}: both must be >= 1")
+    first = prefill_flops(cfg, prompt_len)
+    cached = first + sum(decode_step_flops(cfg, prompt_len + t - 1) for t in range(1, new_tokens))
+    recompute = first
+    for t in range(1, new_tokens):
+        length = prompt_len + t
+        recompute += forward_flops(cfg, length, 0, logits_positions=length if recompute_all_logits else 1)
+    return CacheVsRecompute(cached, recompute, recompute / cached)
+
+
+def roofline_seconds(flops: float, nbytes: float, flops_per_s: float, bytes_per_s: float) -> float:
+    """Returns the time the slower limit allows: max(FLOPs / rate, bytes / bandwidth). Chapter 04."""
+    return max(flops / flops_per_s, nbytes / bytes_per_s)
