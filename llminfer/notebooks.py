@@ -20,6 +20,8 @@ WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 # Cell metadata that changes on every run (timings) or only records how a reader left the view.
 VOLATILE_CELL_METADATA = ("execution", "collapsed", "scrolled", "ExecuteTime")
 # Notebook-level metadata kept; everything else (widget state, machine-specific versions) is dropped.
+# What a saved widget output says instead of its repr (the live widget needs a running kernel).
+WIDGET_PLACEHOLDER = "Interactive widget: run this cell to use it."
 KEPT_LANGUAGE_INFO = ("name", "mimetype", "file_extension", "pygments_lexer", "codemirror_mode", "nbconvert_exporter")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -77,9 +79,8 @@ def normalise(nb: nbformat.NotebookNode, replacements: list[tuple[str, str]] | N
         for output in cell.outputs:
             if "data" in output:
                 output.data.pop(WIDGET_STATE_MIME, None)
-                output.data.pop(WIDGET_VIEW_MIME, None)
-                if not output.data:
-                    continue  # a widget with no text fallback leaves nothing to keep
+                if output.data.pop(WIDGET_VIEW_MIME, None) is not None:
+                    output.data = nbformat.from_dict({"text/plain": WIDGET_PLACEHOLDER})
                 output.data = nbformat.from_dict(_scrub(dict(output.data), replacements))
             if output.get("output_type") == "execute_result":
                 output.execution_count = count

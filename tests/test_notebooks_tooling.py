@@ -44,11 +44,12 @@ def test_normalise_drops_widget_state_counts_from_one_and_scrubs_paths():
     assert [c.execution_count for c in code] == [1, None, 2]
     assert "execution" not in code[0].metadata and code[0].metadata["tags"] == ["keep"]
     outputs = code[2].outputs
-    assert len(outputs) == 3, "the widget-only output should be dropped, the others kept"
+    assert len(outputs) == 4
     assert outputs[0].execution_count == 2
     assert outputs[0].data["text/plain"] == "'<repo>/chapters'"
-    assert notebooks.WIDGET_VIEW_MIME not in outputs[1].data and outputs[1].data["text/plain"] == "VBox()"
-    assert outputs[2].text == "loaded <repo>/data/models/tiny\n"
+    for widget_output in outputs[1:3]:
+        assert widget_output.data == {"text/plain": notebooks.WIDGET_PLACEHOLDER}
+    assert outputs[3].text == "loaded <repo>/data/models/tiny\n"
     assert nb.cells[1].execution_count == 7, "normalise must not modify its input"
     nbformat.validate(out)
 
@@ -83,8 +84,7 @@ def test_run_executes_in_place_in_the_notebook_folder(tmp_path):
     cwd_line = code[1].outputs[0].text
     assert str(tmp_path) not in cwd_line and cwd_line.endswith("/chapters\n")
     assert "widgets" not in nb.metadata
-    for output in code[2].outputs:
-        assert notebooks.WIDGET_VIEW_MIME not in output.get("data", {})
+    assert [output.data for output in code[2].outputs] == [{"text/plain": notebooks.WIDGET_PLACEHOLDER}]
     assert code[3].outputs[0].data["text/plain"] == "42"
     assert code[3].outputs[0].execution_count == 4
     assert all("execution" not in c.metadata for c in code)
