@@ -1,0 +1,146 @@
+"""Drives one JupyterLab page through Playwright: open a notebook, run it, find widgets, take screenshots."""
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+
+KERNEL_START_TIMEOUT_MS = 120_000
+PROMPT_NUMBERED = re.compile(r"^\[\d+\]:?$")
+
+# Reads every code cell's prompt ("[ ]:", "[*]:", "[3]:") in the open notebook, in order.
+_PROMPTS_JS = """
+() => Array.from(document.querySelectorAll(
+        '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-CodeCell .jp-InputArea-prompt'))
+       .map(el => el.textContent.trim())
+"""
+
+# Collects the text of error outputs (tracebacks) in the open notebook.
+_ERRORS_JS = """
+() => Array.from(document.querySelectorAll(
+        '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'))
+       .map(el => el.innerText).filter(t => /Error|Traceback|Exception/.test(t))
+"""
+
+
+class Lab:
+    """One browser page on a JupyterLab server, with the actions a reader takes."""
+
+    def __init__(self, page, base_url: str, token: str, artifacts_dir: Path):
+        self.page = page
+        self.base_url = base_url
+        self.token = token
+        self.artifacts_dir = Path(artifacts_dir)
+        self.blocked: list[str] = []  # URLs the network guard refused (anything not on 127.0.0.1)
+
+    # ----- server side -----------------------------------------------------------------
+    def api(self, method: str, path: str):
+        """Returns the decoded JSON of a REST call to the server (None for an empty body)."""
+        request = urllib.request.Request(f"{self.base_url}{path}", method=method,
+                                         headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            body = response.read()
+        return json.loads(body) if body else None
+
+    def shutdown_kernels(self) -> None:
+        """Shuts down every kernel the server runs, so the next test starts on a quiet machine."""
+        for kernel in self.api("GET", "/api/kernels"):
+            self.api("DELETE", f"/api/kernels/{kernel['id']}")
+
+    # ----- opening ---------------------------------------------------------------------
+    def open(self, notebook: str) -> None:
+        """Opens notebook (a path under the server root) in a fresh workspace and waits for an idle kernel."""
+        url = f"{self.base_url}/lab/tree/{notebook}?reset&token={self.token}"
+        self.page.goto(url)
+        self.page.locator(".jp-NotebookPanel .jp-Notebook .jp-Cell").first.wait_for(state="visible",
+                                                                                    timeout=60_000)
+        self.dismiss_dialogs()
+        self.wait_kernel_idle(timeout_ms=KERNEL_START_TIMEOUT_MS)
+        self.dismiss_dialogs()
+
+    def dismiss_dialogs(self) -> None:
+        """Accepts any modal dialog (such as kernel selection) and closes pop-up notifications."""
+        dialog_button = self.page.locator(".jp-Dialog .jp-Dialog-button.jp-mod-accept")
+        while dialog_button.count():
+            dialog_button.first.click()
+            self.page.wait_for_timeout(200)
+        for close in self.page.locator(".jp-Notification-Toast-Close, .Toastify__close-button").all():
+            try:
+                close.click(timeout=1000)
+            except Exception:  # a toast may vanish on its own between count and click
+                pass
+
+    # ----- kernel and execution ----------------------------------------------------------
+    def kernel_status(self) -> str | None:
+        """Returns the status shown in the notebook toolbar (idle, busy, starting, ...)."""
+        indicator = self.page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook-ExecutionIndicator")
+        return indicator.first.get_attribute("data-status") if indicator.count() else None
+
+    def wait_kernel_idle(self, timeout_ms: int = 60_000) -> None:
+        """Returns once the open notebook's kernel reports idle."""
+        self.page.wait_for_selector(
+            ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook-ExecutionIndicator[data-status='idle']",
+            state="attached", timeout=timeout_ms)
+
+    def menu(self, menu: str, item: str) -> None:
+        """Clicks a main-menu entry by its labels, e.g. ("Run", "Run All Cells")."""
+        self.page.locator(".lm-MenuBar-item", has_text=re.compile(rf"^{re.escape(menu)}$")).first.click()
+        label = self.page.locator(".lm-Menu-itemLabel", has_text=re.compile(rf"^{re.escape(item)}$"))
+        label.first.click()
+        self.page.locator(".lm-Menu").first.wait_for(state="hidden", timeout=5_000)
+
+    def prompts(self) -> list[str]:
+        """Returns every code cell's prompt text, in order."""
+        return self.page.evaluate(_PROMPTS_JS)
+
+    def run_all(self, timeout_ms: int = 180_000) -> None:
+        """Clears outputs, runs all cells, and waits until every code cell has run; raises with the error if one failed."""
+        self.page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook").first.click(
+            position={"x": 5, "y": 5})
+        self.menu("Edit", "Clear Outputs of All Cells")
+        self.page.wait_for_function(f"() => ({_PROMPTS_JS})().every(p => !/\\d/.test(p))")
+        for attempt in range(3):  # a click on a menu that is still closing can be lost; nothing ran then
+            self.menu("Run", "Run All Cells")
+            try:  # started: some cell is queued or has run
+                self.page.wait_for_function(f"() => ({_PROMPTS_JS})().some(p => /\\*|\\d/.test(p))",
+                                            timeout=5_000)
+                break
+            except PlaywrightTimeoutError:
+                if attempt == 2:
+                    raise
+        # Finished: nothing queued and the kernel idle.
+        self.page.wait_for_function(
+            f"""() => !({_PROMPTS_JS})().some(p => p.includes('*')) &&
+                     document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) '
+                         + '.jp-Notebook-ExecutionIndicator[data-status="idle"]') !== null""",
+            timeout=timeout_ms, polling=500)
+        not_run = [i for i, p in enumerate(self.prompts()) if not PROMPT_NUMBERED.match(p)]
+        if not_run:
+            errors = "\n---\n".join(self.page.evaluate(_ERRORS_JS))
+            raise AssertionError(f"code cells {not_run} did not run; errors shown in the notebook:\n{errors}")
+
+    # ----- widgets --------------------------------------------------------------------
+    def widget(self, css_class: str, timeout_ms: int = 60_000):
+        """Returns the locator of the first rendered widget with this CSS class, once visible."""
+        locator = self.page.locator(
+            f".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output .{css_class}").first
+        locator.wait_for(state="visible", timeout=timeout_ms)
+        locator.scroll_into_view_if_needed()
+        return locator
+
+    @staticmethod
+    def set_text(locator, value) -> None:
+        """Replaces the text of an input (or contenteditable readout) and commits it with Enter."""
+        locator.click()
+        locator.press("ControlOrMeta+a")
+        locator.press_sequentially(str(value))
+        locator.press("Enter")
+
+    def screenshot(self, name: str, locator=None) -> Path:
+        """Saves a PNG of the page (or of one element) under the artifacts folder; returns its path."""
+        path = self.artifacts_dir / f"{name}.png"
+        (locator or self.page).screenshot(path=str(path))
+        return path
