@@ -1,0 +1,78 @@
+"""Attention: the article's worked example, and the explicit path against the fused kernel."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llminfer.attention import attention, causal_mask, fast_attention, softmax
+
+# The article's "I love AI" example: one query, three keys, three values, two dimensions.
+KEYS = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])    # I, love, AI
+VALUES = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 1.0]])
+QUERY = torch.tensor([[1.0, 1.0]])                           # the query of "AI"
+
+
+def test_article_example_unscaled():
+    out, weights = attention(QUERY, KEYS, VALUES, scale=1.0)
+    scores = QUERY @ KEYS.T
+    assert scores.tolist() == [[1.0, 1.0, 2.0]]
+    # softmax of (1, 1, 2) by hand: e/(2e + e²) and e²/(2e + e²)
+    e = math.e
+    exact = [e / (2 * e + e**2), e / (2 * e + e**2), e**2 / (2 * e + e**2)]
+    assert weights[0].tolist() == pytest.approx(exact, abs=1e-7)
+    assert [round(w, 2) for w in weights[0].tolist()] == [0.21, 0.21, 0.58]
+    # the exact mix is 0.2119·[1,0] + 0.2119·[0,2] + 0.5761·[3,1] = [1.940, 1.000]
+    assert out[0].tolist() == pytest.approx([exact[0] + 3 * exact[2], 2 * exact[1] + exact[2]], abs=1e-6)
+    assert [round(x, 2) for x in out[0].tolist()] == [1.94, 1.00]
+    # the article's 1.95 comes from mixing with the *rounded* weights: 0.21 + 3 × 0.58 = 1.95
+    rounded = torch.tensor([[0.21, 0.21, 0.58]])
+    article = rounded @ VALUES
+    assert [round(x, 2) for x in article[0].tolist()] == [1.95, 1.00]
+    print(f"exact output {out[0].tolist()} vs rounded-weight mix {article[0].tolist()}")
+
+
+def test_article_example_with_standard_scale():
+    _, weights = attention(QUERY, KEYS, VALUES)           # scale 1/√2
+    assert [round(w, 2) for w in weights[0].tolist()] == [0.25, 0.25, 0.50]
+    expected = torch.softmax(torch.tensor([1.0, 1.0, 2.0]) / math.sqrt(2), dim=0)
+    torch.testing.assert_close(weights[0], expected)
+
+
+def test_softmax_is_stable_for_large_scores():
+    scores = torch.tensor([1000.0, 1000.0, 1001.0])
+    assert torch.isfinite(softmax(scores)).all()
+    torch.testing.assert_close(softmax(scores), torch.softmax(scores, dim=0))
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("t_q,t_k", [(9, 9), (1, 9), (3, 11)])
+def test_explicit_and_fused_agree(n_heads, n_kv_heads, causal, t_q, t_k):
+    gen = torch.Generator().manual_seed(n_heads * 100 + t_q * 10 + t_k)
+    q = torch.randn(2, n_heads, t_q, 16, generator=gen)
+    k = torch.randn(2, n_kv_heads, t_k, 16, generator=gen)
+    v = torch.randn(2, n_kv_heads, t_k, 16, generator=gen)
+    out, weights = attention(q, k, v, causal=causal)
+    fused = fast_attention(q, k, v, causal=causal)
+    assert (out - fused).abs().max() <= 1e-6
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, n_heads, t_q))
+    if causal:  # no weight on a future key
+        future = ~causal_mask(t_q, t_k)
+        assert weights.masked_select(future).abs().sum() == 0
+
+
+def test_causal_mask_aligns_queries_with_the_last_keys():
+    assert causal_mask(3, 3).tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert causal_mask(1, 4).tolist() == [[True, True, True, True]]
+    assert causal_mask(2, 4).tolist() == [[True, True, True, False], [True, True, True, True]]
+
+
+def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match="head_dim"):
+        attention(torch.zeros(1, 3), torch.zeros(2, 4), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        attention(torch.zeros(1, 3, 2, 4), torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4))
+    with pytest.raises(ValueError, match="same number of tokens"):
+        attention(torch.zeros(1, 4), torch.zeros(2, 4), torch.zeros(3, 4))
