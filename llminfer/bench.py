@@ -1,0 +1,282 @@
+"""`python -m llminfer.bench`: prefill and decode beside the machine's measured ceilings and beside transformers. Chapter 04.
+
+One run, one device, the same random weights for every contender:
+ceilings (copy and matvec bandwidth, matmul rate) -> prefill (tokens/s, FLOP/s, MFU)
+-> decode contenders (llminfer with and without its cache, transformers `generate` with and without its
+cache) -> a batch sweep (tokens/s, bytes per token, MBU) -> scaling of the per-token latency with context,
+set against the FLOP-count prediction. Results go to the terminal, to <out>/<device-name>.json and a PNG.
+
+Decode speed is timed per token (the gap between consecutive tokens), and its median is quoted: on a busy
+machine the median resists the stalls that other processes cause; the contenders take turns, one
+repeat each, so that each ratio compares runs made at the same moment.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import costs, timing
+from .checkpoint import load_random, resolve_device
+from .config import get_preset
+from .generate import decode_step, generate, prefill
+from . import bench_report, bench_transformers
+
+__all__ = ["Settings", "parse_args", "check_settings", "estimate_bytes", "run", "main"]
+
+MAX_BATCH = 1024
+
+
+@dataclass
+class Settings:
+    """What one benchmark run measures. Chapter 04."""
+    shape: str | None = None                  # preset name; None: smollm2-135m on CPU, llama-3.2-1b on CUDA
+    device: str | None = None                 # None: CUDA when present
+    dtype: str | None = None                  # None: float32 on CPU, bfloat16 on CUDA
+    prompt_len: int = 128
+    new_tokens: int = 64
+    recompute_new_tokens: int = 16            # uncached decoding re-runs the context: fewer tokens keep it short
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
+    contexts: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    repeats: int = 5
+    quick: bool = False
+    transformers: bool = True
+    cuda_graphs: bool = True
+    out: str = "data/benchmarks"
+    seed: int = 0
+    threads: int = field(default_factory=torch.get_num_threads)
+
+    @classmethod
+    def quick_run(cls, **changes) -> "Settings":
+        """The --quick settings: a small prompt, few tokens and contexts (well under 2 minutes on 2 cores)."""
+        base = dict(prompt_len=32, new_tokens=8, recompute_new_tokens=4, batch_sizes=(1, 4),
+                    contexts=(32, 64, 128), repeats=2, quick=True)
+        return cls(**{**base, **changes})
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,4,16") from None
+
+
+def parse_args(argv: list[str] | None = None) -> Settings:
+    """Returns the Settings given on the command line. Chapter 04."""
+    parser = argparse.ArgumentParser(prog="python -m llminfer.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short run for tests (< 2 minutes)")
+    parser.add_argument("--shape", help="preset shape, e.g. smollm2-135m, llama-3.2-1b")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--prompt-len", type=int)
+    parser.add_argument("--new-tokens", type=int)
+    parser.add_argument("--batch-sizes", type=_int_list, help="comma-separated, e.g. 1,4,16")
+    parser.add_argument("--contexts", type=_int_list, help="context lengths for scaling, e.g. 128,512,2048")
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--no-transformers", dest="transformers", action="store_false")
+    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    parser.add_argument("--out", help="folder for the JSON and PNG (default data/benchmarks)")
+    args = parser.parse_args(argv)
+    given = {name: value for name, value in vars(args).items()
+             if value is not None and name not in ("quick", "transformers", "cuda_graphs")}
+    given.update(transformers=args.transformers, cuda_graphs=args.cuda_graphs)
+    return Settings.quick_run(**given) if args.quick else Settings(**given)
+
+
+def estimate_bytes(cfg, dtype: torch.dtype, settings: Settings) -> int:
+    """Returns the peak memory the run needs: weights (twice with transformers), caches, activations."""
+    elem = timing.dtype_bytes(dtype)
+    weights = cfg.n_params() * elem * (2 if settings.transformers else 1)
+    longest = max(max(settings.contexts) + 1, settings.prompt_len + settings.new_tokens)
+    batch_tokens = max(max(b * (settings.prompt_len + settings.new_tokens) for b in settings.batch_sizes), longest)
+    kv = batch_tokens * costs.kv_bytes_per_token(cfg, elem)
+    activations = longest * (4 * cfg.dim + 3 * cfg.hidden_dim) * elem * 2
+    scores = cfg.n_heads * longest * longest * 4        # attention scores, if the kernel materialises them
+    logits = max(settings.batch_sizes) * cfg.vocab_size * 4 * 4
+    return weights + kv + activations + scores + logits
+
+
+def check_settings(settings: Settings):
+    """Returns (device, dtype, cfg) after checking every setting; raises before anything is allocated. Chapter 04."""
+    device = resolve_device(settings.device)                 # an absent device: RuntimeError
+    shape = settings.shape or ("llama-3.2-1b" if device.type == "cuda" else "smollm2-135m")
+    cfg = get_preset(shape)                                  # an unknown shape: ValueError naming the known ones
+    dtype_name = settings.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    for name in ("prompt_len", "new_tokens", "recompute_new_tokens", "repeats"):
+        value = getattr(settings, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if settings.new_tokens < 2:
+        raise ValueError(f"new_tokens={settings.new_tokens}: decoding is timed between tokens, so pass >= 2")
+    if not settings.batch_sizes or any(not isinstance(b, int) or not 1 <= b <= MAX_BATCH
+                                       for b in settings.batch_sizes):
+        raise ValueError(f"batch sizes {list(settings.batch_sizes)} are not allowed: each must be an integer "
+                         f"from 1 to {MAX_BATCH}, e.g. --batch-sizes 1,4,16")
+    if not settings.contexts or min(settings.contexts) < 1:
+        raise ValueError(f"contexts {list(settings.contexts)} must be positive lengths, e.g. --contexts 128,512")
+    longest = max(max(settings.contexts) + 1, settings.prompt_len + settings.new_tokens)
+    if longest > cfg.max_seq_len:
+        raise ValueError(f"the run needs {longest} positions but {shape} holds max_seq_len={cfg.max_seq_len}; "
+                         "pass shorter --contexts, --prompt-len or --new-tokens")
+    timing.check_fits(estimate_bytes(cfg, dtype, settings), device,
+                      f"benchmarking {shape} in {dtype_name} (weights, caches, activations"
+                      f"{', a transformers copy' if settings.transformers else ''})")
+    return device, dtype, cfg.replace(max_seq_len=max(longest, settings.prompt_len + settings.new_tokens))
+
+
+def _random_ids(cfg, batch: int, length: int, seed: int, device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (batch, length), generator=generator).to(device)
+
+
+def bench_prefill(model, cfg, ids, ceilings, settings) -> dict:
+    """Returns prefill tokens/s, FLOP/s and MFU for one prompt. Chapter 04."""
+    cache = model.new_cache(ids.shape[0], max_seq_len=ids.shape[1])
+    with torch.inference_mode():
+        result = timing.time_fn(lambda: prefill(model, ids, cache), model.device, warmup=1,
+                                repeats=max(3, settings.repeats))
+    flops = costs.prefill_flops(cfg, ids.shape[1], ids.shape[0])
+    rate = flops / result.median_s
+    return {"prompt_len": ids.shape[1], "median_s": result.median_s, "iqr_s": result.iqr_s,
+            "tokens_per_s": ids.numel() / result.median_s, "flops": flops, "flop_per_s": rate,
+            "mfu": rate / ceilings["matmul_flops"].rate}
+
+
+def _decode_figures(cfg, elem, latencies, batch, prompt_len, new_tokens, ceilings) -> dict:
+    """Returns tokens/s, bytes per step and token, and MBU from per-step latencies of a cached decode."""
+    step_s = statistics.median(latencies)
+    steps = new_tokens - 1                                # the first new token comes from the prefill
+    per_step = costs.decode_bytes(cfg, prompt_len + 1, steps, elem, batch) / steps
+    achieved = per_step / step_s
+    return {"batch_size": batch, "step_s": step_s, "tokens_per_s": batch / step_s,
+            "bytes_per_step": per_step, "bytes_per_token": per_step / batch, "bytes_per_s": achieved,
+            "mbu_matvec": achieved / ceilings["matvec_bandwidth"].rate,
+            "mbu_copy": achieved / ceilings["copy_bandwidth"].rate}
+
+
+def bench_contenders(model, cfg, ids, settings, hf_model) -> dict[str, dict]:
+    """Returns per-token decode latencies of each contender, the contenders taking turns per repeat."""
+    def llminfer_run(use_cache):
+        n = settings.new_tokens if use_cache else settings.recompute_new_tokens + 1
+        result = generate(model, ids, max_new_tokens=n, use_cache=use_cache)
+        return result.ttft_s, result.token_latencies_s, result.token_ids
+
+    runners = {"llminfer (cache)": lambda: llminfer_run(True),
+               "llminfer (no cache)": lambda: llminfer_run(False)}
+    if hf_model is not None:
+        runners["transformers (cache)"] = lambda: bench_transformers.generate_timed(
+            hf_model, ids, settings.new_tokens, use_cache=True)
+        runners["transformers (no cache)"] = lambda: bench_transformers.generate_timed(
+            hf_model, ids, settings.recompute_new_tokens + 1, use_cache=False)
+    if model.device.type == "cuda" and settings.cuda_graphs:
+        from .cuda_graphs import GraphedDecoder
+        graphed = GraphedDecoder(model, batch_size=ids.shape[0], max_seq_len=ids.shape[1] + settings.new_tokens)
+        runners["llminfer (CUDA graphs)"] = lambda: graphed.generate_timed(ids, settings.new_tokens)
+    for runner in runners.values():                        # warm-up: allocators, kernels, graph capture
+        runner()
+    found = {name: {"ttft_s": [], "latencies_s": [], "repeat_medians_s": []} for name in runners}
+    for _ in range(settings.repeats):
+        for name, runner in runners.items():
+            ttft, latencies, tokens = runner()
+            found[name]["ttft_s"].append(ttft)
+            found[name]["latencies_s"].extend(latencies)
+            found[name]["repeat_medians_s"].append(statistics.median(latencies))
+            found[name]["token_ids"] = tokens
+    for name, entry in found.items():
+        entry["new_tokens"] = len(entry["token_ids"]) if isinstance(entry["token_ids"][0], int) else None
+        entry["token_s"] = statistics.median(entry["latencies_s"])
+        entry["tokens_per_s"] = 1.0 / entry["token_s"]
+        entry["ttft_median_s"] = statistics.median(entry["ttft_s"])
+    return found
+
+
+def bench_scaling(model, cfg, settings, ceilings) -> list[dict]:
+    """Returns per-token latency with and without the cache at each context length, and the predictions."""
+    elem = timing.dtype_bytes(model.dtype)
+    rows = []
+    repeats = max(2, settings.repeats // 2)
+    for context in sorted(settings.contexts):
+        ids = _random_ids(cfg, 1, context + 1, settings.seed + context, model.device)
+        cache = model.new_cache(1, max_seq_len=context + 1)
+        with torch.inference_mode():
+            prefill(model, ids[:, :context], cache)                            # the cache holds `context` positions
+            cached = timing.time_fn(lambda: decode_step(model, ids[:, context], cache, context),
+                                    model.device, warmup=2, repeats=max(5, settings.repeats))
+            recompute = timing.time_fn(lambda: model(ids, last_only=True), model.device, warmup=1,
+                                       repeats=repeats)
+        flops_cached = costs.decode_step_flops(cfg, context)
+        flops_recompute = costs.forward_flops(cfg, context + 1, 0, logits_positions=1)
+        bytes_cached = costs.decode_step_bytes(cfg, context + 1, elem)
+        bytes_recompute = costs.weight_bytes(cfg, elem)
+        matmul, bandwidth = ceilings["matmul_flops"].rate, ceilings["matvec_bandwidth"].rate
+        roofline_cached = costs.roofline_seconds(flops_cached, bytes_cached, matmul, bandwidth)
+        roofline_recompute = costs.roofline_seconds(flops_recompute, bytes_recompute, matmul, bandwidth)
+        rows.append({"context_len": context, "cached_s": cached.median_s, "cached_iqr_s": cached.iqr_s,
+                     "recompute_s": recompute.median_s, "recompute_iqr_s": recompute.iqr_s,
+                     "speedup": recompute.median_s / cached.median_s,
+                     "flop_speedup": flops_recompute / flops_cached,
+                     "roofline_speedup": roofline_recompute / roofline_cached,
+                     "flops_cached": flops_cached, "flops_recompute": flops_recompute})
+        del cache
+    return rows
+
+
+def run(settings: Settings) -> dict:
+    """Returns the full report of one benchmark run (and writes nothing). Chapter 04."""
+    device, dtype, cfg = check_settings(settings)
+    started, load_before = time.perf_counter(), bench_report.load_average()
+    torch.manual_seed(settings.seed)
+    print(f"[bench] ceilings on {device} in {str(dtype).removeprefix('torch.')}", file=sys.stderr)
+    ceilings = timing.measure_ceilings(device, dtype, quick=settings.quick)
+    model = load_random(cfg, device=device, dtype=dtype, seed=settings.seed)
+    hf_model, hf_note = bench_transformers.load_same_weights(model) if settings.transformers else (None, "skipped")
+    ids = _random_ids(cfg, 1, settings.prompt_len, settings.seed, device)
+    print("[bench] prefill", file=sys.stderr)
+    prefill_figures = bench_prefill(model, cfg, ids, ceilings, settings)
+    print("[bench] decode contenders", file=sys.stderr)
+    contenders = bench_contenders(model, cfg, ids, settings, hf_model)
+    del hf_model
+    elem = timing.dtype_bytes(dtype)
+    decode = [_decode_figures(cfg, elem, contenders["llminfer (cache)"]["latencies_s"], 1, settings.prompt_len,
+                              settings.new_tokens, ceilings)]
+    print("[bench] batch sweep", file=sys.stderr)
+    for batch in settings.batch_sizes:
+        if batch == 1:
+            continue
+        batch_ids = _random_ids(cfg, batch, settings.prompt_len, settings.seed + batch, device)
+        latencies = []
+        for _ in range(max(2, settings.repeats // 2)):
+            latencies += generate(model, batch_ids, max_new_tokens=settings.new_tokens).token_latencies_s
+        decode.append(_decode_figures(cfg, elem, latencies, batch, settings.prompt_len, settings.new_tokens,
+                                      ceilings))
+    decode.sort(key=lambda row: row["batch_size"])
+    print("[bench] scaling with context", file=sys.stderr)
+    scaling = bench_scaling(model, cfg, settings, ceilings)
+    return bench_report.assemble(settings=settings, device=device, dtype=dtype, cfg=cfg, ceilings=ceilings,
+                                 prefill=prefill_figures, contenders=contenders, decode=decode, scaling=scaling,
+                                 hf_note=hf_note, elapsed_s=time.perf_counter() - started,
+                                 load_before=load_before)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark from the command line; bad input exits with status 2 and one clear line."""
+    try:
+        settings = parse_args(argv)
+        report = run(settings)
+    except (ValueError, RuntimeError, MemoryError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(bench_report.table(report))
+    json_path, png_path = bench_report.write(report, Path(settings.out))
+    print(f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
