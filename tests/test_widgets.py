@@ -191,9 +191,17 @@ def test_latency_widget_run_and_refusals(monkeypatch):
     assert "no CUDA GPU" in box.summary_view.value
 
 
-def test_reference_results_read_from_json(tmp_path):
-    (tmp_path / "gpu.json").write_text('{"device": "Some GPU", "context_sweep": {"context_len": [1, 2], '
-                                       '"cached_s": [0.1, 0.1], "recomputed_s": [0.1, 0.2]}}')
-    (tmp_path / "other.json").write_text('{"device": "no sweep here"}')
+def test_reference_results_read_from_bench_reports(tmp_path):
+    import json
+
+    gpu = {"schema": 1, "device_name": "some-gpu", "machine": {"gpu": "Some GPU"}, "shape": {"name": "llama-3.2-1b"},
+           "dtype": "bfloat16", "scaling": [{"context_len": 255, "cached_s": 0.002, "recompute_s": 0.004},
+                                            {"context_len": 127, "cached_s": 0.002, "recompute_s": 0.003}]}
+    cpu = {**gpu, "device_name": "cpu-x", "machine": {"cpu": "x"}}
+    (tmp_path / "some-gpu.json").write_text(json.dumps(gpu))
+    (tmp_path / "cpu-x.json").write_text(json.dumps(cpu))
+    (tmp_path / "broken.json").write_text("{not json")
     refs = latency.load_reference_results(tmp_path)
-    assert [r["name"] for r in refs] == ["Some GPU"] and refs[0]["recomputed_s"] == [0.1, 0.2]
+    assert [r["name"] for r in refs] == ["Some GPU, llama-3.2-1b, bfloat16"]
+    assert refs[0]["context_len"] == [128, 256] and refs[0]["recomputed_s"] == [0.003, 0.004]
+    assert len(latency.load_reference_results(tmp_path, gpu_only=False)) == 2

@@ -73,8 +73,9 @@ def plan_run(config, prompt_len: int, new_tokens: int, device: str, dtype: torch
         raise ValueError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds the model's "
                          f"max_seq_len={config.max_seq_len}; shorten the prompt or generate fewer tokens")
     needed = estimate_run_bytes(config, prompt_len, new_tokens, dtype)
-    timing.check_fits(needed, device, f"{config.n_params() / 1e6:,.0f}M parameters in {str(dtype).replace('torch.', '')} with a KV cache of "
-                      f"{prompt_len + new_tokens} positions")
+    dtype_name = str(dtype).replace("torch.", "")
+    timing.check_fits(needed, device, f"{config.n_params() / 1e6:,.0f}M parameters in {dtype_name} with a KV cache "
+                      f"of {prompt_len + new_tokens} positions")
     return needed
 
 
@@ -173,17 +174,29 @@ def context_sweep(model, context_lens: list[int], repeats: int = 3, progress: bo
     return {"context_len": list(context_lens), "cached_s": cached, "recomputed_s": recomputed}
 
 
-def load_reference_results(folder: Path = BENCHMARK_DIR) -> list[dict]:
-    """Reference runs saved in data/benchmarks/*.json that carry a decode-latency curve (may be empty). Chapter 04."""
+def load_reference_results(folder: Path = BENCHMARK_DIR, gpu_only: bool = True) -> list[dict]:
+    """Context-scaling curves from `python -m llminfer.bench` reports in data/benchmarks/*.json. Chapter 04.
+
+    Each is {"name", "context_len", "cached_s", "recomputed_s"}; a bench row's context_len counts the cached
+    positions, so one is added to count the new token too, as ``context_sweep`` does.
+    """
     results = []
     for path in sorted(Path(folder).glob("*.json")):
         try:
-            data = json.loads(path.read_text())
+            report = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        curve = data.get("context_sweep") if isinstance(data, dict) else None
-        if isinstance(curve, dict) and {"context_len", "cached_s", "recomputed_s"} <= set(curve):
-            results.append({"name": data.get("device", path.stem), **curve})
+        if not isinstance(report, dict) or report.get("schema") != 1 or not report.get("scaling"):
+            continue
+        gpu = (report.get("machine") or {}).get("gpu")
+        if gpu_only and not gpu:
+            continue
+        rows = sorted(report["scaling"], key=lambda row: row["context_len"])
+        shape = (report.get("shape") or {}).get("name", "?")
+        results.append({"name": f"{gpu or report.get('device_name', path.stem)}, {shape}, {report.get('dtype', '?')}",
+                        "context_len": [row["context_len"] + 1 for row in rows],
+                        "cached_s": [row["cached_s"] for row in rows],
+                        "recomputed_s": [row["recompute_s"] for row in rows]})
     return results
 
 
