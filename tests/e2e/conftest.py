@@ -254,7 +254,7 @@ def _guard_network(context, blocked: list[str]) -> None:
 @pytest.fixture
 def lab(request, browser, jupyter_server, artifacts_dir):
     """A fresh browser page on the test server, wrapped in the Lab driver; shuts its kernels down afterwards."""
-    context = browser.new_context(viewport={"width": 1400, "height": 1000}, service_workers="block")
+    context = browser.new_context(viewport={"width": 1400, "height": 1500}, service_workers="block")
     page = context.new_page()
     page.set_default_timeout(30_000)
     driver = Lab(page, jupyter_server["base_url"], jupyter_server["token"], artifacts_dir)

@@ -123,13 +123,19 @@ class Lab:
             raise AssertionError(f"code cells {not_run} did not run; errors shown in the notebook:\n{errors}")
 
     # ----- widgets --------------------------------------------------------------------
-    def widget(self, css_class: str, timeout_ms: int = 60_000):
-        """Returns the locator of the first rendered widget with this CSS class, once visible."""
+    def widget(self, css_class: str, timeout_ms: int = 60_000, state: str = "visible"):
+        """Returns the locator of the first rendered widget with this CSS class, once visible (or in `state`)."""
         locator = self.page.locator(
             f".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output .{css_class}").first
-        locator.wait_for(state="visible", timeout=timeout_ms)
-        locator.scroll_into_view_if_needed()
+        locator.wait_for(state=state, timeout=timeout_ms)
+        if state == "visible":
+            locator.scroll_into_view_if_needed()
         return locator
+
+    @staticmethod
+    def output_of(locator):
+        """Returns the output area (the whole rendered widget) that holds locator."""
+        return locator.locator("xpath=ancestor::div[contains(concat(' ', @class, ' '), ' jp-OutputArea-output ')][1]")
 
     @staticmethod
     def set_text(locator, value) -> None:
