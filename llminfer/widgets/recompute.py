@@ -20,6 +20,7 @@ CSS classes for browser tests: ``llminfer-recompute-step`` (the step slider),
 from __future__ import annotations
 
 import html
+import io
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -148,13 +149,15 @@ class RecomputeState:
     counts_text: str
 
 
-def count_generation(model, input_ids: list[int], max_new_tokens: int, use_cache: bool):
+def count_generation(model, input_ids: list[int], max_new_tokens: int, use_cache: bool,
+                     eos_token_id: int | None = None):
     """(per-forward K/V counts, generated token ids) of one greedy generation. Chapter 03."""
     import llminfer
     from llminfer import instrument
 
     with instrument.count_kv(model) as counts:
-        result = llminfer.generate(model, input_ids, max_new_tokens=max_new_tokens, use_cache=use_cache)
+        result = llminfer.generate(model, input_ids, max_new_tokens=max_new_tokens, use_cache=use_cache,
+                                   eos_token_id=eos_token_id)
     return list(counts.per_forward), list(result.token_ids)
 
 
@@ -177,7 +180,7 @@ def build_recompute_widget(per_forward_uncached: list[int], per_forward_cached: 
     grid_view.add_class("llminfer-recompute-grid")
     counts_view = widgets.HTML()
     counts_view.add_class("llminfer-recompute-counts")
-    plot_view = widgets.Output()
+    plot_view = widgets.Image(format="png")  # a PNG rather than an Output widget: it renders without a kernel
     box = widgets.VBox([widgets.HBox([step_slider, cache_toggle]), counts_view, grid_view, plot_view])
 
     def refresh(_change=None):
@@ -188,12 +191,12 @@ def build_recompute_widget(per_forward_uncached: list[int], per_forward_cached: 
         counts_view.value = box.state.counts_text
         grid_view.value = grid_html(grid, token_labels, step)
         cache_toggle.description = "KV cache on" if use_cache else "KV cache off"
-        plot_view.clear_output(wait=True)
-        with plot_view:
-            fig, ax = plt.subplots(figsize=(5, 3))
-            plot_cumulative(ax, per_forward_uncached, per_forward_cached, step)
-            plt.show()
-            plt.close(fig)
+        fig, ax = plt.subplots(figsize=(5, 3))
+        plot_cumulative(ax, per_forward_uncached, per_forward_cached, step)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=80, bbox_inches="tight")
+        plt.close(fig)
+        plot_view.value = png.getvalue()
 
     step_slider.observe(refresh, names="value")
     cache_toggle.observe(refresh, names="value")
@@ -202,11 +205,12 @@ def build_recompute_widget(per_forward_uncached: list[int], per_forward_cached: 
     return box
 
 
-def recompute_widget(model, tokenizer, prompt: str = "The capital of France is", max_new_tokens: int = 8):
+def recompute_widget(model, tokenizer, prompt: str = "The capital of France is", max_new_tokens: int = 8,
+                     eos_token_id: int | None = None):
     """Run the model with and without the cache under count_kv and return the widget. Chapter 03."""
     input_ids = tokenizer.encode(prompt)
-    uncached, tokens_uncached = count_generation(model, input_ids, max_new_tokens, use_cache=False)
-    cached, tokens_cached = count_generation(model, input_ids, max_new_tokens, use_cache=True)
+    uncached, tokens_uncached = count_generation(model, input_ids, max_new_tokens, False, eos_token_id)
+    cached, tokens_cached = count_generation(model, input_ids, max_new_tokens, True, eos_token_id)
     if tokens_uncached != tokens_cached:
         raise RuntimeError(f"cached and uncached generation differ: {tokens_cached} vs {tokens_uncached}")
     labels = tokenizer.tokens(input_ids + tokens_cached)
