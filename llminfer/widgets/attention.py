@@ -146,23 +146,26 @@ def attention_widget(query=EXAMPLE_QUERY, keys=EXAMPLE_KEYS, values=EXAMPLE_VALU
         raise ValueError(f"the widget edits two-dimensional queries; got d={len(first.query)}")
 
     query_inputs = [_bounded_input(x, f"q[{j}]", f"llminfer-attn-q{j}") for j, x in enumerate(first.query)]
-    key_inputs = [[_bounded_input(x, f"{token}[{j}]", f"llminfer-attn-k{i}-{j}") for j, x in enumerate(key)]
-                  for i, (token, key) in enumerate(zip(first.tokens, first.keys))]
+    key_inputs = [[_bounded_input(x, f"[{j}]", f"llminfer-attn-k{i}-{j}") for j, x in enumerate(key)]
+                  for i, key in enumerate(first.keys)]
     scaled_box = widgets.Checkbox(value=scaled, description="scale scores by 1/√d", indent=False)
     scaled_box.add_class("llminfer-attn-scaled")
     scores_html, weights_html, output_html = widgets.HTML(), widgets.HTML(), widgets.HTML()
     for html_widget, name in ((scores_html, "scores"), (weights_html, "weights"), (output_html, "output")):
         html_widget.add_class(f"llminfer-attn-{name}")
-    chart = widgets.Image(format="png")
+    chart = widgets.Image(format="png", layout=widgets.Layout(width="400px"))
     chart.add_class("llminfer-attn-chart")
 
-    query_row = widgets.HBox([widgets.Label("query"), *query_inputs])
-    query_row.add_class("llminfer-attn-query")
-    key_rows = widgets.VBox([widgets.HBox([widgets.Label("keys"), *row]) for row in key_inputs])
-    key_rows.add_class("llminfer-attn-keys")
+    def label(text, width="90px"):
+        return widgets.Label(text, layout=widgets.Layout(width=width))
 
-    def label(text):
-        return widgets.Label(text, layout=widgets.Layout(width="70px"))
+    query_row = widgets.HBox([label("query"), *query_inputs])
+    query_row.add_class("llminfer-attn-query")
+    key_rows = widgets.VBox([
+        widgets.HBox([label(f"key of {token}"), *row, label(f"value {format_vector(value, 0)}", "120px")])
+        for token, row, value in zip(first.tokens, key_inputs, first.values)
+    ])
+    key_rows.add_class("llminfer-attn-keys")
 
     readout = widgets.VBox([
         widgets.HBox([label("scores"), scores_html]),
