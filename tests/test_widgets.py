@@ -180,6 +180,7 @@ def test_latency_widget_run_and_refusals(monkeypatch):
     assert "TTFT" in box.summary_view.value and "llminfer-latency-run" in box.run_button._dom_classes
 
     box.model_pick.value = "llama-3-70b"  # 70 B parameters in float32 cannot fit in this machine's memory
+    assert box.prompt_len.max == 1024     # on a CPU the prompt slider stops at 1024 tokens
     box.run_button.click()
     assert box.state.runs is None and "needs" in box.state.message and "GiB" in box.state.message
 

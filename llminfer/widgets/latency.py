@@ -284,7 +284,9 @@ def build_latency_widget(shapes: dict | None = None, default: str = "smollm2-135
     def bound_sliders(_change=None):
         limit = shapes[model_pick.value].max_seq_len
         new_tokens.max = min(256, limit - 1)
-        prompt_len.max = min(4096, limit - new_tokens.value)  # prompt + new tokens never exceed max_seq_len
+        # prompt + new tokens never exceed max_seq_len; a CPU recomputing 1024 tokens per step is slow enough
+        longest = 4096 if device_pick.value == "cuda" else 1024
+        prompt_len.max = min(longest, limit - new_tokens.value)
 
     def run(_button=None):
         name, device = model_pick.value, device_pick.value
@@ -317,8 +319,8 @@ def build_latency_widget(shapes: dict | None = None, default: str = "smollm2-135
             plt.show()
             plt.close(fig)
 
-    model_pick.observe(bound_sliders, names="value")
-    new_tokens.observe(bound_sliders, names="value")
+    for control in (model_pick, new_tokens, device_pick):
+        control.observe(bound_sliders, names="value")
     run_button.on_click(run)
     bound_sliders()
     box.model_pick, box.prompt_len, box.new_tokens, box.device_pick = model_pick, prompt_len, new_tokens, device_pick
