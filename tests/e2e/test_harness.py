@@ -44,8 +44,9 @@ def test_slider_updates_html_through_the_kernel(lab, scratch_notebook):
     lab.screenshot("harness-slider")
 
 
-def test_requests_leave_only_for_localhost(lab, scratch_notebook):
-    lab.open(scratch_notebook)
+def test_requests_leave_only_for_localhost(lab, jupyter_server):
+    lab.page.goto(f"{jupyter_server['base_url']}/lab?reset&token={jupyter_server['token']}")
+    lab.page.locator(".jp-LabShell").wait_for(state="visible")
     outcome = lab.page.evaluate(
         "() => fetch('http://192.0.2.1/probe').then(() => 'reached', () => 'refused')")
     assert outcome == "refused"
