@@ -129,6 +129,9 @@ def load_countries(path: Path = COUNTRIES_CSV) -> list[dict[str, str]]:
     with open(path, encoding="utf-8", newline="") as f:
         rows = list(csv.DictReader(f))
     for row in rows:
+        if None in row:
+            raise ValueError(f"countries.csv row {row!r} has more fields than the header; "
+                             "put double quotes around a value that contains a comma")
         if not row["name_in_sentence"] or not row["capital"]:
             raise ValueError(f"countries.csv row {row!r} has an empty name or capital; fill it in")
     return rows
