@@ -23,9 +23,13 @@ _HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "*.safe
 
 
 def _models_dir() -> Path:
-    """Where the bundled models live: $LLMINFER_MODELS, else data/models beside the package in a clone."""
+    """Where the bundled models live: $LLMINFER_MODELS, else data/models in a clone, else llminfer/models in a wheel."""
     env = os.environ.get("LLMINFER_MODELS")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "data" / "models"
+    if env:
+        return Path(env)
+    package = Path(__file__).resolve().parent
+    in_clone = package.parent / "data" / "models"
+    return in_clone if in_clone.is_dir() else package / "models"
 
 
 def bundled_models() -> list[str]:
