@@ -126,6 +126,13 @@ def plot_grid(ax, grid: list[list[str]], token_labels: list[str], title: str = "
     ax.set_title(title)
 
 
+def legend_handles() -> list:
+    """Coloured patches naming the three kinds of cell, for a figure legend. Chapter 03."""
+    from matplotlib.patches import Patch
+
+    return [Patch(color=COLOURS[kind], label=LABELS[kind]) for kind in (NEW, RECOMPUTED, CACHED)]
+
+
 def plot_cumulative(ax, per_forward_uncached: list[int], per_forward_cached: list[int], step: int | None = None):
     """Cumulative K/V positions computed per forward call, both strategies on one axis. Chapter 03."""
     for counts, name, colour in ((per_forward_uncached, "without cache", COLOURS[RECOMPUTED]),
