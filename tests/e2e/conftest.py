@@ -67,11 +67,14 @@ def _copy_handbook(dest: Path) -> Path:
     return chapters
 
 
-def _write_lab_config(config_dir: Path) -> None:
-    """Writes the page config that switches off the news pop-up and the extension manager."""
+def _write_lab_config(config_dir: Path, settings_dir: Path) -> None:
+    """Switches off the news pop-up and the extension manager, and keeps every cell in the page (no windowing)."""
     labconfig = config_dir / "labconfig"
     labconfig.mkdir(parents=True, exist_ok=True)
     (labconfig / "page_config.json").write_text(json.dumps({"disabledExtensions": DISABLED_LAB_PLUGINS}))
+    notebook_settings = settings_dir / "@jupyterlab" / "notebook-extension"
+    notebook_settings.mkdir(parents=True, exist_ok=True)
+    (notebook_settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
 
 
 def _wait_for_status(base_url: str, token: str, proc: subprocess.Popen, log_path: Path) -> None:
@@ -182,7 +185,7 @@ def jupyter_server(tmp_path_factory, lab_root, artifacts_dir):
         PYTHONUNBUFFERED="1",
     )
     env.pop("JUPYTER_PATH", None)
-    _write_lab_config(home / "config")
+    _write_lab_config(home / "config", home / "lab-settings")
     token = secrets.token_hex(24)
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"

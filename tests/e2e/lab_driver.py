@@ -18,11 +18,10 @@ _PROMPTS_JS = """
        .map(el => el.textContent.trim())
 """
 
-# Collects the text of error outputs (tracebacks) in the open notebook.
-_ERRORS_JS = """
-() => Array.from(document.querySelectorAll(
-        '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'))
-       .map(el => el.innerText).filter(t => /Error|Traceback|Exception/.test(t))
+# The output text of every code cell in the open notebook, in order (for error messages).
+_OUTPUTS_JS = """
+() => Array.from(document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-CodeCell'))
+       .map(cell => { const out = cell.querySelector('.jp-OutputArea'); return out ? out.innerText : ''; })
 """
 
 
@@ -117,10 +116,14 @@ class Lab:
                      document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) '
                          + '.jp-Notebook-ExecutionIndicator[data-status="idle"]') !== null""",
             timeout=timeout_ms, polling=500)
-        not_run = [i for i, p in enumerate(self.prompts()) if not PROMPT_NUMBERED.match(p)]
+        prompts = self.prompts()
+        not_run = [i for i, p in enumerate(prompts) if not PROMPT_NUMBERED.match(p)]
         if not_run:
-            errors = "\n---\n".join(self.page.evaluate(_ERRORS_JS))
-            raise AssertionError(f"code cells {not_run} did not run; errors shown in the notebook:\n{errors}")
+            ran = [i for i, p in enumerate(prompts) if PROMPT_NUMBERED.match(p)]
+            last = ran[-1] if ran else 0
+            output = self.page.evaluate(_OUTPUTS_JS)[last][-4000:]
+            raise AssertionError(f"code cells {not_run} (counting code cells from 0) did not run; "
+                                 f"the output of code cell {last}, the last that ran:\n{output}")
 
     # ----- widgets --------------------------------------------------------------------
     def widget(self, css_class: str, timeout_ms: int = 60_000, state: str = "visible"):
