@@ -29,7 +29,7 @@ BENCHMARK_DIR = Path(__file__).resolve().parents[2] / "data" / "benchmarks"
 
 @dataclass
 class LatencyRun:
-    """Step times of one generation: steps_s[0] is the prefill, steps_s[i] decodes at context prompt_len + i. Chapter 04."""
+    """Step times of one generation: [0] the prefill, [i] the decode at context prompt_len + i. Chapter 04."""
 
     use_cache: bool
     prompt_len: int
@@ -63,7 +63,7 @@ def estimate_run_bytes(config, prompt_len: int, new_tokens: int, dtype: torch.dt
 
 
 def plan_run(config, prompt_len: int, new_tokens: int, device: str, dtype: torch.dtype) -> int:
-    """The run's memory estimate in bytes; raises ValueError, RuntimeError or MemoryError saying what to change. Chapter 04."""
+    """The run's memory estimate in bytes; raises ValueError, RuntimeError or MemoryError saying the fix. Chapter 04."""
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device {device!r} was chosen but this machine has no CUDA GPU "
                            f"(torch {torch.__version__}); choose 'cpu'")
@@ -258,7 +258,7 @@ def default_shapes() -> dict:
 
 
 def build_latency_widget(shapes: dict | None = None, default: str = "smollm2-135m", repeats: int = 1):
-    """A VBox: prompt length, new tokens, model shape, device and a Run button; curves, TTFT, TPOT, speedup. Chapter 04."""
+    """A VBox: prompt, new tokens, model shape, device, Run; latency curves, TTFT, TPOT, speedup. Chapter 04."""
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
 

@@ -208,7 +208,8 @@ def build_recompute_widget(per_forward_uncached: list[int], per_forward_cached: 
     step_slider.observe(refresh, names="value")
     cache_toggle.observe(refresh, names="value")
     refresh()
-    box.step_slider, box.cache_toggle, box.counts_view, box.grid_view = step_slider, cache_toggle, counts_view, grid_view
+    box.step_slider, box.cache_toggle = step_slider, cache_toggle
+    box.counts_view, box.grid_view, box.plot_view = counts_view, grid_view, plot_view
     return box
 
 
