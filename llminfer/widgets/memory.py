@@ -43,7 +43,7 @@ class MemoryEstimate:
 
 def memory_estimate(config, context_len: int, batch_size: int = 1,
                     dtype: torch.dtype = torch.float16) -> MemoryEstimate:
-    """Weights and KV cache bytes of ``config`` holding ``context_len`` tokens of ``batch_size`` sequences. Chapter 04."""
+    """Weights and KV cache bytes of ``config`` holding ``context_len`` tokens per sequence. Chapter 04."""
     import llminfer
 
     if context_len < 1 or batch_size < 1:
