@@ -183,6 +183,7 @@ def jupyter_server(tmp_path_factory, lab_root, artifacts_dir):
         MPLCONFIGDIR=str(home / "matplotlib"),
         JUPYTER_PLATFORM_DIRS="1",
         PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",  # kernels inherit this: nothing in the chapters under test may reach the hub
     )
     env.pop("JUPYTER_PATH", None)
     _write_lab_config(home / "config", home / "lab-settings")
