@@ -91,7 +91,7 @@ def closed_form_totals(prompt_len: int, n_forwards: int) -> tuple[int, int]:
 
 def grid_html(grid: list[list[str]], token_labels: list[str], step: int) -> str:
     """An HTML table of the grid up to forward call ``step``, one coloured cell per position. Chapter 03."""
-    head = "".join(f"<th style='padding:0 4px'>{'prefill' if s == 0 else f'decode {s}'}</th>"
+    head = "".join(f"<th style='padding:0 4px;white-space:nowrap'>{'prefill' if s == 0 else f'decode {s}'}</th>"
                    for s in range(len(grid[0])))
     rows = []
     for pos, row in enumerate(grid):
