@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import llminfer
-from conftest import SMALL_CONFIGS, random_model, word_tokenizer
+from small_models import SMALL_CONFIGS, random_model, word_tokenizer
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 import llminfer
-from conftest import SMALL_CONFIGS, random_model
+from small_models import SMALL_CONFIGS, random_model
 
 PROMPT_LENGTHS = [1, 2, 5, 17, 64, 129, 200, 255]
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import llminfer
-from conftest import SMALL_CONFIGS, random_model
+from small_models import SMALL_CONFIGS, random_model
 from llminfer import instrument
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import llminfer
-from conftest import SMALL_CONFIGS, random_model
+from small_models import SMALL_CONFIGS, random_model
 
 
 def test_llama3_8b_needs_128_kib_per_token_in_fp16():

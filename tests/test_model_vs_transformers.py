@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import llminfer
-from conftest import SMALL_CONFIGS, random_model
+from small_models import SMALL_CONFIGS, random_model
 
 HF_CLASSES = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}
 TOLERANCE = 1e-4
