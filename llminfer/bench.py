@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     return Settings.quick_run(**given) if args.quick else Settings(**given)
 
 
-def estimate_bytes(cfg, dtype: torch.dtype, settings: Settings) -> int:
+def estimate_bytes(cfg, dtype: torch.dtype, settings: Settings, device=torch.device("cpu")) -> int:
     """Returns the peak memory the run needs: weights (twice with transformers), caches, activations."""
     elem = timing.dtype_bytes(dtype)
     weights = cfg.n_params() * elem * (2 if settings.transformers else 1)
@@ -99,7 +99,8 @@ def estimate_bytes(cfg, dtype: torch.dtype, settings: Settings) -> int:
     activations = longest * (4 * cfg.dim + 3 * cfg.hidden_dim) * elem * 2
     scores = cfg.n_heads * longest * longest * 4        # attention scores, if the kernel materialises them
     logits = max(settings.batch_sizes) * cfg.vocab_size * 4 * 4
-    return weights + kv + activations + scores + logits
+    probes = 3 * 2 * ((1 << 30) if device.type == "cuda" else (256 << 20))   # copy (2 buffers) and matvec
+    return weights + kv + activations + scores + logits + probes
 
 
 def check_settings(settings: Settings):
@@ -125,7 +126,7 @@ def check_settings(settings: Settings):
     if longest > cfg.max_seq_len:
         raise ValueError(f"the run needs {longest} positions but {shape} holds max_seq_len={cfg.max_seq_len}; "
                          "pass shorter --contexts, --prompt-len or --new-tokens")
-    timing.check_fits(estimate_bytes(cfg, dtype, settings), device,
+    timing.check_fits(estimate_bytes(cfg, dtype, settings, device), device,
                       f"benchmarking {shape} in {dtype_name} (weights, caches, activations"
                       f"{', a transformers copy' if settings.transformers else ''})")
     return device, dtype, cfg.replace(max_seq_len=max(longest, settings.prompt_len + settings.new_tokens))
@@ -136,17 +137,19 @@ def _random_ids(cfg, batch: int, length: int, seed: int, device) -> torch.Tensor
     return torch.randint(0, cfg.vocab_size, (batch, length), generator=generator).to(device)
 
 
-def bench_prefill(model, cfg, ids, ceilings, settings) -> dict:
-    """Returns prefill tokens/s, FLOP/s and MFU for one prompt. Chapter 04."""
+def bench_prefill(model, cfg, ids, probes, settings) -> dict:
+    """Returns prefill time, tokens/s and FLOP/s for one prompt, sampling the matmul probe in between. Chapter 04."""
     cache = model.new_cache(ids.shape[0], max_seq_len=ids.shape[1])
+    times = []
     with torch.inference_mode():
-        result = timing.time_fn(lambda: prefill(model, ids, cache), model.device, warmup=1,
-                                repeats=max(3, settings.repeats))
+        prefill(model, ids, cache)                                           # warm-up
+        for _ in range(max(3, settings.repeats)):
+            times += timing.time_fn(lambda: prefill(model, ids, cache), model.device, 0, 1).times_s
+            probes["matmul_flops"].sample()
+    result = timing.TimingResult.from_times(times)
     flops = costs.prefill_flops(cfg, ids.shape[1], ids.shape[0])
-    rate = flops / result.median_s
     return {"prompt_len": ids.shape[1], "median_s": result.median_s, "iqr_s": result.iqr_s,
-            "tokens_per_s": ids.numel() / result.median_s, "flops": flops, "flop_per_s": rate,
-            "mfu": rate / ceilings["matmul_flops"].rate}
+            "tokens_per_s": ids.numel() / result.median_s, "flops": flops, "flop_per_s": flops / result.median_s}
 
 
 def _decode_figures(cfg, elem, latencies, batch, prompt_len, new_tokens, ceilings) -> dict:
@@ -161,7 +164,7 @@ def _decode_figures(cfg, elem, latencies, batch, prompt_len, new_tokens, ceiling
             "mbu_copy": achieved / ceilings["copy_bandwidth"].rate}
 
 
-def bench_contenders(model, cfg, ids, settings, hf_model) -> dict[str, dict]:
+def bench_contenders(model, cfg, ids, settings, hf_model, probes) -> dict[str, dict]:
     """Returns per-token decode latencies of each contender, the contenders taking turns per repeat."""
     def llminfer_run(use_cache):
         n = settings.new_tokens if use_cache else settings.recompute_new_tokens + 1
@@ -189,6 +192,8 @@ def bench_contenders(model, cfg, ids, settings, hf_model) -> dict[str, dict]:
             found[name]["latencies_s"].extend(latencies)
             found[name]["repeat_medians_s"].append(statistics.median(latencies))
             found[name]["token_ids"] = tokens
+        probes["matvec_bandwidth"].sample(2)              # the ceilings, under the same load as this round
+        probes["copy_bandwidth"].sample()
     for name, entry in found.items():
         entry["new_tokens"] = len(entry["token_ids"]) if isinstance(entry["token_ids"][0], int) else None
         entry["token_s"] = statistics.median(entry["latencies_s"])
@@ -197,8 +202,8 @@ def bench_contenders(model, cfg, ids, settings, hf_model) -> dict[str, dict]:
     return found
 
 
-def bench_scaling(model, cfg, settings, ceilings) -> list[dict]:
-    """Returns per-token latency with and without the cache at each context length, and the predictions."""
+def bench_scaling(model, cfg, settings, probes) -> list[dict]:
+    """Returns per-token latency with and without the cache at each context length, and the FLOP prediction."""
     elem = timing.dtype_bytes(model.dtype)
     rows = []
     repeats = max(2, settings.repeats // 2)
@@ -211,21 +216,28 @@ def bench_scaling(model, cfg, settings, ceilings) -> list[dict]:
                                     model.device, warmup=2, repeats=max(5, settings.repeats))
             recompute = timing.time_fn(lambda: model(ids, last_only=True), model.device, warmup=1,
                                        repeats=repeats)
+        probes["matvec_bandwidth"].sample()
+        probes["matmul_flops"].sample()
         flops_cached = costs.decode_step_flops(cfg, context)
         flops_recompute = costs.forward_flops(cfg, context + 1, 0, logits_positions=1)
-        bytes_cached = costs.decode_step_bytes(cfg, context + 1, elem)
-        bytes_recompute = costs.weight_bytes(cfg, elem)
-        matmul, bandwidth = ceilings["matmul_flops"].rate, ceilings["matvec_bandwidth"].rate
-        roofline_cached = costs.roofline_seconds(flops_cached, bytes_cached, matmul, bandwidth)
-        roofline_recompute = costs.roofline_seconds(flops_recompute, bytes_recompute, matmul, bandwidth)
         rows.append({"context_len": context, "cached_s": cached.median_s, "cached_iqr_s": cached.iqr_s,
                      "recompute_s": recompute.median_s, "recompute_iqr_s": recompute.iqr_s,
                      "speedup": recompute.median_s / cached.median_s,
                      "flop_speedup": flops_recompute / flops_cached,
-                     "roofline_speedup": roofline_recompute / roofline_cached,
-                     "flops_cached": flops_cached, "flops_recompute": flops_recompute})
+                     "flops_cached": flops_cached, "flops_recompute": flops_recompute,
+                     "bytes_cached": costs.decode_step_bytes(cfg, context + 1, elem),
+                     "bytes_recompute": costs.weight_bytes(cfg, elem)})
         del cache
     return rows
+
+
+def add_roofline(rows: list[dict], ceilings) -> None:
+    """Adds the speedup the roofline predicts (each step at the slower of its two limits) to scaling rows."""
+    matmul, bandwidth = ceilings["matmul_flops"].rate, ceilings["matvec_bandwidth"].rate
+    for row in rows:
+        cached = costs.roofline_seconds(row["flops_cached"], row["bytes_cached"], matmul, bandwidth)
+        recompute = costs.roofline_seconds(row["flops_recompute"], row["bytes_recompute"], matmul, bandwidth)
+        row["roofline_speedup"] = recompute / cached
 
 
 def run(settings: Settings) -> dict:
@@ -243,31 +255,33 @@ def _measure(settings: Settings, device, dtype, cfg) -> dict:
     started, load_before = time.perf_counter(), bench_report.load_average()
     torch.manual_seed(settings.seed)
     print(f"[bench] ceilings on {device} in {str(dtype).removeprefix('torch.')}", file=sys.stderr)
-    ceilings = timing.measure_ceilings(device, dtype, quick=settings.quick)
+    probes = timing.ceiling_probes(device, dtype, quick=settings.quick)
+    for probe in probes.values():
+        probe.sample(2 if settings.quick else 3)
     model = load_random(cfg, device=device, dtype=dtype, seed=settings.seed)
     hf_model, hf_note = bench_transformers.load_same_weights(model) if settings.transformers else (None, "skipped")
     ids = _random_ids(cfg, 1, settings.prompt_len, settings.seed, device)
     print("[bench] prefill", file=sys.stderr)
-    prefill_figures = bench_prefill(model, cfg, ids, ceilings, settings)
+    prefill_figures = bench_prefill(model, cfg, ids, probes, settings)
     print("[bench] decode contenders", file=sys.stderr)
-    contenders = bench_contenders(model, cfg, ids, settings, hf_model)
+    contenders = bench_contenders(model, cfg, ids, settings, hf_model, probes)
     del hf_model
-    elem = timing.dtype_bytes(dtype)
-    decode = [_decode_figures(cfg, elem, contenders["llminfer (cache)"]["latencies_s"], 1, settings.prompt_len,
-                              settings.new_tokens, ceilings)]
+    latencies = {1: contenders["llminfer (cache)"]["latencies_s"]}
     print("[bench] batch sweep", file=sys.stderr)
-    for batch in settings.batch_sizes:
-        if batch == 1:
-            continue
+    for batch in sorted(set(settings.batch_sizes) - {1}):
         batch_ids = _random_ids(cfg, batch, settings.prompt_len, settings.seed + batch, device)
-        latencies = []
+        latencies[batch] = []
         for _ in range(max(2, settings.repeats // 2)):
-            latencies += generate(model, batch_ids, max_new_tokens=settings.new_tokens).token_latencies_s
-        decode.append(_decode_figures(cfg, elem, latencies, batch, settings.prompt_len, settings.new_tokens,
-                                      ceilings))
-    decode.sort(key=lambda row: row["batch_size"])
+            latencies[batch] += generate(model, batch_ids, max_new_tokens=settings.new_tokens).token_latencies_s
+            probes["matvec_bandwidth"].sample()
     print("[bench] scaling with context", file=sys.stderr)
-    scaling = bench_scaling(model, cfg, settings, ceilings)
+    scaling = bench_scaling(model, cfg, settings, probes)
+    ceilings = {name: probe.ceiling() for name, probe in probes.items()}      # medians of every sample
+    prefill_figures["mfu"] = prefill_figures["flop_per_s"] / ceilings["matmul_flops"].rate
+    elem = timing.dtype_bytes(dtype)
+    decode = [_decode_figures(cfg, elem, latencies[batch], batch, settings.prompt_len, settings.new_tokens,
+                              ceilings) for batch in sorted(latencies)]
+    add_roofline(scaling, ceilings)
     return bench_report.assemble(settings=settings, device=device, dtype=dtype, cfg=cfg, ceilings=ceilings,
                                  prefill=prefill_figures, contenders=contenders, decode=decode, scaling=scaling,
                                  hf_note=hf_note, elapsed_s=time.perf_counter() - started,

@@ -57,7 +57,7 @@ def machine(device: torch.device) -> dict:
     except ImportError:
         transformers_version = None
     info = {"cpu": _cpu_model(), "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "memory_gib": round(timing.free_memory_bytes("cpu") / 2**30, 1), "platform": platform.platform(),
+            "memory_available_gib": round(timing.free_memory_bytes("cpu") / 2**30, 1), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers_version,
             "llminfer": __version__, "device": str(device)}
     if device.type == "cuda":

@@ -6,6 +6,8 @@
     measure_matvec_bandwidth(device, dtype)      -> Ceiling (matrix bytes per second of a matvec)
     measure_matmul_flops(device, dtype)          -> Ceiling (FLOP/s of a square matmul)
     measure_ceilings(device, dtype)              -> dict of the three
+    ceiling_probes(device, dtype)                -> dict of CeilingProbe: .sample() between other
+                                                    measurements, .ceiling() at the end
 
 Each call of `fn` is timed on its own after `warmup` untimed calls: on CUDA
 between two CUDA events recorded on the current stream, elsewhere with
@@ -30,7 +32,8 @@ from torch.utils.benchmark.utils.timer import timer as _benchmark_clock
 
 __all__ = ["TimingResult", "Ceiling", "synchronize", "time_fn", "free_memory_bytes",
            "check_fits", "measure_copy_bandwidth", "measure_matvec_bandwidth",
-           "measure_matmul_flops", "measure_ceilings", "measure_bandwidth", "dtype_bytes"]
+           "measure_matmul_flops", "measure_ceilings", "measure_bandwidth", "dtype_bytes",
+           "CeilingProbe", "ceiling_probes", "copy_probe", "matvec_probe", "matmul_probe"]
 
 
 @dataclass
@@ -140,65 +143,103 @@ def _default_bytes(device: torch.device) -> int:
     return (1 << 30) if device.type == "cuda" else (256 << 20)
 
 
-def measure_copy_bandwidth(device, dtype=torch.float32, nbytes: int | None = None,
-                           repeats: int = 7) -> Ceiling:
-    """Returns the rate of a large device-to-device copy, counting bytes read plus written. Chapter 04."""
+class CeilingProbe:
+    """A kernel that stresses one resource, sampled again and again during a run. Chapter 04.
+
+    On a shared machine the rate it reaches changes with the load; sampling the probe between the
+    measurements it is compared with (`sample()`), and taking the median of all samples, sets speed
+    and ceiling side by side under the same conditions.
+    """
+
+    def __init__(self, fn: Callable[[], object], work: float, what: str, device):
+        self.fn, self.work, self.what, self.device = fn, work, what, _device(device)
+        self.times_s: list[float] = []
+        fn()                                              # first call: allocation, kernel selection
+
+    def sample(self, repeats: int = 1) -> None:
+        """Times `repeats` more calls and keeps them."""
+        self.times_s += time_fn(self.fn, self.device, warmup=0, repeats=repeats).times_s
+
+    def ceiling(self) -> Ceiling:
+        """Returns the rate at the median of every sample so far."""
+        timing = TimingResult.from_times(self.times_s)
+        return Ceiling(self.work / timing.median_s, timing, self.work, self.what)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def copy_probe(device, dtype=torch.float32, nbytes: int | None = None) -> CeilingProbe:
+    """Returns a probe copying nbytes (default 512 MiB on CPU, 2 GiB on CUDA) device to device. Chapter 04."""
     device = _device(device)
-    nbytes = nbytes or 2 * _default_bytes(device)
-    numel = max(1, nbytes // dtype_bytes(dtype))
+    numel = max(1, (nbytes or 2 * _default_bytes(device)) // dtype_bytes(dtype))
     check_fits(2 * numel * dtype_bytes(dtype), device, "the copy-bandwidth test")
     source = torch.ones(numel, dtype=dtype, device=device)
     target = torch.empty_like(source)
-    timing = time_fn(lambda: target.copy_(source), device, warmup=2, repeats=repeats)
-    moved = 2 * numel * dtype_bytes(dtype)
-    return Ceiling(moved / timing.median_s, timing, moved,
-                   f"copy of {numel * dtype_bytes(dtype) / 2**20:.0f} MiB {str(dtype).replace('torch.', '')}")
+    return CeilingProbe(lambda: target.copy_(source), 2 * numel * dtype_bytes(dtype),   # read + written
+                        f"copy of {numel * dtype_bytes(dtype) / 2**20:.0f} MiB {_name(dtype)}", device)
 
 
-def measure_matvec_bandwidth(device, dtype=torch.float32, nbytes: int | None = None,
-                             repeats: int = 7) -> Ceiling:
-    """Returns the matrix bytes per second of a large matrix-vector product (decode's kernel). Chapter 04."""
+def matvec_probe(device, dtype=torch.float32, nbytes: int | None = None) -> CeilingProbe:
+    """Returns a probe multiplying a (rows x 4096) matrix of nbytes by a vector. Chapter 04."""
     device = _device(device)
-    nbytes = nbytes or 2 * _default_bytes(device)
     cols = 4096
-    rows = max(1, nbytes // (cols * dtype_bytes(dtype)))
+    rows = max(1, (nbytes or 2 * _default_bytes(device)) // (cols * dtype_bytes(dtype)))
     check_fits(rows * cols * dtype_bytes(dtype), device, "the matvec-bandwidth test")
     matrix = torch.randn(rows, cols, device=device).to(dtype)
     vector = torch.randn(1, cols, device=device).to(dtype)
-    timing = time_fn(lambda: torch.nn.functional.linear(vector, matrix), device, warmup=2,
-                     repeats=repeats)
-    moved = rows * cols * dtype_bytes(dtype)
-    return Ceiling(moved / timing.median_s, timing, moved,
-                   f"({rows} x {cols}) matrix times a vector, {str(dtype).replace('torch.', '')}")
+    return CeilingProbe(lambda: torch.nn.functional.linear(vector, matrix), rows * cols * dtype_bytes(dtype),
+                        f"({rows} x {cols}) matrix times a vector, {_name(dtype)}", device)
 
 
-def measure_matmul_flops(device, dtype=torch.float32, n: int | None = None,
-                         repeats: int = 5) -> Ceiling:
-    """Returns the FLOP/s of an n x n by n x n matmul (2 n^3 FLOPs). Chapter 04."""
+def matmul_probe(device, dtype=torch.float32, n: int | None = None) -> CeilingProbe:
+    """Returns a probe multiplying two n x n matrices (2 n^3 FLOPs). Chapter 04."""
     device = _device(device)
     n = n or (8192 if device.type == "cuda" else 1536)
     check_fits(3 * n * n * dtype_bytes(dtype), device, f"the {n} x {n} matmul test")
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    timing = time_fn(lambda: a @ b, device, warmup=2, repeats=repeats)
-    flops = 2 * n ** 3
-    return Ceiling(flops / timing.median_s, timing, flops,
-                   f"({n} x {n}) @ ({n} x {n}) matmul, {str(dtype).replace('torch.', '')}")
+    return CeilingProbe(lambda: a @ b, 2 * n ** 3, f"({n} x {n}) @ ({n} x {n}) matmul, {_name(dtype)}", device)
+
+
+def _measure(probe: CeilingProbe, repeats: int) -> Ceiling:
+    probe.fn()                                            # second warm-up call
+    probe.sample(repeats)
+    return probe.ceiling()
+
+
+def measure_copy_bandwidth(device, dtype=torch.float32, nbytes: int | None = None,
+                           repeats: int = 7) -> Ceiling:
+    """Returns the rate of a large device-to-device copy, counting bytes read plus written. Chapter 04."""
+    return _measure(copy_probe(device, dtype, nbytes), repeats)
+
+
+def measure_matvec_bandwidth(device, dtype=torch.float32, nbytes: int | None = None,
+                             repeats: int = 7) -> Ceiling:
+    """Returns the matrix bytes per second of a large matrix-vector product (decode's kernel). Chapter 04."""
+    return _measure(matvec_probe(device, dtype, nbytes), repeats)
+
+
+def measure_matmul_flops(device, dtype=torch.float32, n: int | None = None,
+                         repeats: int = 5) -> Ceiling:
+    """Returns the FLOP/s of an n x n by n x n matmul (2 n^3 FLOPs). Chapter 04."""
+    return _measure(matmul_probe(device, dtype, n), repeats)
+
+
+def ceiling_probes(device, dtype=torch.float32, quick: bool = False) -> dict[str, CeilingProbe]:
+    """Returns the copy, matvec and matmul probes of device in dtype, smaller with quick. Chapter 04."""
+    device = _device(device)
+    base = _default_bytes(device) // (4 if quick else 1)
+    return {"copy_bandwidth": copy_probe(device, dtype, 2 * base),
+            "matvec_bandwidth": matvec_probe(device, dtype, 2 * base),
+            "matmul_flops": matmul_probe(device, dtype, 1024 if quick and device.type == "cpu" else None)}
 
 
 def measure_ceilings(device, dtype=torch.float32, quick: bool = False) -> dict[str, Ceiling]:
     """Returns the copy bandwidth, matvec bandwidth and matmul rate of device in dtype. Chapter 04."""
-    device = _device(device)
-    scale = 4 if quick else 1
-    base = _default_bytes(device) // scale
-    return {
-        "copy_bandwidth": measure_copy_bandwidth(device, dtype, nbytes=2 * base,
-                                                 repeats=3 if quick else 7),
-        "matvec_bandwidth": measure_matvec_bandwidth(device, dtype, nbytes=2 * base,
-                                                     repeats=3 if quick else 7),
-        "matmul_flops": measure_matmul_flops(device, dtype, repeats=3 if quick else 5,
-                                             n=(1024 if quick and device.type == "cpu" else None)),
-    }
+    probes = ceiling_probes(device, dtype, quick)
+    return {name: _measure(probe, 3 if quick else 7) for name, probe in probes.items()}
 
 
 measure_bandwidth = measure_copy_bandwidth   # the short name: the copy is the usual bandwidth figure

@@ -116,3 +116,13 @@ def test_memory_estimate_grows_with_batch_and_the_transformers_copy():
 def test_device_slug_is_a_file_name():
     slug = bench_report.device_slug(torch.device("cpu"))
     assert slug.startswith("cpu") and slug.replace("-", "").isalnum()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_quick_cuda_run_has_the_graph_contender_and_cuda_targets(tmp_path):
+    assert bench.main(["--quick", "--device", "cuda", "--out", str(tmp_path)]) == 0
+    report = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert report["dtype"] == "bfloat16" and report["shape"]["name"] == "llama-3.2-1b"
+    assert "llminfer (CUDA graphs)" in report["contenders"] and report["machine"]["gpu"]
+    assert [t["target"] for t in report["targets"]] == [1.5, 0.6]
