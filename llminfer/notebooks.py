@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import re
 import sys
 import tempfile
 import time
@@ -22,6 +23,7 @@ VOLATILE_CELL_METADATA = ("execution", "collapsed", "scrolled", "ExecuteTime")
 # Notebook-level metadata kept; everything else (widget state, machine-specific versions) is dropped.
 # What a saved widget output says instead of its repr (the live widget needs a running kernel).
 WIDGET_PLACEHOLDER = "Interactive widget: run this cell to use it."
+WIDGET_REPR = re.compile(r"^[A-Z]\w*\(")  # e.g. "VBox(children=(...))"
 KEPT_LANGUAGE_INFO = ("name", "mimetype", "file_extension", "pygments_lexer", "codemirror_mode", "nbconvert_exporter")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +82,10 @@ def normalise(nb: nbformat.NotebookNode, replacements: list[tuple[str, str]] | N
             if "data" in output:
                 output.data.pop(WIDGET_STATE_MIME, None)
                 if output.data.pop(WIDGET_VIEW_MIME, None) is not None:
-                    output.data = nbformat.from_dict({"text/plain": WIDGET_PLACEHOLDER})
+                    # a progress bar's text ("100%|███| 8/8") is worth keeping; a widget's repr is not
+                    text = "".join(output.data.get("text/plain", ""))
+                    keep = text and not WIDGET_REPR.match(text)
+                    output.data = nbformat.from_dict({"text/plain": text if keep else WIDGET_PLACEHOLDER})
                 output.data = nbformat.from_dict(_scrub(dict(output.data), replacements))
             if output.get("output_type") == "execute_result":
                 output.execution_count = count
@@ -96,7 +101,7 @@ def execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int = 600, kernel_nam
             allow_errors: bool = False) -> nbformat.NotebookNode:
     """Return nb executed top to bottom in a fresh kernel whose working directory is cwd."""
     client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name, allow_errors=allow_errors,
-                            record_timing=False, store_widget_state=False,
+                            record_timing=False, store_widget_state=True,  # Output widgets need it; normalise drops it
                             resources={"metadata": {"path": str(cwd)}})
     client.execute()
     return nb

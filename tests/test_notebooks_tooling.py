@@ -105,3 +105,19 @@ def test_main_refuses_a_missing_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         notebooks.main([str(tmp_path / "nope.ipynb")])
     assert "no such notebook" in capsys.readouterr().err
+
+
+def test_progress_bar_text_is_kept_and_output_widgets_execute(tmp_path):
+    nb = new_notebook(cells=[new_code_cell("x", execution_count=1, outputs=[
+        new_output("display_data", data={"text/plain": "100%|##########| 8/8 [00:01<00:00]",
+                                         notebooks.WIDGET_VIEW_MIME: {"model_id": "p"}})])])
+    out = notebooks.normalise(nb, replacements=[])
+    assert out.cells[0].outputs[0].data == {"text/plain": "100%|##########| 8/8 [00:01<00:00]"}
+
+    # a cell that writes into an Output widget while the notebook runs
+    path = _write(tmp_path / "out.ipynb", [new_code_cell(
+        "import ipywidgets as w\nout = w.Output()\ndisplay(out)\nwith out:\n    print('inside')")])
+    assert notebooks.main([str(path)]) == 0
+    saved = nbformat.read(path, as_version=4)
+    assert "widgets" not in saved.metadata
+    assert saved.cells[0].outputs[0].data == {"text/plain": notebooks.WIDGET_PLACEHOLDER}
