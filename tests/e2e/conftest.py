@@ -1,4 +1,4 @@
-"""Fixtures for the browser tests: a throw-away JupyterLab on 127.0.0.1 and headless Chromium driven by Playwright."""
+"""Browser-test fixtures: a throw-away JupyterLab on 127.0.0.1 and headless Chromium driven by Playwright."""
 from __future__ import annotations
 
 import json
@@ -156,8 +156,8 @@ def _process_or_none(pid: int):
 def artifacts_dir() -> Path:
     """The folder for screenshots and the JupyterLab log (e2e-artifacts/ unless LLMINFER_E2E_ARTIFACTS is set)."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    for stale in [*ARTIFACTS.glob("*.png"), *ARTIFACTS.glob("*.log")]:
-        stale.unlink()
+    for stale in [*ARTIFACTS.glob("FAILED-*.png"), ARTIFACTS / "jupyterlab.log"]:  # left by an earlier run
+        stale.unlink(missing_ok=True)
     _RUN_STATE["used"] = True
     return ARTIFACTS
 
@@ -170,7 +170,7 @@ def lab_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def jupyter_server(tmp_path_factory, lab_root, artifacts_dir):
-    """Starts JupyterLab from this environment on 127.0.0.1; yields (base_url, token); always stops it."""
+    """Starts JupyterLab from this environment on 127.0.0.1; yields base_url, token, log, root; always stops it."""
     home = tmp_path_factory.mktemp("jupyter-home")
     env = dict(os.environ)
     env.update(
@@ -199,7 +199,7 @@ def jupyter_server(tmp_path_factory, lab_root, artifacts_dir):
         f"--ServerApp.root_dir={lab_root}",
         f"--IdentityProvider.token={token}",
         "--ServerApp.allow_remote_access=False",
-        "--LabApp.news_url=",
+        "--LabApp.news_url=None",  # no announcements feed
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
         "--LabApp.extension_manager=readonly",
         "--ServerApp.terminals_enabled=False",
@@ -294,6 +294,11 @@ def pytest_runtest_makereport(item, call):
             lines.insert(0, f"screenshot: {shot}")
         except Exception as exc:  # the page may be gone; the log still helps
             lines.insert(0, f"screenshot failed: {exc!r}")
+        try:
+            dialogs = driver.page.locator(".jp-Dialog").all_inner_texts()
+            lines += [f"open dialog: {text!r}" for text in dialogs]
+        except Exception:  # the page may be gone
+            pass
     report.sections.append(("e2e artifacts", "\n".join(lines)))
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.request
 from pathlib import Path
 
@@ -34,6 +35,7 @@ class Lab:
         self.token = token
         self.artifacts_dir = Path(artifacts_dir)
         self.blocked: list[str] = []  # URLs the network guard refused (anything not on 127.0.0.1)
+        self.dismissed: list[str] = []  # text of the dialogs accepted along the way
 
     # ----- server side -----------------------------------------------------------------
     def api(self, method: str, path: str):
@@ -56,14 +58,29 @@ class Lab:
         self.page.goto(url)
         self.page.locator(".jp-NotebookPanel .jp-Notebook .jp-Cell").first.wait_for(state="visible",
                                                                                     timeout=60_000)
+        # A "Select Kernel" dialog may come up when the kernel specs arrive late; accept its default (Python 3).
+        deadline = time.monotonic() + KERNEL_START_TIMEOUT_MS / 1000
+        while True:
+            self.dismiss_dialogs()
+            if self.kernel_name() not in (None, "", "No Kernel") and self.kernel_status() == "idle":
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{notebook}: no idle kernel after {KERNEL_START_TIMEOUT_MS / 1000:.0f} s "
+                                     f"(kernel {self.kernel_name()!r}, status {self.kernel_status()!r})")
+            self.page.wait_for_timeout(250)
         self.dismiss_dialogs()
-        self.wait_kernel_idle(timeout_ms=KERNEL_START_TIMEOUT_MS)
-        self.dismiss_dialogs()
+
+    def kernel_name(self) -> str | None:
+        """Returns the kernel name shown in the notebook toolbar ("No Kernel" when none)."""
+        name = self.page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-KernelName")
+        return name.first.inner_text().strip() if name.count() else None
 
     def dismiss_dialogs(self) -> None:
         """Accepts any modal dialog (such as kernel selection) and closes pop-up notifications."""
         dialog_button = self.page.locator(".jp-Dialog .jp-Dialog-button.jp-mod-accept")
         while dialog_button.count():
+            self.dismissed.append(self.page.locator(".jp-Dialog").first.inner_text())
+            print(f"e2e: accepted dialog {self.dismissed[-1]!r}")
             dialog_button.first.click()
             self.page.wait_for_timeout(200)
         for close in self.page.locator(".jp-Notification-Toast-Close, .Toastify__close-button").all():
@@ -86,6 +103,7 @@ class Lab:
 
     def menu(self, menu: str, item: str) -> None:
         """Clicks a main-menu entry by its labels, e.g. ("Run", "Run All Cells")."""
+        self.dismiss_dialogs()
         self.page.locator(".lm-MenuBar-item", has_text=re.compile(rf"^{re.escape(menu)}$")).first.click()
         label = self.page.locator(".lm-Menu-itemLabel", has_text=re.compile(rf"^{re.escape(item)}$"))
         label.first.click()
@@ -96,7 +114,7 @@ class Lab:
         return self.page.evaluate(_PROMPTS_JS)
 
     def run_all(self, timeout_ms: int = 180_000) -> None:
-        """Clears outputs, runs all cells, and waits until every code cell has run; raises with the error if one failed."""
+        """Clears outputs, runs all cells, waits until every code cell has run; raises with the failing output."""
         self.page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook").first.click(
             position={"x": 5, "y": 5})
         self.menu("Edit", "Clear Outputs of All Cells")
@@ -138,7 +156,8 @@ class Lab:
     @staticmethod
     def output_of(locator):
         """Returns the output area (the whole rendered widget) that holds locator."""
-        return locator.locator("xpath=ancestor::div[contains(concat(' ', @class, ' '), ' jp-OutputArea-output ')][1]")
+        output_class = "contains(concat(' ', @class, ' '), ' jp-OutputArea-output ')"
+        return locator.locator(f"xpath=ancestor::div[{output_class}][1]")
 
     @staticmethod
     def set_text(locator, value) -> None:
