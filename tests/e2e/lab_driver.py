@@ -123,7 +123,7 @@ class Lab:
             self.menu("Run", "Run All Cells")
             try:  # started: some cell is queued or has run
                 self.page.wait_for_function(f"() => ({_PROMPTS_JS})().some(p => /\\*|\\d/.test(p))",
-                                            timeout=5_000)
+                                            timeout=10_000)
                 break
             except PlaywrightTimeoutError:
                 if attempt == 2:
