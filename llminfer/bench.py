@@ -47,6 +47,7 @@ class Settings:
     quick: bool = False
     transformers: bool = True
     cuda_graphs: bool = True
+    decode_layout: bool = True                # CPU: Transformer.use_decode_layout() before timing
     out: str = "data/benchmarks"
     seed: int = 0
     threads: int | None = None                # CPU threads for every contender (None: torch's default)
@@ -81,11 +82,13 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     parser.add_argument("--threads", type=int, help="CPU threads for every contender (default: torch's)")
     parser.add_argument("--no-transformers", dest="transformers", action="store_false")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    parser.add_argument("--no-decode-layout", dest="decode_layout", action="store_false",
+                        help="time llminfer with its weights in the default (row-major) order")
     parser.add_argument("--out", help="folder for the JSON and PNG (default data/benchmarks)")
     args = parser.parse_args(argv)
     given = {name: value for name, value in vars(args).items()
-             if value is not None and name not in ("quick", "transformers", "cuda_graphs")}
-    given.update(transformers=args.transformers, cuda_graphs=args.cuda_graphs)
+             if value is not None and name not in ("quick", "transformers", "cuda_graphs", "decode_layout")}
+    given.update(transformers=args.transformers, cuda_graphs=args.cuda_graphs, decode_layout=args.decode_layout)
     return Settings.quick_run(**given) if args.quick else Settings(**given)
 
 
@@ -213,7 +216,7 @@ def bench_scaling(model, cfg, settings, probes) -> list[dict]:
         with torch.inference_mode():
             prefill(model, ids[:, :context], cache)                            # the cache holds `context` positions
             cached = timing.time_fn(lambda: decode_step(model, ids[:, context], cache, context),
-                                    model.device, warmup=2, repeats=max(5, settings.repeats))
+                                    model.device, warmup=2, repeats=3 * settings.repeats)
             recompute = timing.time_fn(lambda: model(ids, last_only=True), model.device, warmup=1,
                                        repeats=repeats)
         probes["matvec_bandwidth"].sample()
@@ -260,6 +263,8 @@ def _measure(settings: Settings, device, dtype, cfg) -> dict:
         probe.sample(2 if settings.quick else 3)
     model = load_random(cfg, device=device, dtype=dtype, seed=settings.seed)
     hf_model, hf_note = bench_transformers.load_same_weights(model) if settings.transformers else (None, "skipped")
+    if settings.decode_layout and device.type == "cpu":
+        model.use_decode_layout()                 # same values, memory order for fast matvecs (transformers: as shipped)
     ids = _random_ids(cfg, 1, settings.prompt_len, settings.seed, device)
     print("[bench] prefill", file=sys.stderr)
     prefill_figures = bench_prefill(model, cfg, ids, probes, settings)

@@ -120,6 +120,8 @@ def assemble(*, settings, device, dtype, cfg, ceilings, prefill, contenders, dec
         "ceilings": {name: ceiling.as_dict() for name, ceiling in ceilings.items()},
         "prefill": prefill, "decode": decode, "contenders": slim, "ratios": ratios, "scaling": scaling,
         "targets": targets, "transformers": hf_note, "same_greedy_tokens_as_transformers": same,
+        "llminfer_weight_layout": ("decode: wide weights column-major (Transformer.use_decode_layout)"
+                                   if settings.decode_layout and device.type == "cpu" else "row-major, as loaded"),
         "contention": {"load_average_before": load_before, "load_average_after": load_average(),
                        "cpu_cores": os.cpu_count()},
         "elapsed_s": elapsed_s,
@@ -139,7 +141,7 @@ def table(report: dict) -> str:
     who = report["machine"].get("gpu") or f"{report['machine']['cpu']} ({report['machine']['torch_threads']} threads)"
     lines = [f"llminfer bench: {report['shape']['name']} shape, {report['dtype']}, on {who}",
              f"load average before/after: {report['contention']['load_average_before']} / "
-             f"{report['contention']['load_average_after']}", "",
+             f"{report['contention']['load_average_after']}; llminfer weights: {report['llminfer_weight_layout']}", "",
              "ceiling                 rate        measured on",
              f"copy bandwidth      {_si(ceilings['copy_bandwidth']['rate'], 'B/s'):>12}   "
              f"{ceilings['copy_bandwidth']['what']}",
