@@ -1,4 +1,4 @@
-"""Chapter 03 in the browser: the recomputation widget shows the K/V counts that the model's instrumentation gives."""
+"""Chapter 03 in the browser: the recomputation widget shows the K/V counts the model's instrumentation gives."""
 import os
 import re
 import shutil
