@@ -135,11 +135,13 @@ def legend_handles() -> list:
 
 def plot_cumulative(ax, per_forward_uncached: list[int], per_forward_cached: list[int], step: int | None = None):
     """Cumulative K/V positions computed per forward call, both strategies on one axis. Chapter 03."""
+    from matplotlib.ticker import MaxNLocator
     for counts, name, colour in ((per_forward_uncached, "without cache", COLOURS[RECOMPUTED]),
                                  (per_forward_cached, "with cache", COLOURS[CACHED])):
         ax.plot(range(len(counts)), cumulative_computed(counts), "o-", color=colour, label=name)
     if step is not None:
         ax.axvline(step, color="grey", linestyle=":")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # forward calls are whole numbers
     ax.set_xlabel("forward call (0 = prefill)")
     ax.set_ylabel("K/V positions computed so far")
     ax.legend()
@@ -187,8 +189,10 @@ def build_recompute_widget(per_forward_uncached: list[int], per_forward_cached: 
     grid_view.add_class("llminfer-recompute-grid")
     counts_view = widgets.HTML()
     counts_view.add_class("llminfer-recompute-counts")
-    plot_view = widgets.Image(format="png")  # a PNG rather than an Output widget: it renders without a kernel
+    # a PNG rather than an Output widget: it renders without a kernel; shown at its own size (5 x 3 in at 80 dpi)
+    plot_view = widgets.Image(format="png", layout=widgets.Layout(width="420px"))
     box = widgets.VBox([widgets.HBox([step_slider, cache_toggle]), counts_view, grid_view, plot_view])
+    box.add_class("llminfer-recompute")
 
     def refresh(_change=None):
         step, use_cache = step_slider.value, cache_toggle.value
