@@ -116,7 +116,8 @@ def assemble(*, settings, device, dtype, cfg, ceilings, prefill, contenders, dec
                   "n_params": cfg.n_params(), **{k: getattr(cfg, k) for k in (
                       "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "head_dim",
                       "tie_embeddings")}},
-        "dtype": dtype_name, "settings": asdict(settings), "weights": WEIGHTS_NOTE,
+        "dtype": dtype_name, "weights": WEIGHTS_NOTE,
+        "settings": {key: value for key, value in asdict(settings).items() if key != "out"},
         "ceilings": {name: ceiling.as_dict() for name, ceiling in ceilings.items()},
         "prefill": prefill, "decode": decode, "contenders": slim, "ratios": ratios, "scaling": scaling,
         "targets": targets, "transformers": hf_note, "same_greedy_tokens_as_transformers": same,
