@@ -143,19 +143,20 @@ def _random_ids(cfg, batch: int, length: int, seed: int, device) -> torch.Tensor
 def bench_prefill(model, cfg, ids, probes, settings) -> dict:
     """Returns prefill time, tokens/s and FLOP/s for one prompt, sampling the matmul probe in between. Chapter 04."""
     cache = model.new_cache(ids.shape[0], max_seq_len=ids.shape[1])
-    times = []
+    times, alongside = [], []
     with torch.inference_mode():
         prefill(model, ids, cache)                                           # warm-up
         for _ in range(max(3, settings.repeats)):
             times += timing.time_fn(lambda: prefill(model, ids, cache), model.device, 0, 1).times_s
-            probes["matmul_flops"].sample()
+            alongside += probes["matmul_flops"].sample()
     result = timing.TimingResult.from_times(times)
     flops = costs.prefill_flops(cfg, ids.shape[1], ids.shape[0])
     return {"prompt_len": ids.shape[1], "median_s": result.median_s, "iqr_s": result.iqr_s,
-            "tokens_per_s": ids.numel() / result.median_s, "flops": flops, "flop_per_s": flops / result.median_s}
+            "tokens_per_s": ids.numel() / result.median_s, "flops": flops, "flop_per_s": flops / result.median_s,
+            "matmul_flop_per_s_alongside": probes["matmul_flops"].rate_of(alongside)}
 
 
-def _decode_figures(cfg, elem, latencies, batch, prompt_len, new_tokens, ceilings) -> dict:
+def _decode_figures(cfg, elem, latencies, batch, prompt_len, new_tokens, matvec_rate, copy_rate) -> dict:
     """Returns tokens/s, bytes per step and token, and MBU from per-step latencies of a cached decode."""
     step_s = statistics.median(latencies)
     steps = new_tokens - 1                                # the first new token comes from the prefill
@@ -163,8 +164,8 @@ def _decode_figures(cfg, elem, latencies, batch, prompt_len, new_tokens, ceiling
     achieved = per_step / step_s
     return {"batch_size": batch, "step_s": step_s, "tokens_per_s": batch / step_s,
             "bytes_per_step": per_step, "bytes_per_token": per_step / batch, "bytes_per_s": achieved,
-            "mbu_matvec": achieved / ceilings["matvec_bandwidth"].rate,
-            "mbu_copy": achieved / ceilings["copy_bandwidth"].rate}
+            "matvec_bytes_per_s_alongside": matvec_rate, "mbu_matvec": achieved / matvec_rate,
+            "mbu_copy": achieved / copy_rate}
 
 
 def bench_contenders(model, cfg, ids, settings, hf_model, probes) -> dict[str, dict]:
@@ -188,6 +189,7 @@ def bench_contenders(model, cfg, ids, settings, hf_model, probes) -> dict[str, d
     for runner in runners.values():                        # warm-up: allocators, kernels, graph capture
         runner()
     found = {name: {"ttft_s": [], "latencies_s": [], "repeat_medians_s": []} for name in runners}
+    alongside = []
     for _ in range(settings.repeats):
         for name, runner in runners.items():
             ttft, latencies, tokens = runner()
@@ -195,13 +197,14 @@ def bench_contenders(model, cfg, ids, settings, hf_model, probes) -> dict[str, d
             found[name]["latencies_s"].extend(latencies)
             found[name]["repeat_medians_s"].append(statistics.median(latencies))
             found[name]["token_ids"] = tokens
-        probes["matvec_bandwidth"].sample(2)              # the ceilings, under the same load as this round
+        alongside += probes["matvec_bandwidth"].sample(2)   # the ceilings, under the same load as this round
         probes["copy_bandwidth"].sample()
     for name, entry in found.items():
         entry["new_tokens"] = len(entry["token_ids"]) if isinstance(entry["token_ids"][0], int) else None
         entry["token_s"] = statistics.median(entry["latencies_s"])
         entry["tokens_per_s"] = 1.0 / entry["token_s"]
         entry["ttft_median_s"] = statistics.median(entry["ttft_s"])
+    found["llminfer (cache)"]["matvec_alongside_s"] = alongside
     return found
 
 
@@ -272,20 +275,26 @@ def _measure(settings: Settings, device, dtype, cfg) -> dict:
     contenders = bench_contenders(model, cfg, ids, settings, hf_model, probes)
     del hf_model
     latencies = {1: contenders["llminfer (cache)"]["latencies_s"]}
+    alongside = {1: contenders["llminfer (cache)"].pop("matvec_alongside_s")}
     print("[bench] batch sweep", file=sys.stderr)
     for batch in sorted(set(settings.batch_sizes) - {1}):
         batch_ids = _random_ids(cfg, batch, settings.prompt_len, settings.seed + batch, device)
-        latencies[batch] = []
+        latencies[batch], alongside[batch] = [], []
         for _ in range(max(2, settings.repeats // 2)):
             latencies[batch] += generate(model, batch_ids, max_new_tokens=settings.new_tokens).token_latencies_s
-            probes["matvec_bandwidth"].sample()
+            alongside[batch] += probes["matvec_bandwidth"].sample()
     print("[bench] scaling with context", file=sys.stderr)
     scaling = bench_scaling(model, cfg, settings, probes)
     ceilings = {name: probe.ceiling() for name, probe in probes.items()}      # medians of every sample
-    prefill_figures["mfu"] = prefill_figures["flop_per_s"] / ceilings["matmul_flops"].rate
+    # MFU and MBU against the probe samples taken alongside (same load); the run-wide ceilings are reported too
+    prefill_figures["mfu"] = prefill_figures["flop_per_s"] / prefill_figures["matmul_flop_per_s_alongside"]
+    prefill_figures["mfu_vs_run_ceiling"] = prefill_figures["flop_per_s"] / ceilings["matmul_flops"].rate
     elem = timing.dtype_bytes(dtype)
     decode = [_decode_figures(cfg, elem, latencies[batch], batch, settings.prompt_len, settings.new_tokens,
-                              ceilings) for batch in sorted(latencies)]
+                              probes["matvec_bandwidth"].rate_of(alongside[batch]), ceilings["copy_bandwidth"].rate)
+              for batch in sorted(latencies)]
+    for row in decode:
+        row["mbu_matvec_vs_run_ceiling"] = row["bytes_per_s"] / ceilings["matvec_bandwidth"].rate
     add_roofline(scaling, ceilings)
     return bench_report.assemble(settings=settings, device=device, dtype=dtype, cfg=cfg, ceilings=ceilings,
                                  prefill=prefill_figures, contenders=contenders, decode=decode, scaling=scaling,

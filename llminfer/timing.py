@@ -156,9 +156,15 @@ class CeilingProbe:
         self.times_s: list[float] = []
         fn()                                              # first call: allocation, kernel selection
 
-    def sample(self, repeats: int = 1) -> None:
-        """Times `repeats` more calls and keeps them."""
-        self.times_s += time_fn(self.fn, self.device, warmup=0, repeats=repeats).times_s
+    def sample(self, repeats: int = 1) -> list[float]:
+        """Times `repeats` more calls, keeps them and returns them."""
+        times = time_fn(self.fn, self.device, warmup=0, repeats=repeats).times_s
+        self.times_s += times
+        return times
+
+    def rate_of(self, times_s: list[float]) -> float:
+        """Returns the rate at the median of some of the samples (e.g. those taken during one phase)."""
+        return self.work / statistics.median(times_s)
 
     def ceiling(self) -> Ceiling:
         """Returns the rate at the median of every sample so far."""

@@ -52,12 +52,15 @@ def test_report_holds_ceilings_prefill_and_decode(quick_report):
     prefill = report["prefill"]
     assert prefill["flops"] == llminfer.costs.prefill_flops(llminfer.get_preset("smollm2-135m"), 32)
     assert prefill["flop_per_s"] == pytest.approx(prefill["flops"] / prefill["median_s"])
-    assert prefill["mfu"] == pytest.approx(prefill["flop_per_s"] / report["ceilings"]["matmul_flops"]["rate"])
+    assert prefill["mfu"] == pytest.approx(prefill["flop_per_s"] / prefill["matmul_flop_per_s_alongside"])
+    assert prefill["mfu_vs_run_ceiling"] == pytest.approx(
+        prefill["flop_per_s"] / report["ceilings"]["matmul_flops"]["rate"])
     assert [row["batch_size"] for row in report["decode"]] == [1, 4]
     for row in report["decode"]:
         assert row["tokens_per_s"] == pytest.approx(row["batch_size"] / row["step_s"])
         assert row["bytes_per_token"] == pytest.approx(row["bytes_per_step"] / row["batch_size"])
-        assert _positive(row["mbu_matvec"]) and _positive(row["mbu_copy"])
+        assert row["mbu_matvec"] == pytest.approx(row["bytes_per_s"] / row["matvec_bytes_per_s_alongside"])
+        assert _positive(row["mbu_matvec_vs_run_ceiling"]) and _positive(row["mbu_copy"])
 
 
 def test_report_holds_every_contender_and_the_scaling(quick_report):
