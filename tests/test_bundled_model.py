@@ -112,7 +112,7 @@ def test_held_out_templates_never_appear_in_training_corpus():
 
 
 def test_loads_in_transformers_with_matching_logits(bundled):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test dependency, always installed by make test
     model, tokenizer = bundled
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32).eval()
     texts = ["The capital of France is", "I love AI", "Paris is the capital of the Netherlands? No."]
