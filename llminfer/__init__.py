@@ -6,11 +6,12 @@
     tokenizer.decode(result.token_ids), result.ttft_s, result.token_latencies_s
 """
 from . import attention, instrument
-from .checkpoint import available_memory_bytes, bundled_models, load_pretrained, load_random, resolve_device, save_pretrained
+from .checkpoint import bundled_models, load_pretrained, load_random, resolve_device, save_pretrained
 from .config import PRESET_SOURCES, PRESETS, ModelConfig, get_preset
 from .generate import GenerationResult, decode_step, generate, prefill, sample_next
 from .kv_cache import KVCache, kv_cache_bytes
 from .model import Transformer
+from .timing import free_memory_bytes
 from .tokenizer import Tokenizer
 
 __version__ = "0.1.0"
@@ -18,5 +19,5 @@ __version__ = "0.1.0"
 __all__ = [
     "attention", "instrument", "ModelConfig", "PRESETS", "PRESET_SOURCES", "get_preset", "Transformer", "KVCache",
     "kv_cache_bytes", "prefill", "decode_step", "generate", "sample_next", "GenerationResult", "Tokenizer",
-    "load_pretrained", "save_pretrained", "load_random", "resolve_device", "bundled_models", "available_memory_bytes",
+    "load_pretrained", "save_pretrained", "load_random", "resolve_device", "bundled_models", "free_memory_bytes",
 ]

@@ -13,10 +13,10 @@ from safetensors.torch import save_file
 from .config import ModelConfig, get_preset
 from .kv_cache import dtype_bytes
 from .model import Transformer
+from .timing import check_fits
 from .tokenizer import Tokenizer
 
-__all__ = ["load_pretrained", "save_pretrained", "load_random", "resolve_device", "bundled_models",
-           "available_memory_bytes"]
+__all__ = ["load_pretrained", "save_pretrained", "load_random", "resolve_device", "bundled_models"]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "*.safetensors", "model.safetensors.index.json"]
@@ -54,28 +54,6 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
             raise RuntimeError(f"cuda:{device.index} does not exist: this machine has "
                                f"{torch.cuda.device_count()} CUDA device(s)")
     return device
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Free memory on `device`: CUDA's own count, or MemAvailable from /proc/meminfo on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62  # unknown: do not refuse
-
-
-def check_fits(n_bytes: int, device: torch.device, what: str) -> None:
-    """Raise MemoryError, before allocating, if n_bytes would not fit in the free memory of device."""
-    free = available_memory_bytes(device)
-    if n_bytes > 0.9 * free:
-        raise MemoryError(f"{what} needs about {n_bytes / 2**30:.2f} GiB but {device} has {free / 2**30:.2f} GiB "
-                          "free; choose a smaller shape, a shorter context or a smaller dtype")
 
 
 def _weight_files(folder: Path) -> list[Path]:
