@@ -29,8 +29,9 @@ $(STAMP): requirements.txt pyproject.toml | $(PY)
 
 venv: $(STAMP)
 
+# (--allow-root only where it is needed: JupyterLab refuses root, which containers often are)
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --notebook-dir=chapters
+	$(VENV)/bin/jupyter lab --notebook-dir=chapters $(if $(filter 0,$(shell id -u)),--allow-root)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
