@@ -15,14 +15,9 @@ import torch
 
 from .kv_cache import KVCache
 from .model import Transformer
+from .timing import synchronize
 
 __all__ = ["GenerationResult", "prefill", "decode_step", "generate", "sample_next", "synchronize"]
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work so that a clock reading means something (a no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass

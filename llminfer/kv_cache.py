@@ -4,13 +4,9 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
+from .timing import dtype_bytes
 
 __all__ = ["KVCache", "kv_cache_bytes", "dtype_bytes"]
-
-
-def dtype_bytes(dtype: torch.dtype) -> int:
-    """Bytes per element of `dtype`."""
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def kv_cache_bytes(config: ModelConfig, seq_len: int, batch_size: int = 1, dtype: torch.dtype = torch.float16) -> int:
