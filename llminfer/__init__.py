@@ -6,12 +6,13 @@
     tokenizer.decode(result.token_ids), result.ttft_s, result.token_latencies_s
 """
 from . import attention, instrument
-from .checkpoint import bundled_models, load_pretrained, load_random, resolve_device, save_pretrained
+from .checkpoint import bundled_models, load_pretrained, load_random, save_pretrained
+from .device import resolve_device
 from .config import PRESET_SOURCES, PRESETS, ModelConfig, get_preset
 from .generate import GenerationResult, decode_step, generate, prefill, sample_next
 from .kv_cache import KVCache, kv_cache_bytes
 from .model import Transformer
-from .timing import free_memory_bytes
+from .device import free_memory_bytes
 from .tokenizer import Tokenizer
 
 __version__ = "0.1.0"

@@ -11,9 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig, get_preset
-from .kv_cache import dtype_bytes
 from .model import Transformer
-from .timing import check_fits
+from .device import check_fits, dtype_bytes, resolve_device
 from .tokenizer import Tokenizer
 
 __all__ = ["load_pretrained", "save_pretrained", "load_random", "resolve_device", "bundled_models"]
@@ -36,24 +35,6 @@ def bundled_models() -> list[str]:
     """Names of the models shipped in data/models."""
     root = _models_dir()
     return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) if root.is_dir() else []
-
-
-def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    """None picks CUDA when present, else the CPU; asking for CUDA without it is a clear error. Chapter 00."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"{device!r} is not a device torch knows ({exc}); use 'cpu' or 'cuda'") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("CUDA is not available on this machine (torch.cuda.is_available() is False); "
-                               "pass device='cpu' (or device=None to pick automatically)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise RuntimeError(f"cuda:{device.index} does not exist: this machine has "
-                               f"{torch.cuda.device_count()} CUDA device(s)")
-    return device
 
 
 def _weight_files(folder: Path) -> list[Path]:

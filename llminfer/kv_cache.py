@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .timing import dtype_bytes
+from .device import dtype_bytes
 
 __all__ = ["KVCache", "kv_cache_bytes", "dtype_bytes"]
 

@@ -30,6 +30,8 @@ from typing import Callable
 import torch
 from torch.utils.benchmark.utils.timer import timer as _benchmark_clock
 
+from .device import as_device, check_fits, dtype_bytes, free_memory_bytes, synchronize
+
 __all__ = ["TimingResult", "Ceiling", "synchronize", "time_fn", "free_memory_bytes",
            "check_fits", "measure_copy_bandwidth", "measure_matvec_bandwidth",
            "measure_matmul_flops", "measure_ceilings", "measure_bandwidth", "dtype_bytes",
@@ -70,22 +72,7 @@ class Ceiling:
                 "work": self.work, "what": self.what}
 
 
-def _device(device) -> torch.device:
-    return device if isinstance(device, torch.device) else torch.device(device)
-
-
-def dtype_bytes(dtype: torch.dtype) -> int:
-    """Returns the bytes of one element of dtype."""
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def synchronize(device) -> None:
-    """Waits until every kernel queued on device has finished (a no-op on CPU). Chapter 04."""
-    device = _device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
+_device = as_device
 
 
 def time_fn(fn: Callable[[], object], device, warmup: int = 2, repeats: int = 10) -> TimingResult:
@@ -112,31 +99,6 @@ def time_fn(fn: Callable[[], object], device, warmup: int = 2, repeats: int = 10
             synchronize(device)
             times.append(_benchmark_clock() - start)
     return TimingResult.from_times(times)
-
-
-def free_memory_bytes(device) -> int:
-    """Returns the memory that can still be allocated on device (MemAvailable on CPU)."""
-    device = _device(device)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62   # unknown: do not refuse
-
-
-def check_fits(nbytes: int, device, what: str, fraction: float = 0.8) -> None:
-    """Raises MemoryError if nbytes is more than `fraction` of the free memory on device."""
-    free = free_memory_bytes(device)
-    if nbytes > fraction * free:
-        raise MemoryError(
-            f"{what} needs {nbytes / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free on "
-            f"{_device(device)} (limit {fraction:.0%} of free); choose a smaller size")
 
 
 def _default_bytes(device: torch.device) -> int:
