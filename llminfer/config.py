@@ -2,10 +2,78 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_ROPE_TYPES = ("llama3",)
+
+# The name each field has in a Hugging Face config.json, so that an error names both.
+HF_NAMES = {
+    "dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads", "hidden_dim": "intermediate_size", "max_seq_len": "max_position_embeddings",
+    "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings", "qkv_bias": "attention_bias",
+    "attn_backend": "llminfer_attn_backend",
+}
+
+# What transformers assumes where a config.json leaves a field out (its LlamaConfig, Qwen2Config, MistralConfig).
+HF_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
+    "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "sliding_window": 4096, "max_window_layers": 28},
+    "mistral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "sliding_window": 4096},
+}
+
+# Llama 3's published long-context rescaling, used where a llama3 rope_scaling leaves a key out.
+LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _label(name: str) -> str:
+    """'ModelConfig.norm_eps (config.json: rms_norm_eps)': a field under both its names."""
+    hf_name = HF_NAMES.get(name, name)
+    return f"ModelConfig.{name}" + (f" (config.json: {hf_name})" if hf_name != name else "")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_count(label: str, value: Any) -> None:
+    if not _is_count(value):
+        raise ValueError(f"{label} must be a positive integer, got {value!r}; "
+                         "set it to the value the model was trained with")
+
+
+def _check_positive(label: str, value: Any, meaning: str) -> None:
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{label} must be a finite number > 0 ({meaning}), got {value!r}")
+
+
+def _parse_bool(key: str, value: Any) -> bool:
+    """A config.json boolean: true/false, or the strings "true"/"false" in any case. Anything else is refused."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ValueError(f"config.json field {key!r} must be a boolean (true or false), got {value!r}; "
+                     "write it as a JSON true or false")
+
+
+def _normalise_rope_scaling(scaling: Any) -> Any:
+    """rope_scaling with its kind under "rope_type" (the legacy "type" read too) and llama3's defaults filled in."""
+    if not isinstance(scaling, dict):
+        return scaling                                   # None, or something validate() refuses
+    kind = scaling.get("rope_type", scaling.get("type"))
+    rest = {k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta")}
+    if kind == "default" or (kind is None and not rest):
+        return None                                      # plain RoPE; transformers ignores any other keys here
+    if kind == "llama3":
+        rest = {**LLAMA3_ROPE_DEFAULTS, **rest}
+    return {"rope_type": kind, **rest}
 
 
 @dataclass
@@ -28,36 +96,89 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     model_type: str = "llama"
+    attn_backend: str = "sdpa"    # the attention backend the model runs, by its registered name
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
         if self.head_dim is None:
-            self.head_dim = self.dim // self.n_heads if self.n_heads else 0
+            _check_count(_label("dim"), self.dim)
+            _check_count(_label("n_heads"), self.n_heads)
+            if self.dim % self.n_heads != 0:
+                raise ValueError(
+                    f"{_label('dim')}={self.dim} is not divisible by {_label('n_heads')}={self.n_heads}, so "
+                    "head_dim cannot be derived as dim // n_heads; choose n_heads dividing dim, or give head_dim "
+                    "explicitly (config.json: head_dim)")
+            self.head_dim = self.dim // self.n_heads
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that cannot describe a working model."""
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "head_dim", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
-        if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
-                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}; "
-                "grouped-query attention shares each K/V head among n_heads // n_kv_heads query heads"
-            )
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"model_type {self.model_type!r} is not supported; llminfer runs {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        if self.model_type == "qwen2" and not self.qkv_bias:
-            raise ValueError("a qwen2 model always has a q/k/v bias (qkv_bias=True); use model_type='llama' for one without")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("llama3", "default", None):
-                raise ValueError(f"rope_scaling of type {kind!r} is not supported; llminfer supports 'llama3'")
+                f"ModelConfig.model_type {self.model_type!r} is not supported; llminfer runs "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "head_dim", "max_seq_len"):
+            _check_count(_label(name), getattr(self, name))
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"{_label('n_heads')}={self.n_heads} is not a multiple of {_label('n_kv_heads')}={self.n_kv_heads}; "
+                "grouped-query attention shares each K/V head among n_heads // n_kv_heads query heads, so n_kv_heads "
+                "must divide n_heads")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"{_label('head_dim')}={self.head_dim} must be even: rotary embeddings turn "
+                             "dimensions in pairs")
+        _check_positive(_label("norm_eps"), self.norm_eps, "RMSNorm adds it to the mean square before the square root")
+        _check_positive(_label("rope_theta"), self.rope_theta, "the base of the rotary frequencies")
+        for name in ("tie_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{_label(name)} must be True or False, got {getattr(self, name)!r}")
+        if self.qkv_bias != (self.model_type == "qwen2"):
+            if self.model_type == "qwen2":
+                raise ValueError("ModelConfig.qkv_bias is False but a qwen2 model always has a q/k/v bias; "
+                                 "set qkv_bias=True, or use model_type='llama' for a model without one")
+            raise ValueError(
+                f"ModelConfig.qkv_bias is True for model_type={self.model_type!r}: a {self.model_type} checkpoint "
+                "has no q/k/v-only bias (Llama's attention_bias also puts one on o_proj, which llminfer does not "
+                "implement; Mistral has none); use model_type='qwen2' for q/k/v biases")
+        self._validate_rope_scaling()
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value < self.vocab_size):
+                raise ValueError(f"ModelConfig.{name} must be None or a token id in 0..{self.vocab_size - 1} "
+                                 f"(vocab_size={self.vocab_size}), got {value!r}")
+        if not isinstance(self.attn_backend, str) or not self.attn_backend.strip():
+            raise ValueError(f"{_label('attn_backend')} must name an attention backend such as 'sdpa' or "
+                             f"'explicit', got {self.attn_backend!r}")
+
+    def _validate_rope_scaling(self) -> None:
+        scaling = self.rope_scaling
+        if scaling is None:
+            return
+        if not isinstance(scaling, dict):
+            raise ValueError(f"ModelConfig.rope_scaling must be None or a dict like "
+                             f"{{'rope_type': 'llama3', 'factor': 32.0}}, got {scaling!r}")
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_scaling of type {kind!r} is not supported; llminfer supports "
+                             f"{', '.join(map(repr, SUPPORTED_ROPE_TYPES))} (or no rope_scaling for plain RoPE)")
+        params = {**LLAMA3_ROPE_DEFAULTS, **scaling}
+        if "factor" not in scaling:
+            raise ValueError("rope_scaling['factor'] is missing from a llama3 rope_scaling; it is how many times "
+                             "longer than original_max_position_embeddings the context was stretched (32.0 for "
+                             "Llama 3.2, 8.0 for Llama 3.1)")
+        _check_positive("rope_scaling['factor']", params["factor"], "the context stretch of llama3 rope scaling")
+        _check_positive("rope_scaling['low_freq_factor']", params["low_freq_factor"],
+                        "wavelengths above original_max_position_embeddings / low_freq_factor are slowed down")
+        _check_positive("rope_scaling['high_freq_factor']", params["high_freq_factor"],
+                        "wavelengths below original_max_position_embeddings / high_freq_factor are kept")
+        if params["high_freq_factor"] <= params["low_freq_factor"]:
+            raise ValueError(
+                f"rope_scaling['high_freq_factor']={params['high_freq_factor']} must exceed "
+                f"rope_scaling['low_freq_factor']={params['low_freq_factor']}: llama3 rope scaling blends "
+                "frequencies between the two, dividing by their difference (Llama 3 uses 4.0 and 1.0)")
+        _check_count("rope_scaling['original_max_position_embeddings']", params["original_max_position_embeddings"])
 
     @property
     def n_groups(self) -> int:
@@ -84,7 +205,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Read the fields of a Hugging Face config.json (Llama, Qwen2 or Mistral). Chapter 00."""
+        """Read the fields of a Hugging Face config.json (Llama, Qwen2 or Mistral), refusing what llminfer cannot run. Chapter 00."""
+        if not isinstance(hf, dict):
+            raise ValueError(f"ModelConfig.from_hf takes the dict parsed from a config.json, got "
+                             f"{type(hf).__name__}; read it with json.loads(Path('config.json').read_text())")
         model_type = hf.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -94,39 +218,62 @@ class ModelConfig:
                                "intermediate_size") if k not in hf]
         if missing:
             raise ValueError(f"config.json lacks the field(s) {missing}; it does not describe a decoder llminfer can run")
-        rope_params = dict(hf.get("rope_parameters") or {})
-        rope_scaling = hf.get("rope_scaling") or None
-        if rope_scaling is None and rope_params.get("rope_type", "default") not in ("default", None):
-            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        if rope_scaling is not None:
-            rope_scaling = dict(rope_scaling)
-            kind = rope_scaling.pop("type", None) or rope_scaling.get("rope_type")
-            rope_scaling["rope_type"] = kind
-            if kind == "default":
-                rope_scaling = None
-        rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        defaults = HF_DEFAULTS[model_type]
+
+        hidden_act = hf.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"config.json field 'hidden_act' is {hidden_act!r}; llminfer's MLP is SwiGLU and "
+                             "supports only 'silu'")
+        if _parse_bool("mlp_bias", hf.get("mlp_bias", False)):
+            raise ValueError("config.json field 'mlp_bias' is true: the MLP's gate/up/down projections carry biases, "
+                             "which llminfer's MLP does not have; models with mlp_bias=false run")
+        attention_bias = _parse_bool("attention_bias", hf.get("attention_bias", False))
+        if model_type == "llama" and attention_bias:
+            raise ValueError("config.json field 'attention_bias' is true for a llama model: that puts a bias on "
+                             "q_proj, k_proj, v_proj and o_proj, and llminfer has no o_proj bias; models with "
+                             "attention_bias=false (or Qwen2, whose bias is on q, k and v only) run")
+        # transformers reads attention_bias for Llama only: Qwen2 always has q/k/v biases, Mistral never does.
+        qkv_bias = model_type == "qwen2"
+        tie_embeddings = _parse_bool("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+
         n_heads = hf["num_attention_heads"]
+        _check_count("config.json field 'num_attention_heads'", n_heads)
+        n_kv_heads = hf.get("num_key_value_heads")
+        if n_kv_heads is None:
+            n_kv_heads = n_heads                         # no GQA: one K/V head per query head
+        max_seq_len = hf.get("max_position_embeddings", defaults["max_position_embeddings"])
+        _check_count("config.json field 'max_position_embeddings'", max_seq_len)
+        _refuse_sliding_window(hf, model_type, max_seq_len)
+
+        rope_params = hf.get("rope_parameters") or {}
+        if not isinstance(rope_params, dict):
+            raise ValueError(f"config.json field 'rope_parameters' must be an object, got {rope_params!r}")
+        rope_scaling = hf.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") not in ("default", None):
+            rope_scaling = rope_params
+        rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        norm_eps = hf.get("rms_norm_eps", defaults["rms_norm_eps"])
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-        qkv_bias = hf.get("attention_bias", model_type == "qwen2")
         return cls(
             vocab_size=hf["vocab_size"],
             dim=hf["hidden_size"],
             n_layers=hf["num_hidden_layers"],
             n_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            n_kv_heads=n_kv_heads,
             hidden_dim=hf["intermediate_size"],
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-            max_seq_len=hf.get("max_position_embeddings", 2048),
-            norm_eps=hf.get("rms_norm_eps", 1e-5),
-            rope_theta=float(rope_theta),
+            head_dim=hf.get("head_dim"),                 # None: derived as hidden_size // num_attention_heads
+            max_seq_len=max_seq_len,
+            norm_eps=float(norm_eps) if _is_number(norm_eps) else norm_eps,
+            rope_theta=float(rope_theta) if _is_number(rope_theta) else rope_theta,
             rope_scaling=rope_scaling,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=bool(qkv_bias),
+            tie_embeddings=tie_embeddings,
+            qkv_bias=qkv_bias,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
             model_type=model_type,
+            attn_backend=hf.get("llminfer_attn_backend", "sdpa"),
         )
 
     def to_hf(self) -> dict:
@@ -155,7 +302,46 @@ class ModelConfig:
         if self.model_type == "llama":
             hf["attention_bias"] = self.qkv_bias
             hf["mlp_bias"] = False
+        else:
+            hf["sliding_window"] = None                  # every layer attends over the whole prefix
+        if self.model_type == "qwen2":
+            hf["use_sliding_window"] = False
         return hf
+
+
+def _refuse_sliding_window(hf: dict, model_type: str, max_seq_len: int) -> None:
+    """Raise ValueError if config.json makes any layer attend over a sliding window (transformers' reading of it)."""
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or any(kind != "full_attention" for kind in layer_types):
+            raise ValueError(f"config.json field 'layer_types' is {layer_types!r}; llminfer runs full causal "
+                             "attention in every layer, so every entry must be 'full_attention'")
+    if model_type == "llama":
+        return                                           # Llama has no sliding window; transformers ignores the key
+    window = hf.get("sliding_window", HF_DEFAULTS[model_type]["sliding_window"])
+    if model_type == "qwen2":
+        in_use = _parse_bool("use_sliding_window", hf.get("use_sliding_window", False))
+        where = "use_sliding_window is true"
+    else:
+        in_use = True
+        where = "Mistral applies it whenever it is not null"
+    if not in_use or window is None:
+        return
+    if not _is_count(window):
+        raise ValueError(f"config.json field 'sliding_window' must be null or a positive integer, got {window!r}")
+    if window >= max_seq_len:
+        return                                           # a window as long as the context never cuts anything off
+    if model_type == "qwen2":
+        n_layers = hf["num_hidden_layers"]
+        first = hf.get("max_window_layers", HF_DEFAULTS["qwen2"]["max_window_layers"])
+        if _is_count(n_layers) and isinstance(first, int) and first >= n_layers:
+            return                                       # Qwen2 slides only layers >= max_window_layers: none here
+        where += f" and max_window_layers={first!r} < num_hidden_layers={n_layers!r}"
+    raise ValueError(
+        f"config.json field 'sliding_window' is {window} and {where}, so layers attend only to their last {window} "
+        f"positions; llminfer attends over the whole causal prefix in every layer and would compute different "
+        f"logits past position {window}. Sliding-window attention is not supported: use a config with "
+        f"sliding_window null (or use_sliding_window false), or cap max_position_embeddings at {window}")
 
 
 def _llama3_scaling(factor: float, original: int = 8192) -> dict:
