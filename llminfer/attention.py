@@ -9,11 +9,13 @@ a decode step against a cache (T_q = 1, which sees every key).
 from __future__ import annotations
 
 import math
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attention", "fast_attention", "causal_mask", "repeat_kv", "softmax"]
+__all__ = ["attention", "fast_attention", "causal_mask", "repeat_kv", "softmax",
+           "AttentionBackend", "register_backend", "get_backend", "backends"]
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -59,10 +61,11 @@ def softmax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float | None = None, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (output, weights): scores = q·kᵀ·scale, mask, softmax, weights·v, step by step. Chapter 02.
 
     `scale=None` is the standard 1/√head_dim; the worked example in chapter 02 uses scale=1.
+    `mask` (boolean, broadcastable to (…, T_q, T_k), True = may attend) replaces the causal rule.
     """
     _check_shapes(q, k, v)
     if q.dim() == 4:
@@ -71,7 +74,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     scores = (q @ k.transpose(-2, -1)) * scale                # (…, T_q, T_k)  how well each query matches each key
-    if causal:
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))     # positions the caller hides
+    elif causal:
         allowed = causal_mask(q.shape[-2], k.shape[-2], device=q.device)
         scores = scores.masked_fill(~allowed, float("-inf"))  # the future is invisible
     weights = softmax(scores.float(), dim=-1).to(q.dtype)    # (…, T_q, T_k)  each row sums to 1
@@ -80,16 +85,61 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
 
 def fast_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Returns the same output as `attention`, through F.scaled_dot_product_attention (no weights). Chapter 02."""
     t_q, t_k = q.shape[-2], k.shape[-2]
     gqa = q.dim() == 4 and q.shape[1] != k.shape[1]
-    mask = None
     is_causal = False
-    if causal and t_q > 1:
+    if mask is not None:
+        pass                                    # the caller's mask decides (e.g. a static cache's unwritten tail)
+    elif causal and t_q > 1:
         if t_q == t_k:
             is_causal = True                    # the kernel's own top-left mask is the right one here
         else:
             mask = causal_mask(t_q, t_k, device=q.device)
     # (a single query, or causal=False, needs no mask: it sees every key)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+
+
+# --- Backends by name -------------------------------------------------------------------------------
+# The model calls attention through a name so that a new kernel (chapter 07's Triton FlashAttention,
+# chapter 06's paged attention) plugs in by registering itself; model.py never changes.
+
+
+class AttentionBackend(Protocol):
+    """fn(q (B, H, T_q, D), k, v (B, H_kv, T_k, D), causal, mask=None, scale=None) -> (B, H, T_q, D)."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                 mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor: ...
+
+
+def _explicit_backend(q, k, v, causal=True, mask=None, scale=None):
+    return attention(q, k, v, causal=causal, scale=scale, mask=mask)[0]
+
+
+_BACKENDS: dict[str, Callable] = {"explicit": _explicit_backend, "sdpa": fast_attention}
+
+
+def register_backend(name: str, fn: Callable, replace: bool = False) -> None:
+    """Makes `fn` (an AttentionBackend) selectable as attn_backend=name. Chapter 07."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an attention backend needs a non-empty string name, got {name!r}")
+    if not callable(fn):
+        raise ValueError(f"attention backend {name!r} must be callable, got {type(fn).__name__}")
+    if name in _BACKENDS and not replace and _BACKENDS[name] is not fn:
+        raise ValueError(f"an attention backend called {name!r} is already registered; "
+                         "pass replace=True to swap it")
+    _BACKENDS[name] = fn
+
+
+def get_backend(name: str) -> Callable:
+    """Returns the attention backend registered as `name` ('explicit', 'sdpa', ...). Chapter 02."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; registered: {', '.join(sorted(_BACKENDS))}. "
+                         "Import the module that registers it first (e.g. llminfer.kernels for 'flash')")
+    return _BACKENDS[name]
+
+
+def backends() -> list[str]:
+    """Returns the names of the registered attention backends."""
+    return sorted(_BACKENDS)

@@ -7,7 +7,10 @@ the bytes it has to read (memory-bound). Nothing here touches a tensor.
     matmul_params(cfg)                       weights that multiply every token
     forward_flops(cfg, n_tokens, start_pos)  FLOPs of one forward over n_tokens new positions
     prefill_flops(cfg, prompt_len)           FLOPs of the prefill (logits of the last position only)
-    decode_step_bytes(cfg, context_len, ...) bytes one decode step reads: weights + K/V cache
+    decode_step_flops(cfg, cached_len=n)     FLOPs of one decode step after n cached positions
+    decode_step_bytes(cfg, cached_len=n, dtype_bytes=b)  bytes it reads: weights + K/V of n + 1 positions
+    kv_cache_bytes(cfg, seq_len, dtype_bytes)   the K/V a cache of seq_len positions holds
+    activation_bytes(cfg, n_tokens, dtype_bytes)  peak activations of one forward
     decode_bytes(cfg, prompt_len, new_tokens) bytes read by a whole cached decode
     cache_vs_recompute_flops(cfg, prompt_len, new_tokens)  the chapter 04 prediction
     roofline_seconds(flops, nbytes, flops_per_s, bytes_per_s)  the slower of the two limits
@@ -20,12 +23,13 @@ vocab_size, dim, n_layers, n_heads, n_kv_heads, hidden_dim and head_dim.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 __all__ = [
     "head_dim_of", "layer_matmul_params", "matmul_params", "weight_bytes",
     "attention_flops", "forward_flops", "prefill_flops", "decode_step_flops",
-    "kv_bytes_per_token", "decode_step_bytes", "decode_bytes",
+    "kv_bytes_per_token", "kv_cache_bytes", "activation_bytes", "decode_step_bytes", "decode_bytes",
     "CacheVsRecompute", "cache_vs_recompute_flops", "roofline_seconds",
 ]
 
@@ -94,9 +98,25 @@ def prefill_flops(cfg, prompt_len: int, batch_size: int = 1) -> int:
     return forward_flops(cfg, prompt_len, 0, logits_positions=1, batch_size=batch_size)
 
 
-def decode_step_flops(cfg, context_len: int, batch_size: int = 1) -> int:
-    """Returns the FLOPs of one cached decode step whose new token sits at position context_len. Chapter 04."""
-    return forward_flops(cfg, 1, context_len, logits_positions=1, batch_size=batch_size)
+def _cached_len(cached_len, context_len, offset: int, fn: str) -> int:
+    """Resolves the deprecated context_len argument to cached_len (positions already in the cache)."""
+    if context_len is not None:
+        warnings.warn(f"{fn}(context_len=...) is deprecated; pass cached_len (the positions already cached, "
+                      "so the new token sits at position cached_len)", DeprecationWarning, stacklevel=3)
+        if cached_len is not None:
+            raise ValueError(f"{fn}: pass cached_len or context_len, not both")
+        cached_len = context_len + offset
+    if cached_len is None:
+        raise TypeError(f"{fn}() needs cached_len")
+    return cached_len
+
+
+def decode_step_flops(cfg, context_len: int | None = None, batch_size: int = 1, *, cached_len: int | None = None) -> int:
+    """Returns the FLOPs of one cached decode step after cached_len positions (the new one at cached_len). Chapter 04."""
+    cached_len = _cached_len(cached_len, context_len, 0, "decode_step_flops")
+    if cached_len < 0:
+        raise ValueError(f"cached_len={cached_len} must be >= 0")
+    return forward_flops(cfg, 1, cached_len, logits_positions=1, batch_size=batch_size)
 
 
 def kv_bytes_per_token(cfg, dtype_bytes: int) -> int:
@@ -104,14 +124,30 @@ def kv_bytes_per_token(cfg, dtype_bytes: int) -> int:
     return 2 * cfg.n_layers * cfg.n_kv_heads * head_dim_of(cfg) * dtype_bytes
 
 
-def decode_step_bytes(cfg, context_len: int, dtype_bytes: int, batch_size: int = 1) -> int:
-    """Returns the bytes one decode step reads: the weights once, plus each sequence's K/V cache. Chapter 04.
+def kv_cache_bytes(cfg, seq_len: int, dtype_bytes: int, batch_size: int = 1) -> int:
+    """Returns the bytes of a K/V cache: 2 · layers · kv_heads · head_dim · seq_len · batch · bytes. Chapter 04."""
+    if seq_len < 0 or batch_size < 1:
+        raise ValueError(f"seq_len must be >= 0 and batch_size >= 1; got seq_len={seq_len}, batch_size={batch_size}")
+    return batch_size * seq_len * kv_bytes_per_token(cfg, dtype_bytes)
 
-    context_len is the number of positions attended to, the new one included.
-    """
-    if context_len < 1 or batch_size < 1:
-        raise ValueError(f"context_len={context_len}, batch_size={batch_size}: both must be >= 1")
-    return weight_bytes(cfg, dtype_bytes) + batch_size * context_len * kv_bytes_per_token(cfg, dtype_bytes)
+
+def activation_bytes(cfg, n_tokens: int, dtype_bytes: int, batch_size: int = 1) -> int:
+    """Returns the peak activations of one forward over n_tokens: a few (T, dim) and (T, hidden) tensors
+    alive at once, plus one float32 row of logits per sequence. Chapter 04."""
+    return (batch_size * n_tokens * (4 * cfg.dim + 2 * cfg.hidden_dim) * dtype_bytes
+            + batch_size * cfg.vocab_size * 4)
+
+
+def decode_step_bytes(cfg, context_len: int | None = None, dtype_bytes: int | None = None, batch_size: int = 1, *,
+                      cached_len: int | None = None) -> int:
+    """Returns the bytes one decode step after cached_len positions reads: the weights once, plus each
+    sequence's K/V for cached_len + 1 positions (the new one included). Chapter 04."""
+    cached_len = _cached_len(cached_len, context_len, -1, "decode_step_bytes")
+    if dtype_bytes is None:
+        raise TypeError("decode_step_bytes() needs dtype_bytes")
+    if cached_len < 0 or batch_size < 1:
+        raise ValueError(f"cached_len={cached_len}, batch_size={batch_size}: need cached_len >= 0, batch_size >= 1")
+    return weight_bytes(cfg, dtype_bytes) + batch_size * (cached_len + 1) * kv_bytes_per_token(cfg, dtype_bytes)
 
 
 def decode_bytes(cfg, prompt_len: int, new_tokens: int, dtype_bytes: int, batch_size: int = 1) -> int:
@@ -119,7 +155,7 @@ def decode_bytes(cfg, prompt_len: int, new_tokens: int, dtype_bytes: int, batch_
 
     Step i (0-based) writes position prompt_len + i and attends to prompt_len + i + 1 positions.
     """
-    return sum(decode_step_bytes(cfg, prompt_len + i + 1, dtype_bytes, batch_size)
+    return sum(decode_step_bytes(cfg, cached_len=prompt_len + i, dtype_bytes=dtype_bytes, batch_size=batch_size)
                for i in range(new_tokens))
 
 
@@ -144,7 +180,7 @@ def cache_vs_recompute_flops(cfg, prompt_len: int, new_tokens: int,
     if prompt_len < 1 or new_tokens < 1:
         raise ValueError(f"prompt_len={prompt_len}, new_tokens={new_tokens}: both must be >= 1")
     first = prefill_flops(cfg, prompt_len)
-    cached = first + sum(decode_step_flops(cfg, prompt_len + t - 1) for t in range(1, new_tokens))
+    cached = first + sum(decode_step_flops(cfg, cached_len=prompt_len + t - 1) for t in range(1, new_tokens))
     recompute = first
     for t in range(1, new_tokens):
         length = prompt_len + t

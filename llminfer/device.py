@@ -71,10 +71,10 @@ def free_memory_bytes(device) -> int:
     return UNKNOWN_FREE_BYTES
 
 
-def check_fits(nbytes: int, device, what: str, fraction: float = 0.8) -> None:
+def check_fits(nbytes: int, device, what: str, fraction: float = 0.8, fix: str = "choose a smaller size") -> None:
     """Raises MemoryError, before allocating, if nbytes is more than `fraction` of the free memory on device."""
     free = free_memory_bytes(device)
     if nbytes > fraction * free:
         raise MemoryError(
             f"{what} needs {nbytes / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free on "
-            f"{as_device(device)} (limit {fraction:.0%} of free); choose a smaller size")
+            f"{as_device(device)} (limit {fraction:.0%} of free); {fix}")

@@ -3,72 +3,153 @@
 With the cache: one forward over the prompt (prefill), then one single-token forward per new token
 (decode). Without it: a forward over *all* tokens so far at every step, recomputing every earlier
 token's K and V — the waste that chapter 03 counts and chapter 04 removes.
+
+Every loop in the package that makes tokens (this one, the CUDA-graph decoder, the benchmark's
+contenders, the latency widget) returns a `GenerationResult` timed by a `TokenTimer`, so their
+numbers mean the same thing. The names follow vLLM's benchmark: TTFT is the time to the first
+token, ITL each gap between consecutive tokens, TPOT (end-to-end − TTFT) / (tokens − 1), E2E the
+time to the last token.
 """
 from __future__ import annotations
 
-import statistics
+import math
+import numbers
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from .kv_cache import KVCache
+from . import costs
+from .device import check_fits, dtype_bytes, synchronize
+from .kv_cache import Cache
 from .model import Transformer
-from .timing import synchronize
 
-__all__ = ["GenerationResult", "prefill", "decode_step", "generate", "sample_next", "synchronize"]
+__all__ = ["GenerationResult", "TokenTimer", "prefill", "decode_step", "generate", "sample_next",
+           "check_sampling", "as_token_batch", "synchronize"]
 
 
 @dataclass
 class GenerationResult:
-    """New tokens and when each arrived. Chapter 01."""
+    """New tokens and when each arrived (TTFT, ITL, TPOT, E2E, as vLLM's benchmark names them). Chapter 01."""
 
     token_ids: list                 # list[int] for batch 1, else one list per sequence; EOS included when reached
     ttft_s: float                   # time to first token: the prefill, plus picking the token
-    token_latencies_s: list[float]  # one per decoded token after the first (TPOT / inter-token latency)
-    prompt_len: int
-    use_cache: bool
+    itl_s: list[float]              # inter-token latencies: each gap between consecutive tokens
+    e2e_s: float                    # start to last token
+    num_prompt_tokens: int
+    use_cache: bool = True
     logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # (B, vocab) per step, if asked for
 
     @property
+    def num_output_tokens(self) -> int:
+        """Tokens made (the longest row for a batch)."""
+        return len(self.itl_s) + 1 if self.e2e_s > 0 or self.itl_s else 0
+
+    @property
     def tpot_s(self) -> float:
-        """Median time per output token after the first (nan if only one token was made)."""
-        return statistics.median(self.token_latencies_s) if self.token_latencies_s else float("nan")
+        """Time per output token after the first: (E2E − TTFT) / (tokens − 1); nan with one token."""
+        n = self.num_output_tokens
+        return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else float("nan")
+
+    @property
+    def prompt_len(self) -> int:
+        return self.num_prompt_tokens
+
+    @property
+    def token_latencies_s(self) -> list[float]:
+        warnings.warn("GenerationResult.token_latencies_s is deprecated; use itl_s", DeprecationWarning, stacklevel=2)
+        return self.itl_s
 
     @property
     def total_s(self) -> float:
-        return self.ttft_s + sum(self.token_latencies_s)
+        warnings.warn("GenerationResult.total_s is deprecated; use e2e_s", DeprecationWarning, stacklevel=2)
+        return self.e2e_s
 
 
-def prefill(model: Transformer, input_ids: torch.Tensor, cache: KVCache, start_pos: int = 0) -> torch.Tensor:
-    """One forward over the whole prompt, filling the cache; returns the last position's logits (B, vocab). Chapter 01."""
-    return model(input_ids, cache=cache, start_pos=start_pos, last_only=True)[:, -1]
+class TokenTimer:
+    """Timestamps tokens as they become visible on the host; builds the GenerationResult. Chapter 01."""
+
+    def __init__(self, device):
+        self.device = device
+        self.start_s = 0.0
+        self.stamps_s: list[float] = []
+
+    def start(self) -> None:
+        """Waits for queued work, then starts the clock (the request's arrival)."""
+        synchronize(self.device)
+        self.start_s = time.perf_counter()
+        self.stamps_s = []
+
+    def token(self) -> None:
+        """Waits for the step that made a token, then records when it is ready."""
+        synchronize(self.device)
+        self.stamps_s.append(time.perf_counter())
+
+    def result(self, token_ids: list, num_prompt_tokens: int, use_cache: bool = True,
+               logits: list | None = None) -> GenerationResult:
+        """The tokens with their TTFT, ITL and E2E."""
+        stamps = self.stamps_s
+        ttft = stamps[0] - self.start_s if stamps else 0.0
+        itl = [b - a for a, b in zip(stamps, stamps[1:])]
+        e2e = stamps[-1] - self.start_s if stamps else 0.0
+        return GenerationResult(token_ids, ttft, itl, e2e, num_prompt_tokens, use_cache, logits or [])
 
 
-def decode_step(model: Transformer, token_ids: torch.Tensor, cache: KVCache, start_pos: int) -> torch.Tensor:
-    """One new token per sequence against the cache; returns its logits (B, vocab). Chapter 01."""
-    if token_ids.dim() == 1:
-        token_ids = token_ids[:, None]                                  # (B, 1)
-    return model(token_ids, cache=cache, start_pos=start_pos)[:, -1]
+# --- validation: every user value checked before any compute -------------------------------------------
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+def check_sampling(max_new_tokens: int = 1, temperature: float = 0.0, top_k: int | None = None,
+                   top_p: float | None = None) -> None:
+    """Raise ValueError naming the first sampling setting that cannot work. Chapter 01."""
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
-    if top_p is not None and not (0.0 < top_p <= 1.0):
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)
+                              or not 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
 
 
-def _as_batch(input_ids) -> torch.Tensor:
+def _check_eos(eos_token_id, vocab_size: int) -> None:
+    if eos_token_id is None:
+        return
+    if not _is_int(eos_token_id):
+        raise ValueError(f"eos_token_id must be an integer token id or None, got {eos_token_id!r}")
+    if not 0 <= eos_token_id < vocab_size:
+        raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary of {vocab_size} ids "
+                         f"(0..{vocab_size - 1}), so generation would never stop on it; pass the tokenizer's "
+                         "eos_token_id")
+
+
+def as_token_batch(input_ids) -> torch.Tensor:
+    """Returns the ids as a (B, T) long tensor; refuses text, empty prompts and non-integer values. Chapter 01."""
     if isinstance(input_ids, torch.Tensor):
         ids = input_ids
-    elif isinstance(input_ids, Sequence) and not isinstance(input_ids, str):
-        ids = torch.tensor(input_ids, dtype=torch.long)
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise ValueError(f"input_ids must hold integer token ids, got a {ids.dtype} tensor; "
+                             "pass torch.long ids (from tokenizer.encode)")
+    elif isinstance(input_ids, Sequence) and not isinstance(input_ids, (str, bytes)):
+        rows = input_ids if input_ids and isinstance(input_ids[0], Sequence) else [input_ids]
+        for row in rows:
+            if isinstance(row, (str, bytes)):
+                raise ValueError("input_ids must be token ids, got text; encode text first with tokenizer.encode(text)")
+            for value in row:
+                if not _is_int(value):
+                    raise ValueError(f"input_ids must hold integer token ids, got {value!r} "
+                                     f"({type(value).__name__}); pass ids from tokenizer.encode(text)")
+        try:
+            ids = torch.tensor(input_ids, dtype=torch.long)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"input_ids rows must all have the same length ({exc})") from None
     else:
         raise ValueError(f"input_ids must be a list of token ids or a tensor, got {type(input_ids).__name__}; "
                          "encode text first with tokenizer.encode(text)")
@@ -79,9 +160,42 @@ def _as_batch(input_ids) -> torch.Tensor:
     return ids.long()
 
 
+# --- the two phases -----------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def prefill(model: Transformer, input_ids: torch.Tensor, cache: Cache) -> torch.Tensor:
+    """One forward over the prompt, writing its K/V after the cache's length; returns the last logits (B, vocab). Chapter 01."""
+    ids = as_token_batch(input_ids)
+    model.check_token_ids(ids)
+    return model(ids, cache=cache, last_only=True)[:, -1]
+
+
+@torch.inference_mode()
+def decode_step(model: Transformer, token_ids: torch.Tensor, cache: Cache, start_pos: int | None = None,
+                check_ids: bool = True) -> torch.Tensor:
+    """One new token per sequence at position cache.length; returns its logits (B, vocab). Chapter 01.
+
+    check_ids=False skips the vocabulary check (a host sync) for ids the loop sampled itself.
+    """
+    if not isinstance(token_ids, torch.Tensor):
+        token_ids = as_token_batch(token_ids).view(-1)
+    if token_ids.dim() == 1:
+        token_ids = token_ids[:, None]                                  # (B, 1)
+    if start_pos is not None:
+        warnings.warn("decode_step(start_pos=...) is deprecated: the cache owns its length", DeprecationWarning,
+                      stacklevel=3)
+        if start_pos != cache.length:
+            raise ValueError(f"start_pos={start_pos} but the cache holds {cache.length} positions, so the token goes "
+                             f"at position {cache.length}; drop start_pos, or call cache.truncate({start_pos}) first")
+    if check_ids:
+        model.check_token_ids(token_ids)
+    return model(token_ids, cache=cache)[:, -1]
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """Next token ids (B,) from logits (B, vocab): argmax when temperature is 0, else a filtered sample. Chapter 01."""
+    check_sampling(1, temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -99,13 +213,28 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-@torch.no_grad()
+def _check_memory(model: Transformer, batch: int, prompt_len: int, max_new_tokens: int, use_cache: bool) -> None:
+    config, element = model.config, dtype_bytes(model.dtype)
+    context = prompt_len + max_new_tokens
+    kv = costs.kv_cache_bytes(config, max(context - 1, prompt_len), element, batch) if use_cache else 0
+    widest = prompt_len if use_cache else context                       # the longest forward
+    activations = costs.activation_bytes(config, widest, element, batch)
+    check_fits(kv + activations, model.device,
+               f"generating {max_new_tokens} tokens after a ({batch}, {prompt_len}) prompt "
+               f"({kv / 2**30:.2f} GiB of KV cache + {activations / 2**30:.2f} GiB of activations)",
+               fix="use a smaller batch, a shorter prompt or fewer new tokens")
+
+
+@torch.inference_mode()
 def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache: bool = True,
              eos_token_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, return_logits: bool = False) -> GenerationResult:
     """Generate up to max_new_tokens after the prompt; returns the tokens and their timings. Chapter 01."""
-    _check_sampling(max_new_tokens, temperature, top_k, top_p)
-    ids = _as_batch(input_ids)
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    _check_eos(eos_token_id, model.config.vocab_size)
+    if seed is not None and not _is_int(seed):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+    ids = as_token_batch(input_ids)
     batch, prompt_len = ids.shape
     limit = model.config.max_seq_len
     if prompt_len + max_new_tokens > limit:
@@ -114,10 +243,11 @@ def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache:
             f"positions exceed the model's max_seq_len={limit}; pass max_new_tokens <= {max(limit - prompt_len, 0)} "
             "or shorten the prompt"
         )
-    cache = model.new_cache(batch, max_seq_len=max(prompt_len + max_new_tokens - 1, prompt_len)) if use_cache else None
-    model.check_input(ids, cache, 0)                        # ids in the vocabulary, cache big enough: before compute
+    model.check_token_ids(ids)                              # the one vocabulary check, before the cache is made
+    _check_memory(model, batch, prompt_len, max_new_tokens, use_cache)
     device = model.device
     ids = ids.to(device)
+    cache = model.new_cache(batch, max_seq_len=max(prompt_len + max_new_tokens - 1, prompt_len)) if use_cache else None
     generator = None
     if temperature > 0:
         generator = torch.Generator(device=device)
@@ -126,20 +256,16 @@ def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache:
     new_tokens = torch.empty(batch, max_new_tokens, dtype=torch.long, device=device)  # (B, N)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     all_logits: list[torch.Tensor] = []
-    latencies: list[float] = []
-    ttft = 0.0
+    timer = TokenTimer(device)
     n_made = 0
-    synchronize(device)
-    clock = time.perf_counter()
+    timer.start()
     context = ids                                           # (B, T) grows without a cache
     for step in range(max_new_tokens):
         if use_cache:
-            if step == 0:
-                logits = model.forward_unchecked(ids, cache, 0, last_only=True)[:, -1]     # prefill
-            else:
-                logits = model.forward_unchecked(new_tokens[:, step - 1:step], cache, prompt_len + step - 1)[:, -1]
+            logits = (prefill(model, ids, cache) if step == 0
+                      else decode_step(model, new_tokens[:, step - 1], cache, check_ids=False))
         else:
-            logits = model.forward_unchecked(context, None, 0, last_only=True)[:, -1]     # recompute everything
+            logits = model(context, last_only=True)[:, -1]  # recompute everything
         token = sample_next(logits, temperature, top_k, top_p, generator)                  # (B,)
         if eos_token_id is not None:
             token = torch.where(finished, torch.full_like(token, eos_token_id), token)
@@ -151,24 +277,11 @@ def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache:
             all_logits.append(logits.float().cpu())
         n_made = step + 1
         done = eos_token_id is not None and bool(finished.all())   # reading the flag waits for the GPU
-        synchronize(device)
-        now = time.perf_counter()
-        if step == 0:
-            ttft = now - clock
-        else:
-            latencies.append(now - clock)
-        clock = now
+        timer.token()
         if done:
             break
 
     rows = new_tokens[:, :n_made].tolist()
     if eos_token_id is not None:
         rows = [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
-    return GenerationResult(
-        token_ids=rows[0] if batch == 1 else rows,
-        ttft_s=ttft,
-        token_latencies_s=latencies,
-        prompt_len=prompt_len,
-        use_cache=use_cache,
-        logits=all_logits,
-    )
+    return timer.result(rows[0] if batch == 1 else rows, prompt_len, use_cache, all_logits)

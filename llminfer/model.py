@@ -6,16 +6,19 @@ checkpoint maps onto this module name for name.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import fast_attention
+from .attention import get_backend
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import Cache, KVCache
 
 __all__ = ["Transformer", "RMSNorm", "rope_frequencies", "apply_rope"]
+
+_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 class RMSNorm(nn.Module):
@@ -57,7 +60,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (i, i + d/2) pair of x (B, H, T, D) by its position's angle; cos, sin are (T, D). Chapter 02."""
+    """Rotate each (i, i + d/2) pair of x (B, H, T, D) by its position's angle; cos, sin are (T, D) or (B, 1, T, D). Chapter 02."""
     return x * cos + _rotate_half(x) * sin
 
 
@@ -74,16 +77,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None, start_pos: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache | None,
+                backend) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         q = self.q_proj(x).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
         k = self.k_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         v = self.v_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)   # the cache stores keys *after* RoPE
         if cache is not None:
-            k, v = cache.update(self.layer_idx, start_pos, k, v)  # (B, H_kv, start_pos + T, D): the whole prefix
-        out = fast_attention(q, k, v, causal=True)                # (B, H, T, D)
+            out = cache.attend(self.layer_idx, q, k, v, backend)  # writes k, v; attends over the whole prefix
+        else:
+            out = backend(q, k, v, causal=True)                   # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.n_heads * self.head_dim))
 
 
@@ -110,15 +114,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache, start_pos):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos)
+    def forward(self, x, cos, sin, cache, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):
-    """A Llama-family decoder; `forward(input_ids, cache=None, start_pos=0)` returns logits. Chapter 01."""
+    """A Llama-family decoder; `forward(input_ids, positions=None, cache=None)` returns logits. Chapter 01."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, attn_backend: str | None = None):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
@@ -128,6 +132,7 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.set_attention_backend(attn_backend or getattr(config, "attn_backend", "sdpa"))
 
     @property
     def device(self) -> torch.device:
@@ -136,6 +141,12 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    def set_attention_backend(self, name: str) -> "Transformer":
+        """Attention runs through the backend registered as `name` ('sdpa', 'explicit', ...); returns self."""
+        self.attn_backend = name
+        self._backend = get_backend(name)        # an unknown name is refused here, not at the first forward
+        return self
 
     def new_cache(self, batch_size: int = 1, max_seq_len: int | None = None) -> KVCache:
         """A preallocated KVCache on this model's device and dtype. Chapter 04."""
@@ -153,52 +164,96 @@ class Transformer(nn.Module):
             self._rope_cache = cached
         return cached
 
-    def check_input(self, input_ids: torch.Tensor, cache: KVCache | None, start_pos: int) -> None:
-        """Raise ValueError, before any compute, for ids or positions this model cannot take."""
+    def check_input(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                    cache: Cache | None = None) -> None:
+        """Raise ValueError, before any compute, for input this model cannot take. No host sync: ids are
+        checked against the vocabulary where they come from the user (`generate`, `check_token_ids`)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"input_ids must be a (batch, seq_len) tensor of token ids, got {shape}; "
                              "wrap a single sequence as torch.tensor([ids])")
-        if input_ids.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
-            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.dtype not in _INTEGER_DTYPES:
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; "
+                             "pass a torch.long tensor")
         batch, seq_len = input_ids.shape
         if seq_len == 0:
             raise ValueError("the prompt must hold at least one token, got 0")
-        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if positions is not None:
+            if not isinstance(positions, torch.Tensor) or positions.dtype not in _INTEGER_DTYPES:
+                raise ValueError(f"positions must be an integer tensor of shape (T,) or (B, T), got "
+                                 f"{getattr(positions, 'dtype', type(positions).__name__)}")
+            if positions.shape[-1] != seq_len or positions.dim() not in (1, 2) or \
+                    (positions.dim() == 2 and positions.shape[0] != batch):
+                raise ValueError(f"positions has shape {tuple(positions.shape)} but input_ids is {tuple(input_ids.shape)};"
+                                 f" pass ({seq_len},) or ({batch}, {seq_len})")
+        start = cache.length if cache is not None and positions is None else 0
+        if positions is None and start + seq_len > self.config.max_seq_len:
+            raise ValueError(f"{start + seq_len} positions ({start} cached + {seq_len} new tokens) exceed the "
+                             f"model's max_seq_len={self.config.max_seq_len}; shorten the input")
+
+    def check_token_ids(self, input_ids: torch.Tensor) -> None:
+        """Raise ValueError if any id lies outside the vocabulary (one host sync: call it once per request)."""
+        lo, hi = torch.aminmax(input_ids.detach())
+        lo, hi = int(lo), int(hi)
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(f"token id {bad} is outside the vocabulary of {self.config.vocab_size} ids "
                              f"(valid ids are 0..{self.config.vocab_size - 1}); was the text encoded by this "
                              "model's own tokenizer?")
-        end = start_pos + seq_len
-        if end > self.config.max_seq_len:
-            raise ValueError(f"{end} positions (start_pos={start_pos} + {seq_len} tokens) exceed the model's "
-                             f"max_seq_len={self.config.max_seq_len}; shorten the input")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache: Cache | None = None,
+                last_only: bool = False, **deprecated) -> torch.Tensor:
+        """Logits (B, T, vocab), or (B, 1, vocab) with last_only; writes K/V into `cache`. Chapter 01.
+
+        The one forward: prefill (T prompt tokens), decode (T = 1), verification of T guessed tokens,
+        CUDA-graph capture (a static cache and a positions tensor) and the paged engine all call it.
+        positions=None continues from the cache's length (or from 0 without a cache).
+        """
+        if deprecated:
+            positions = self._legacy_start_pos(deprecated, positions, cache, input_ids)
+        self.check_input(input_ids, positions, cache)
+        input_ids = input_ids.to(self.device)
+        batch, seq_len = input_ids.shape
+        # the RoPE table must reach the last position: known without a sync unless positions are explicit
+        end = (cache.length if cache is not None else 0) + seq_len if positions is None else self.config.max_seq_len
         if cache is not None:
-            cache.check_write(start_pos, seq_len, batch)
-        elif start_pos != 0:
-            raise ValueError(f"start_pos={start_pos} needs a cache holding the earlier positions; pass cache=...")
-
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
-                last_only: bool = False) -> torch.Tensor:
-        """Logits (B, T, vocab), or (B, 1, vocab) with last_only; writes K/V into `cache` at start_pos. Chapter 01."""
-        self.check_input(input_ids, cache, start_pos)
-        return self.forward_unchecked(input_ids.to(self.device), cache, start_pos, last_only)
-
-    def forward_unchecked(self, input_ids: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
-                          last_only: bool = False) -> torch.Tensor:
-        """`forward` without the input checks, for the decode loop that has already made them."""
-        seq_len = input_ids.shape[1]
-        cos, sin = self.rope_tables(start_pos + seq_len)
-        cos, sin = cos[start_pos:start_pos + seq_len], sin[start_pos:start_pos + seq_len]  # (T, head_dim)
-        x = self.embed_tokens(input_ids)                                  # (B, T, dim)
+            positions = cache.begin(seq_len, batch, positions)          # (T,) or (B, T): checked, before compute
+        elif positions is None:
+            positions = torch.arange(seq_len, device=self.device)       # (T,)
+        else:
+            positions = positions.to(self.device)
+            lo, hi = (int(p) for p in torch.aminmax(positions))         # explicit positions: checked once
+            if lo < 0 or hi >= self.config.max_seq_len:
+                raise ValueError(f"position {lo if lo < 0 else hi} is outside 0..{self.config.max_seq_len - 1} "
+                                 f"(the model's max_seq_len={self.config.max_seq_len})")
+        cos, sin = self.rope_tables(end)
+        cos, sin = cos[positions], sin[positions]                       # (T, head_dim) or (B, T, head_dim)
+        if positions.dim() == 2:
+            cos, sin = cos[:, None], sin[:, None]                       # (B, 1, T, head_dim): one angle per row
+        x = self.embed_tokens(input_ids)                                # (B, T, dim)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, start_pos)                      # (B, T, dim)
+            x = layer(x, cos, sin, cache, self._backend)                # (B, T, dim)
         if cache is not None:
-            cache.length = start_pos + seq_len
+            cache.end()
         if last_only:
-            x = x[:, -1:]                                                 # (B, 1, dim)
-        return self.lm_head(self.norm(x))                                 # (B, T, vocab)
+            x = x[:, -1:]                                               # (B, 1, dim)
+        return self.lm_head(self.norm(x))                               # (B, T, vocab)
+
+    def _legacy_start_pos(self, deprecated: dict, positions, cache, input_ids) -> torch.Tensor | None:
+        unknown = set(deprecated) - {"start_pos"}
+        if unknown:
+            raise TypeError(f"forward() got unexpected keyword argument(s) {sorted(unknown)}")
+        warnings.warn("forward(start_pos=...) is deprecated: the cache owns its length; pass positions=None "
+                      "(or a positions tensor)", DeprecationWarning, stacklevel=3)
+        start_pos = deprecated["start_pos"]
+        if positions is not None:
+            raise ValueError("pass positions or start_pos, not both")
+        held = cache.length if cache is not None else 0
+        if start_pos != held:
+            raise ValueError(f"start_pos={start_pos} but the cache holds {held} positions; the new tokens go at "
+                             f"position {held}. Drop start_pos (the cache tracks it), or call "
+                             f"cache.truncate({start_pos}) first to overwrite from there")
+        return None
 
     @torch.no_grad()
     def use_decode_layout(self) -> "Transformer":

@@ -6,6 +6,8 @@ import math
 import pytest
 import torch
 
+import llminfer
+
 from llminfer.attention import attention, causal_mask, fast_attention, softmax
 
 # The article's "I love AI" example: one query, three keys, three values, two dimensions.
@@ -76,3 +78,39 @@ def test_bad_shapes_are_named():
         attention(torch.zeros(1, 3, 2, 4), torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4))
     with pytest.raises(ValueError, match="same number of tokens"):
         attention(torch.zeros(1, 4), torch.zeros(2, 4), torch.zeros(3, 4))
+
+
+def test_backends_by_name_give_the_same_model_logits():
+    from small_models import SMALL_CONFIGS, random_model
+    model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
+    ids = torch.randint(0, 101, (2, 33), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        fused = model(ids)
+        model.set_attention_backend("explicit")
+        explicit = model(ids)
+        cache = model.new_cache(2, max_seq_len=40)
+        model(ids[:, :30], cache=cache)
+        stepped = model(ids[:, 30:], cache=cache)
+    torch.testing.assert_close(explicit, fused, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stepped, fused[:, 30:], rtol=1e-5, atol=1e-5)
+    assert {"explicit", "sdpa"} <= set(llminfer.attention.backends())
+
+
+def test_a_backend_chosen_by_config_and_unknown_names_refused():
+    from small_models import SMALL_CONFIGS
+    config = SMALL_CONFIGS["llama-mha-untied"].replace(attn_backend="explicit")
+    assert llminfer.Transformer(config).attn_backend == "explicit"
+    with pytest.raises(ValueError, match="unknown attention backend 'flash-nope'.*registered: explicit"):
+        llminfer.Transformer(SMALL_CONFIGS["llama-mha-untied"], attn_backend="flash-nope")
+    with pytest.raises(ValueError, match="already registered"):
+        llminfer.attention.register_backend("sdpa", lambda *a, **k: None)
+
+
+def test_a_mask_replaces_the_causal_rule_in_both_backends():
+    q, k, v = (torch.randn(1, 2, 3, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    k, v = torch.cat([k, torch.full_like(k, 1e3)], 2), torch.cat([v, torch.full_like(v, 1e3)], 2)   # 3 stale slots
+    mask = torch.arange(6)[None, :] <= torch.tensor([0, 1, 2])[:, None]                             # (3, 6)
+    expected = llminfer.attention.attention(q, k[:, :, :3], v[:, :, :3], causal=True)[0]
+    for name in ("explicit", "sdpa"):
+        got = llminfer.attention.get_backend(name)(q, k, v, causal=False, mask=mask)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -30,7 +30,7 @@ def test_forward_and_prefill_flops_by_hand():
     assert costs.forward_flops(TINY, 3) == 1728 + 240 + 192          # layers + head x3 + attention
     assert costs.prefill_flops(TINY, 3) == 1728 + 80 + 192           # head on the last position only
     assert costs.prefill_flops(TINY, 3, batch_size=2) == 2 * 2000
-    assert costs.decode_step_flops(TINY, 3) == 576 + 80 + 128
+    assert costs.decode_step_flops(TINY, cached_len=3) == 576 + 80 + 128   # the new token at position 3
 
 
 def test_cache_vs_recompute_by_hand():
@@ -55,10 +55,22 @@ def test_decode_bytes_by_hand():
     assert costs.weight_bytes(TINY, 4) == 348 * 4
     # K and V, 2 layers, 1 head of width 2, float32
     assert costs.kv_bytes_per_token(TINY, 4) == 32
-    assert costs.decode_step_bytes(TINY, 5, 4, batch_size=2) == 1392 + 2 * 5 * 32
+    # after 4 cached positions a step reads the K/V of 5 (the new one included)
+    assert costs.decode_step_bytes(TINY, cached_len=4, dtype_bytes=4, batch_size=2) == 1392 + 2 * 5 * 32
     assert costs.decode_bytes(TINY, 3, 2, 4) == (1392 + 4 * 32) + (1392 + 5 * 32)
+    assert costs.kv_cache_bytes(TINY, 7, 4, batch_size=3) == 3 * 7 * 32
     with pytest.raises(ValueError, match="batch_size=0"):
-        costs.decode_step_bytes(TINY, 5, 4, batch_size=0)
+        costs.decode_step_bytes(TINY, cached_len=4, dtype_bytes=4, batch_size=0)
+
+
+def test_one_meaning_per_argument_and_the_old_names_warn():
+    """cached_len means the same in FLOPs and bytes; the old context_len keeps each old meaning, with a warning."""
+    with pytest.warns(DeprecationWarning):
+        assert costs.decode_step_flops(TINY, 3) == costs.decode_step_flops(TINY, cached_len=3)
+    with pytest.warns(DeprecationWarning):
+        assert costs.decode_step_bytes(TINY, 5, 4) == costs.decode_step_bytes(TINY, cached_len=4, dtype_bytes=4)
+    step = costs.decode_step_flops(TINY, cached_len=9) - costs.decode_step_flops(TINY, cached_len=8)
+    assert step == 2 * 2 * TINY.n_layers * TINY.n_heads * costs.head_dim_of(TINY)   # one more key scored and mixed
 
 
 def test_qkv_bias_counts_in_bytes():

@@ -22,7 +22,7 @@ def test_cached_and_uncached_generation_agree(name, prompt_len):
     assert cached.token_ids == uncached.token_ids and len(cached.token_ids) == 12
     diff = max((a - b).abs().max().item() for a, b in zip(cached.logits, uncached.logits))
     assert diff <= 1e-4, f"last-step logits differ by {diff}"
-    assert len(cached.token_latencies_s) == 11 and cached.ttft_s > 0
+    assert len(cached.itl_s) == 11 and cached.ttft_s > 0
 
 
 def test_greedy_tokens_match_transformers_generate(tmp_path):
@@ -53,7 +53,7 @@ def test_generation_stops_at_eos_and_includes_it():
     eos = free[3]
     stopped = llminfer.generate(model, ids, max_new_tokens=10, eos_token_id=eos)
     assert stopped.token_ids == free[: free.index(eos) + 1]
-    assert len(stopped.token_latencies_s) == len(stopped.token_ids) - 1
+    assert len(stopped.itl_s) == len(stopped.token_ids) - 1
 
 
 def test_sampling_is_seeded_and_filters_reduce_to_greedy():
@@ -80,12 +80,16 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
 @pytest.fixture
 def guarded_model(monkeypatch):
-    """A model whose forward fails the test if it runs: errors must come before any compute."""
+    """A model that fails the test if it computes or allocates a cache: errors must come first."""
     model = random_model(SMALL_CONFIGS["llama-mha-untied"])
 
     def no_compute(*args, **kwargs):
         raise AssertionError("the model ran before the bad input was refused")
-    monkeypatch.setattr(model, "forward_unchecked", no_compute)
+
+    def no_cache(*args, **kwargs):
+        raise AssertionError("a KV cache was allocated before the bad input was refused")
+    monkeypatch.setattr(model.embed_tokens, "forward", no_compute)
+    monkeypatch.setattr(model, "new_cache", no_cache)
     return model
 
 
@@ -95,25 +99,119 @@ def guarded_model(monkeypatch):
     ({"input_ids": [1] * 500, "max_new_tokens": 20}, r"500 tokens \+ max_new_tokens=20 = 520 .*max_seq_len=512.*<= 12"),
     ({"input_ids": [1, 2], "max_new_tokens": -1}, "max_new_tokens must be an integer >= 0, got -1"),
     ({"input_ids": [1, 2], "temperature": -0.5}, "temperature must be >= 0.*-0.5"),
+    ({"input_ids": [1, 2], "temperature": float("nan")}, "temperature must be a finite number.*nan"),
+    ({"input_ids": [1, 2], "temperature": float("inf")}, "temperature must be a finite number.*inf"),
+    ({"input_ids": [1, 2], "temperature": "0.7"}, "temperature must be a finite number.*'0.7'"),
+    ({"input_ids": [1, 2], "temperature": None}, "temperature must be a finite number.*None"),
     ({"input_ids": [1, 2], "top_p": 0.0}, r"top_p must lie in \(0, 1\], got 0.0"),
     ({"input_ids": [1, 2], "top_p": 1.5}, r"top_p must lie in \(0, 1\], got 1.5"),
     ({"input_ids": [1, 2], "top_k": 0}, "top_k must be a positive integer"),
+    ({"input_ids": [1, 2], "top_k": True}, "top_k must be a positive integer.*True"),
     ({"input_ids": [1, 97]}, "token id 97 is outside the vocabulary of 97 ids"),
     ({"input_ids": [-3, 1]}, "token id -3 is outside the vocabulary"),
     ({"input_ids": "The capital"}, "encode text first"),
+    ({"input_ids": [1.0, 2.0]}, "integer token ids, got 1.0"),
+    ({"input_ids": [True, False]}, "integer token ids, got True"),
+    ({"input_ids": [1 + 2j]}, "integer token ids"),
+    ({"input_ids": torch.tensor([[1.0, 2.0]])}, "integer token ids, got a torch.float32"),
+    ({"input_ids": torch.tensor([[True, False]])}, "integer token ids, got a torch.bool"),
+    ({"input_ids": torch.tensor([[1 + 0j]])}, "integer token ids, got a torch.complex64"),
+    ({"input_ids": [1, 2], "eos_token_id": 97}, "eos_token_id=97 is outside the vocabulary of 97"),
+    ({"input_ids": [1, 2], "eos_token_id": -1}, "eos_token_id=-1 is outside the vocabulary"),
+    ({"input_ids": [1, 2], "eos_token_id": 2.0}, "eos_token_id must be an integer.*2.0"),
+    ({"input_ids": [1, 2], "eos_token_id": "<eos>"}, "eos_token_id must be an integer.*'<eos>'"),
 ])
 def test_bad_input_is_refused_before_compute(guarded_model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         llminfer.generate(guarded_model, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    ({"temperature": float("nan")}, "finite number"), ({"temperature": None}, "finite number"),
+    ({"temperature": 1.0, "top_k": True}, "top_k"), ({"temperature": 1.0, "top_p": float("nan")}, "top_p"),
+])
+def test_sample_next_validates_its_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        llminfer.sample_next(torch.zeros(1, 5), **kwargs)
+
+
+def test_a_cache_that_cannot_fit_is_refused_before_allocating(monkeypatch):
+    """The refusal depends on the reported free memory, not on the test machine's RAM."""
+    monkeypatch.setattr(llminfer.device, "free_memory_bytes", lambda device: 8 * 2**30)   # an 8 GiB machine
+    model = llminfer.load_random("smollm2-135m", max_seq_len=10**6)
+    with pytest.raises(MemoryError, match=r"KV cache .* needs 42\.92 GiB but only 8\.00 GiB is free"):
+        model.new_cache()
+    # generate on a (2048, 128) batch with 64 new tokens: ids checked, then the memory, then nothing allocated
+    ids = torch.zeros(2048, 128, dtype=torch.long)
+    with pytest.raises(MemoryError, match=r"generating 64 tokens after a \(2048, 128\) prompt .* GiB of KV cache"):
+        llminfer.generate(model, ids, max_new_tokens=64)
+    with pytest.raises(ValueError, match="token id 49152"):
+        llminfer.generate(model, torch.full((2048, 128), 49152), max_new_tokens=64)
+
+
 def test_forward_refuses_bad_ids_and_lengths(guarded_model):
     with pytest.raises(ValueError, match="token id 200"):
-        guarded_model(torch.tensor([[1, 200]]))
+        llminfer.prefill(guarded_model, torch.tensor([[1, 200]]), llminfer.KVCache.for_config(guarded_model.config))
     with pytest.raises(ValueError, match="exceed the model's max_seq_len=512"):
         guarded_model(torch.zeros(1, 513, dtype=torch.long))
     with pytest.raises(ValueError, match=r"\(batch, seq_len\)"):
         guarded_model(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer token ids"):
+        guarded_model(torch.zeros(1, 5))
+    with pytest.raises(ValueError, match="position 512 is outside 0..511"):
+        guarded_model(torch.zeros(1, 2, dtype=torch.long), positions=torch.tensor([511, 512]))
+
+
+def test_forward_does_not_sync_with_the_host(monkeypatch):
+    """The decode hot path reads no tensor value back to Python (no .item(), int(), tolist())."""
+    model = random_model(SMALL_CONFIGS["llama-mha-untied"])
+    cache = model.new_cache(max_seq_len=8)
+    llminfer.prefill(model, torch.tensor([[1, 2, 3]]), cache)
+
+    def sync(*args, **kwargs):
+        raise AssertionError("the forward read a tensor value back to the host")
+    token = torch.tensor([[4]])
+    with torch.inference_mode():
+        for name in ("item", "tolist", "__int__", "__bool__", "__index__"):
+            monkeypatch.setattr(torch.Tensor, name, sync)
+        logits = model(token, cache=cache)
+        monkeypatch.undo()
+    assert logits.shape == (1, 1, 97) and cache.length == 4
+
+
+def test_prefill_and_decode_run_without_autograd():
+    model = random_model(SMALL_CONFIGS["llama-mha-untied"])
+    cache = model.new_cache(max_seq_len=8)
+    logits = llminfer.prefill(model, torch.tensor([[1, 2, 3]]), cache)   # called outside torch.no_grad()
+    assert not logits.requires_grad and not cache.k[0].requires_grad
+    logits = llminfer.decode_step(model, logits.argmax(-1), cache)
+    assert not logits.requires_grad and logits.grad_fn is None and cache.length == 4
+
+
+def test_decode_step_takes_no_position_and_refuses_a_stale_one():
+    model = random_model(SMALL_CONFIGS["llama-mha-untied"])
+    cache = model.new_cache(max_seq_len=8)
+    token = llminfer.prefill(model, torch.tensor([[1, 2, 3]]), cache).argmax(-1)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="start_pos=1 but the cache holds 3"):
+        llminfer.decode_step(model, token, cache, start_pos=1)
+    assert cache.length == 3
+    with pytest.raises(ValueError, match="token id 97"):
+        llminfer.decode_step(model, torch.tensor([97]), cache)
+    llminfer.decode_step(model, token, cache)
+    assert cache.length == 4
+
+
+def test_timing_fields_follow_the_vllm_definitions():
+    model = random_model(SMALL_CONFIGS["llama-mha-untied"])
+    result = llminfer.generate(model, [1, 2, 3], max_new_tokens=6)
+    assert len(result.itl_s) == 5 and all(gap > 0 for gap in result.itl_s)
+    assert result.e2e_s == pytest.approx(result.ttft_s + sum(result.itl_s))
+    assert result.tpot_s == pytest.approx((result.e2e_s - result.ttft_s) / 5)
+    assert result.num_prompt_tokens == 3
+    with pytest.warns(DeprecationWarning):
+        assert result.token_latencies_s == result.itl_s
+    one = llminfer.generate(model, [1, 2, 3], max_new_tokens=1)
+    assert one.itl_s == [] and one.e2e_s == one.ttft_s and one.tpot_s != one.tpot_s   # nan
 
 
 def test_cuda_without_a_gpu_says_how_to_choose_the_cpu(monkeypatch):
