@@ -314,8 +314,8 @@ def _refuse_sliding_window(hf: dict, model_type: str, max_seq_len: int) -> None:
     layer_types = hf.get("layer_types")
     if layer_types is not None:
         if not isinstance(layer_types, list) or any(kind != "full_attention" for kind in layer_types):
-            raise ValueError(f"config.json field 'layer_types' is {layer_types!r}; llminfer runs full causal "
-                             "attention in every layer, so every entry must be 'full_attention'")
+            raise ValueError(f"config.json field 'layer_types' is {layer_types!r}; llminfer attends over the "
+                             "whole causal prefix in every layer, so every entry must be 'full_attention'")
     if model_type == "llama":
         return                                           # Llama has no sliding window; transformers ignores the key
     window = hf.get("sliding_window", HF_DEFAULTS[model_type]["sliding_window"])
