@@ -1,24 +1,37 @@
-"""Loading and saving Hugging Face-format model folders (safetensors only), the bundled model, random presets. Chapter 00."""
+"""Loading and saving Hugging Face-format model folders (safetensors only), the bundled model, random presets. Chapter 00.
+
+Models are built on the meta device (no memory) and each weight is then read, converted to the target dtype
+and placed on the target device one tensor at a time, so loading needs about the weights' own size in that
+dtype, never a float32 copy of the whole model beside it.
+"""
 from __future__ import annotations
 
 import json
 import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
+import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig, get_preset
-from .model import Transformer
 from .device import check_fits, dtype_bytes, resolve_device
+from .model import Transformer
 from .tokenizer import Tokenizer
 
-__all__ = ["load_pretrained", "save_pretrained", "load_random", "resolve_device", "bundled_models"]
+__all__ = ["load_pretrained", "save_pretrained", "load_random", "resolve_device", "bundled_models", "HUB_TIMEOUT_S"]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-_HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "*.safetensors", "model.safetensors.index.json"]
+_SINGLE = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+_WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors")     # what save_pretrained writes, and may remove
+_HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "*.safetensors", _INDEX]
+_FLOAT_STORAGE = ("F64", "F32", "F16", "BF16")
+
+# Seconds the hub may stay silent (connect, read) before a hub id is given up on; $LLMINFER_HUB_TIMEOUT overrides it.
+HUB_TIMEOUT_S = 20.0
 
 
 def _models_dir() -> Path:
@@ -37,17 +50,61 @@ def bundled_models() -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) if root.is_dir() else []
 
 
+def _read_json_object(path: Path) -> dict:
+    """The JSON object in path; ValueError naming the file if it is not valid JSON or not an object."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                         "download or write the file again") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
+                         "fix the file or download it again") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__} where a JSON object {{...}} is expected; "
+                         "fix the file or download it again")
+    return value
+
+
+def _shard_path(folder: Path, index: Path, name) -> Path:
+    """The shard `name` listed in index, refused unless it names a file inside folder."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{index} lists the shard {name!r}, which is not a file name")
+    parts = PurePosixPath(name.replace("\\", "/")).parts
+    if PurePosixPath(name).is_absolute() or PureWindowsPath(name).is_absolute() or PureWindowsPath(name).drive \
+            or ".." in parts:
+        raise ValueError(f"{index} lists the shard {name!r}, a path that leaves the model folder {folder}; "
+                         "an index may only name files inside its folder, such as 'model-00001-of-00002.safetensors'")
+    path = folder / name
+    root = folder.resolve()
+    target = path.resolve()
+    # A hub download keeps each file as a link from snapshots/<commit>/ into the repository's blobs/ folder.
+    hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    if not (target.is_relative_to(root) or (hub_blobs is not None and target.is_relative_to(hub_blobs))):
+        raise ValueError(f"{index} lists the shard {name!r}, a link to {target}, outside the model folder {folder}; "
+                         "copy the file into the folder instead of linking to it")
+    return path
+
+
 def _weight_files(folder: Path) -> list[Path]:
-    single = folder / "model.safetensors"
-    index = folder / "model.safetensors.index.json"
+    """The safetensors files holding the weights, checked before any is read."""
+    single = folder / _SINGLE
+    index = folder / _INDEX
+    if single.is_file() and index.is_file():
+        raise ValueError(f"{folder} holds both {_SINGLE} and {_INDEX}, so which one has the weights is ambiguous; "
+                         "delete the stale one (llminfer.save_pretrained leaves only what it wrote)")
     if single.is_file():
         return [single]
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as exc:
-            raise ValueError(f"{index} is not a valid safetensors index ({exc})") from None
-        files = [folder / name for name in sorted(set(weight_map.values()))]
+        weight_map = _read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} is not a valid safetensors index: it needs a non-empty \"weight_map\" object "
+                             "from tensor names to shard files")
+        shards: dict[str, Path] = {}
+        for name in weight_map.values():     # every path is checked before any file is opened
+            if not (isinstance(name, str) and name in shards):
+                shards[name] = _shard_path(folder, index, name)
+        files = [shards[name] for name in sorted(shards)]
         for f in files:
             if not f.is_file():
                 raise FileNotFoundError(f"{index.name} lists the shard {f.name}, which is missing from {folder}")
@@ -57,34 +114,130 @@ def _weight_files(folder: Path) -> list[Path]:
         raise ValueError(f"{folder} holds only pickle checkpoint(s) {pickles}; llminfer reads safetensors only and "
                          "never unpickles a file (it can run arbitrary code). Convert it once where you trust it, "
                          "e.g. with transformers' save_pretrained(..., safe_serialization=True)")
-    raise FileNotFoundError(f"no weights in {folder}: expected model.safetensors or model.safetensors.index.json")
+    raise FileNotFoundError(f"no weights in {folder}: expected {_SINGLE} or {_INDEX}")
 
 
-def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
+def _unreadable(path: Path, exc: Exception) -> ValueError:
+    return ValueError(f"could not read {path}: {exc}. The file is truncated or not a safetensors file; "
+                      "download or save it again")
+
+
+def _tensor_layout(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """name -> (file, shape, stored dtype), from the files' headers alone (no tensor data is read)."""
+    layout: dict[str, tuple[Path, tuple[int, ...], str]] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
+                entries = [(name, f.get_slice(name)) for name in f.keys()]
+                entries = [(name, tuple(s.get_shape()), s.get_dtype()) for name, s in entries]
         except Exception as exc:  # safetensors raises its own error types for truncated or corrupt files
-            raise ValueError(f"could not read {path}: {exc}. The file is truncated or not a safetensors file; "
-                             "download or save it again") from None
-    return tensors
+            raise _unreadable(path, exc) from None
+        for name, shape, stored in entries:
+            if name in layout:
+                raise ValueError(f"the tensor {name!r} is stored twice, in {layout[name][0].name} and {path.name}; "
+                                 "the checkpoint is inconsistent, save or download it again")
+            layout[name] = (path, shape, stored)
+    return layout
+
+
+def _read_tensor(path: Path, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One tensor of a safetensors file as a new tensor of dtype on device. Chapter 00."""
+    try:
+        # One open per tensor: an open file's mapping keeps every page read through it resident until it is
+        # closed, which would hold the whole file, in its stored dtype, beside the converted weights.
+        with safe_open(str(path), framework="pt") as f:
+            stored = f.get_tensor(name)
+    except Exception as exc:
+        raise _unreadable(path, exc) from None
+    converted = stored.to(dtype=dtype, copy=True)   # a copy owned by the model, not a view of the file
+    del stored                                      # drops the file mapping before the next tensor is read
+    return converted.to(device)
 
 
 def _hf_name(name: str) -> str:
     return name if name == "lm_head.weight" else "model." + name
 
 
-def _fetch_from_hub(repo_id: str) -> Path:
+def _empty_model(config: ModelConfig, device: torch.device) -> Transformer:
+    """A Transformer whose parameters live on the meta device (no memory) and whose buffers, if any, on device."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    if next(model.buffers(), None) is None:
+        return model
+    # Buffers (tables computed from the config, e.g. rotary frequencies) are made by __init__ and are not in a
+    # checkpoint: build again with them on device and only the parameters on meta.
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
     try:
-        from huggingface_hub import snapshot_download
-        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
-    except Exception as exc:
-        raise OSError(f"could not fetch {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
-                      "Without a network, download the model elsewhere and pass its local folder: "
-                      "llminfer.load_pretrained('/path/to/folder')") from None
+        with torch.device(device):
+            model = Transformer(config)
+    finally:
+        nn.Module.register_parameter = register
+    return model
+
+
+def _set_parameters(model: Transformer, tensors) -> Transformer:
+    """Replace each (meta) parameter by tensors(name, param), one at a time; a tied head stays tied."""
+    for name, param in list(model.named_parameters()):   # a tied head is listed once, as embed_tokens.weight
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        setattr(module, attr, nn.Parameter(tensors(name, param), requires_grad=param.requires_grad))
+    if model.config.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def _check_dtype(dtype) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype such as torch.float32 or torch.bfloat16, "
+                         f"got {dtype!r}")
+    return dtype
+
+
+def _hub_timeout() -> float:
+    text = os.environ.get("LLMINFER_HUB_TIMEOUT")
+    if text is None:
+        return HUB_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"LLMINFER_HUB_TIMEOUT={text!r} is not a positive number of seconds; set it like "
+                         f"LLMINFER_HUB_TIMEOUT=20 or unset it (default {HUB_TIMEOUT_S:g})")
+    return seconds
+
+
+def _fetch_from_hub(repo_id: str) -> Path:
+    """The local snapshot of a hub repository: downloaded, or from the cache when the hub cannot be reached."""
+    timeout = _hub_timeout()
+    from huggingface_hub import HfApi, snapshot_download
+
+    try:
+        # The first request of a download; huggingface_hub sends it with no timeout unless given one, so a
+        # server that accepts the connection and never answers would otherwise hold the call forever.
+        commit = HfApi().repo_info(repo_id, timeout=timeout).sha
+    except Exception as exc:  # offline mode, no network, a silent server, no such repository
+        hub_error = exc
+    else:
+        try:
+            return Path(snapshot_download(repo_id, revision=commit, allow_patterns=_HUB_FILES, etag_timeout=timeout))
+        except Exception as exc:
+            hub_error = exc
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES, local_files_only=True))
+    except Exception:
+        raise OSError(f"could not fetch {repo_id!r} from the Hugging Face hub ({type(hub_error).__name__}: "
+                      f"{hub_error}) and it is not in the local cache. Without a network, download the model "
+                      "elsewhere and pass its local folder: llminfer.load_pretrained('/path/to/folder')") from None
 
 
 def _locate(path_or_name: str | Path) -> Path:
@@ -100,72 +253,90 @@ def _locate(path_or_name: str | Path) -> Path:
                             "or a hub id like 'HuggingFaceTB/SmolLM2-135M'")
 
 
+def _token_id(value, path: Path, field: str) -> int | None:
+    """bos/eos from generation_config.json: an id, the first of a list of ids, or None."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise ValueError(f"{path} has {field}={value!r}; it must be a token id (an integer >= 0), a list of them, or null")
+
+
+def _load_tokenizer(folder: Path, config: ModelConfig) -> Tokenizer:
+    if not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {folder}; add it, or pass load_tokenizer=False "
+                                "to load the weights alone")
+    gen = folder / "generation_config.json"
+    gen_cfg = _read_json_object(gen) if gen.is_file() else {}
+    bos = _token_id(gen_cfg.get("bos_token_id", config.bos_token_id), gen, "bos_token_id")
+    eos = _token_id(gen_cfg.get("eos_token_id", config.eos_token_id), gen, "eos_token_id")
+    return Tokenizer.from_file(folder / "tokenizer.json", bos, eos)
+
+
 def load_pretrained(path_or_name: str | Path, device: str | torch.device | None = None,
                     dtype: torch.dtype | None = None, load_tokenizer: bool = True):
     """Returns (model, tokenizer) from a HF-format folder, a bundled model's name or a hub id. Chapter 00."""
     device = resolve_device(device)
-    dtype = dtype or torch.float32
+    dtype = _check_dtype(dtype)
     folder = _locate(path_or_name)
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {folder}; a model folder needs config.json, weights "
                                 "(model.safetensors) and tokenizer.json")
-    config = ModelConfig.from_hf(json.loads(config_path.read_text()))
+    config = ModelConfig.from_hf(_read_json_object(config_path))
     files = _weight_files(folder)
-    tokenizer = None
-    if load_tokenizer:
-        if not (folder / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"no tokenizer.json in {folder}; add it, or pass load_tokenizer=False "
-                                    "to load the weights alone")
-        gen = folder / "generation_config.json"
-        gen_cfg = json.loads(gen.read_text()) if gen.is_file() else {}
-        eos = gen_cfg.get("eos_token_id", config.eos_token_id)
-        tokenizer = Tokenizer.from_file(folder / "tokenizer.json", gen_cfg.get("bos_token_id", config.bos_token_id),
-                                        eos[0] if isinstance(eos, list) else eos)
+    tokenizer = _load_tokenizer(folder, config) if load_tokenizer else None
     check_fits(config.n_params() * dtype_bytes(dtype), device, f"the weights of {folder.name} in {dtype}")
-    tensors = _read_tensors(files)
+    layout = _tensor_layout(files)
     with torch.device("meta"):
-        model = Transformer(config)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # ties share one name
+        expected = {name: tuple(p.shape) for name, p in Transformer(config).named_parameters()}  # ties: one name
     for name, shape in expected.items():
         hf = _hf_name(name)
-        if hf not in tensors:
-            if name == "lm_head.weight" and config.tie_embeddings:
-                continue
+        if hf not in layout:
             raise ValueError(f"the checkpoint has no tensor {hf!r} (expected shape {shape} from config.json)")
-        if tuple(tensors[hf].shape) != shape:
-            raise ValueError(f"tensor {hf!r} has shape {tuple(tensors[hf].shape)} in the checkpoint but config.json "
+        path, stored_shape, stored = layout[hf]
+        if stored_shape != shape:
+            raise ValueError(f"tensor {hf!r} has shape {stored_shape} in the checkpoint but config.json "
                              f"implies {shape}; the weights and config.json do not belong together")
-    known = {_hf_name(n) for n in expected} | {"lm_head.weight"}
-    unexpected = sorted(n for n in tensors if n not in known and not n.endswith("rotary_emb.inv_freq"))
+        if stored not in _FLOAT_STORAGE:
+            raise ValueError(f"tensor {hf!r} is stored as {stored} in {path.name}; llminfer loads floating-point "
+                             f"weights ({', '.join(_FLOAT_STORAGE)}), not quantized ones")
+    known = {_hf_name(n) for n in expected} | {"lm_head.weight"}  # a tied head may be stored too; it is not read
+    unexpected = sorted(n for n in layout if n not in known and not n.endswith("rotary_emb.inv_freq"))
     if unexpected:
         raise ValueError(f"the checkpoint holds tensors this architecture does not use: {unexpected[:5]}; "
                          "is config.json for a different model?")
-    model = model.to_empty(device=device)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(tensors[_hf_name(name)])
-    model = model.to(dtype).eval()
-    return model, tokenizer
+
+    def read(name, param):
+        path, _shape, _stored = layout[_hf_name(name)]
+        return _read_tensor(path, _hf_name(name), dtype, device)
+
+    model = _set_parameters(_empty_model(config, device), read)
+    return model.eval(), tokenizer
 
 
 def _parse_size(size: int | str) -> int:
-    if isinstance(size, int):
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size <= 0:
+            raise ValueError(f"max_shard_size must be a positive number of bytes, got {size}")
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(size), re.IGNORECASE)
-    if not match:
-        raise ValueError(f"max_shard_size {size!r} is not a size like 5000000, '10MB' or '2GiB'")
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"max_shard_size {size!r} is not a positive size like 5000000, '10MB' or '2GiB'")
     unit = (match.group(2) or "B").upper()
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
-    return int(float(match.group(1)) * scale)
+    return max(1, int(float(match.group(1)) * scale))
 
 
 def save_pretrained(model: Transformer, folder: str | Path, tokenizer: Tokenizer | None = None,
                     max_shard_size: int | str | None = None) -> Path:
-    """Write config.json and safetensors weights (sharded past max_shard_size) in Hugging Face's layout."""
+    """Write config.json and safetensors weights (sharded past max_shard_size) in Hugging Face's layout. Chapter 00.
+
+    Weight files of an earlier save into the same folder that this save does not rewrite (model.safetensors,
+    model-*-of-*.safetensors shards, the index) are removed, so the folder holds exactly the new weights.
+    """
     folder = Path(folder)
+    limit = _parse_size(max_shard_size) if max_shard_size is not None else None
     folder.mkdir(parents=True, exist_ok=True)
     config = model.config
     hf_config = config.to_hf()
@@ -176,9 +347,10 @@ def save_pretrained(model: Transformer, folder: str | Path, tokenizer: Tokenizer
     tensors = {}
     for name, param in model.named_parameters():  # a tied head is stored once, as the embedding
         tensors[_hf_name(name)] = param.detach().to("cpu").contiguous()
-    limit = _parse_size(max_shard_size) if max_shard_size is not None else None
-    if limit is None or sum(t.nbytes for t in tensors.values()) <= limit:
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    total = sum(t.nbytes for t in tensors.values())
+    if limit is None or total <= limit:
+        save_file(tensors, str(folder / _SINGLE), metadata={"format": "pt"})
+        written = {_SINGLE}
     else:
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
@@ -189,12 +361,18 @@ def save_pretrained(model: Transformer, folder: str | Path, tokenizer: Tokenizer
             shards[-1][name] = tensor
             size += tensor.nbytes
         weight_map = {}
+        written = {_INDEX}
         for i, shard in enumerate(shards, start=1):
             file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, str(folder / file), metadata={"format": "pt"})
             weight_map.update({name: file for name in shard})
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            written.add(file)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    for stale in folder.iterdir():   # after the new weights are complete: an earlier save's files go
+        if stale.name not in written and (stale.name == _INDEX or _WEIGHT_FILE.fullmatch(stale.name)) \
+                and (stale.is_file() or stale.is_symlink()):
+            stale.unlink()
     if tokenizer is not None:
         tokenizer.save(folder / "tokenizer.json")
     return folder
@@ -207,12 +385,9 @@ def load_random(name_or_config: str | ModelConfig, device: str | torch.device | 
     if max_seq_len is not None:
         config = config.replace(max_seq_len=max_seq_len)
     device = resolve_device(device)
-    dtype = dtype or torch.float32
+    dtype = _check_dtype(dtype)
     check_fits(config.n_params() * dtype_bytes(dtype), device, f"a {config.n_params() / 1e6:.0f}M-parameter model "
                f"in {dtype}")
-    with torch.device("meta"):
-        model = Transformer(config)
-    model = model.to_empty(device=device).to(dtype)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model = _empty_model(config, device)
+    model = _set_parameters(model, lambda name, param: torch.empty(param.shape, dtype=dtype, device=device))
     return model.init_weights(seed).eval()

@@ -1,8 +1,11 @@
 """A thin wrapper over `tokenizers.Tokenizer`, read from a tokenizer.json. Chapter 01."""
 from __future__ import annotations
 
+import operator
 from pathlib import Path
 
+import numpy as np
+import torch
 from tokenizers import Tokenizer as _HFTokenizer
 
 __all__ = ["Tokenizer"]
@@ -16,6 +19,19 @@ class Tokenizer:
 
     def __init__(self, backend: _HFTokenizer, bos_token_id: int | None = None, eos_token_id: int | None = None):
         self.backend = backend
+        # Two views of one tokenizer: `_plain` reads a special token's spelling in the text ("<eos>") as the
+        # characters it is made of; `_special` turns it into the special id, for callers who ask with allow_special.
+        self._plain = _HFTokenizer.from_str(backend.to_str())
+        self._plain.encode_special_tokens = True
+        self._special = backend
+        if backend.encode_special_tokens:
+            self._special = _HFTokenizer.from_str(backend.to_str())
+            self._special.encode_special_tokens = False
+        for name, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value < self.vocab_size):
+                raise ValueError(f"{name}={value!r} is not an id in this tokenizer's vocabulary of {self.vocab_size} "
+                                 f"ids; pass an id 0..{self.vocab_size - 1}, or None to look the token up by name")
         self.bos_token_id = bos_token_id if bos_token_id is not None else self._find(_BOS_NAMES)
         self.eos_token_id = eos_token_id if eos_token_id is not None else self._find(_EOS_NAMES)
 
@@ -43,24 +59,65 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of `text` (no special tokens unless add_bos)."""
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """The special tokens' spellings and ids, e.g. {'<bos>': 1, '<eos>': 2}."""
+        return {token.content: token_id for token_id, token in sorted(self.backend.get_added_tokens_decoder().items())
+                if token.special}
+
+    def encode(self, text: str, add_bos: bool = False, allow_special: bool = False) -> list[int]:
+        """Token ids of `text`. A special token's spelling in the text ("<eos>") is plain text unless allow_special."""
         if not isinstance(text, str):
             raise ValueError(f"encode takes a string, got {type(text).__name__}")
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        backend = self._special if allow_special else self._plain
+        ids = backend.encode(text, add_special_tokens=False).ids
         if add_bos:
             if self.bos_token_id is None:
                 raise ValueError("this tokenizer has no beginning-of-sequence token; call encode(text) without add_bos")
             ids = [self.bos_token_id] + ids
         return ids
 
+    def _checked_ids(self, ids) -> list[int]:
+        """ids (a sequence, 1-D tensor or array of integers) as a list of ints, each checked against the vocabulary."""
+        vocab_size = self.vocab_size
+        if isinstance(ids, (str, bytes)):
+            raise ValueError(f"expected token ids, got text {ids!r}; encode text with tokenizer.encode(text)")
+        if isinstance(ids, (torch.Tensor, np.ndarray)):
+            integer = ids.dtype not in (torch.bool, np.bool_) and (
+                not ids.is_floating_point() and not ids.is_complex() if isinstance(ids, torch.Tensor)
+                else np.issubdtype(ids.dtype, np.integer))
+            if not integer or ids.ndim > 1:
+                raise ValueError(f"token ids must be one sequence of integers 0..{vocab_size - 1}, got a "
+                                 f"{type(ids).__name__} of {ids.dtype} with shape {tuple(ids.shape)}")
+            ids = ids.tolist() if ids.ndim == 1 else [ids.item()]
+        try:
+            ids = list(ids)
+        except TypeError:
+            raise ValueError(f"expected a sequence of token ids, got {ids!r}; wrap a single id as [id]") from None
+        checked = []
+        for token_id in ids:
+            value = None
+            if not isinstance(token_id, (bool, np.bool_)):
+                try:
+                    value = operator.index(token_id)    # int, numpy integers, one-element integer tensors
+                except TypeError:
+                    pass
+            if value is None or (isinstance(token_id, torch.Tensor) and token_id.dtype == torch.bool):
+                raise ValueError(f"token id {token_id!r} is not an integer; token ids are whole numbers "
+                                 f"0..{vocab_size - 1} (the vocabulary holds {vocab_size} ids)")
+            if not 0 <= value < vocab_size:
+                raise ValueError(f"token id {value} is outside the vocabulary of {vocab_size} ids (valid ids are "
+                                 f"0..{vocab_size - 1}); were the ids made for this tokenizer's model?")
+            checked.append(value)
+        return checked
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        """The text of token ids."""
-        return self.backend.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
+        """The text of token ids; an id outside the vocabulary is a ValueError naming it."""
+        return self.backend.decode(self._checked_ids(ids), skip_special_tokens=skip_special_tokens)
 
     def tokens(self, ids) -> list[str]:
         """Each id as the text it stands for (special tokens by name), e.g. [' Paris', '.', '<eos>']."""
-        return [self.backend.decode([int(i)], skip_special_tokens=False) for i in ids]
+        return [self.backend.decode([i], skip_special_tokens=False) for i in self._checked_ids(ids)]
 
     def save(self, path: str | Path) -> None:
         self.backend.save(str(path))
