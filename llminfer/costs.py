@@ -11,6 +11,7 @@ the bytes it has to read (memory-bound). Nothing here touches a tensor.
     decode_step_bytes(cfg, cached_len=n, dtype_bytes=b)  bytes it reads: weights + K/V of n + 1 positions
     kv_cache_bytes(cfg, seq_len, dtype_bytes)   the K/V a cache of seq_len positions holds
     activation_bytes(cfg, n_tokens, dtype_bytes)  peak activations of one forward
+    generation_bytes(cfg, batch, prompt_len, new_tokens, dtype_bytes)  KV cache + activations of a generation
     decode_bytes(cfg, prompt_len, new_tokens) bytes read by a whole cached decode
     cache_vs_recompute_flops(cfg, prompt_len, new_tokens)  the chapter 04 prediction
     roofline_seconds(flops, nbytes, flops_per_s, bytes_per_s)  the slower of the two limits
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 __all__ = [
     "head_dim_of", "layer_matmul_params", "matmul_params", "weight_bytes",
     "attention_flops", "forward_flops", "prefill_flops", "decode_step_flops",
-    "kv_bytes_per_token", "kv_cache_bytes", "activation_bytes", "decode_step_bytes", "decode_bytes",
+    "kv_bytes_per_token", "kv_cache_bytes", "activation_bytes", "generation_bytes", "decode_step_bytes", "decode_bytes",
     "CacheVsRecompute", "cache_vs_recompute_flops", "roofline_seconds",
 ]
 
@@ -136,6 +137,15 @@ def activation_bytes(cfg, n_tokens: int, dtype_bytes: int, batch_size: int = 1) 
     alive at once, plus one float32 row of logits per sequence. Chapter 04."""
     return (batch_size * n_tokens * (4 * cfg.dim + 2 * cfg.hidden_dim) * dtype_bytes
             + batch_size * cfg.vocab_size * 4)
+
+
+def generation_bytes(cfg, batch_size: int, prompt_len: int, new_tokens: int, dtype_bytes: int,
+                     use_cache: bool = True) -> int:
+    """Returns the memory a generation needs beyond the weights: its K/V cache (with use_cache) plus the
+    activations of its widest forward (the prompt with a cache, the whole context without). Chapter 04."""
+    context = prompt_len + new_tokens
+    kv = kv_cache_bytes(cfg, max(context - 1, prompt_len), dtype_bytes, batch_size) if use_cache else 0
+    return kv + activation_bytes(cfg, prompt_len if use_cache else context, dtype_bytes, batch_size)
 
 
 def decode_step_bytes(cfg, context_len: int | None = None, dtype_bytes: int | None = None, batch_size: int = 1, *,

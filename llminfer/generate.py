@@ -215,13 +215,12 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
 
 def _check_memory(model: Transformer, batch: int, prompt_len: int, max_new_tokens: int, use_cache: bool) -> None:
     config, element = model.config, dtype_bytes(model.dtype)
-    context = prompt_len + max_new_tokens
-    kv = costs.kv_cache_bytes(config, max(context - 1, prompt_len), element, batch) if use_cache else 0
-    widest = prompt_len if use_cache else context                       # the longest forward
-    activations = costs.activation_bytes(config, widest, element, batch)
-    check_fits(kv + activations, model.device,
+    needed = costs.generation_bytes(config, batch, prompt_len, max_new_tokens, element, use_cache)
+    kv = needed - costs.activation_bytes(config, prompt_len if use_cache else prompt_len + max_new_tokens,
+                                         element, batch)
+    check_fits(needed, model.device,
                f"generating {max_new_tokens} tokens after a ({batch}, {prompt_len}) prompt "
-               f"({kv / 2**30:.2f} GiB of KV cache + {activations / 2**30:.2f} GiB of activations)",
+               f"({kv / 2**30:.2f} GiB of KV cache + {(needed - kv) / 2**30:.2f} GiB of activations)",
                fix="use a smaller batch, a shorter prompt or fewer new tokens")
 
 

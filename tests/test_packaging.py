@@ -17,4 +17,7 @@ def test_wheel_ships_the_bundled_model(tmp_path):
     for file in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "README.md"):
         assert f"llminfer/models/tiny-capitals/{file}" in names
     assert "llminfer/widgets/__init__.py" in names and "llminfer/generate.py" in names
+    # every subpackage in the source tree is in the wheel (a package missing from pyproject.toml is not)
+    for init in (ROOT / "llminfer").rglob("__init__.py"):
+        assert init.relative_to(ROOT).as_posix() in names, f"{init.parent.name} is not packaged"
     assert not any(name.startswith(("tests/", "chapters/")) for name in names)

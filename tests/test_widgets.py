@@ -140,9 +140,10 @@ def test_time_generation_makes_the_tokens_generate_makes(tiny_model):
     reference = llminfer.generate(tiny_model, prompt, max_new_tokens=6).token_ids
     for use_cache in (True, False):
         run = latency.time_generation(tiny_model, prompt, 6, use_cache=use_cache)
-        assert run.token_ids == reference
-        assert len(run.steps_s) == 6 and all(s > 0 for s in run.steps_s)
-        assert run.tpot_s == sorted(run.steps_s[1:])[2]  # median of five decode steps
+        assert isinstance(run, llminfer.GenerationResult) and run.token_ids == reference
+        steps = latency.step_times(run)
+        assert len(steps) == 6 and all(s > 0 for s in steps)
+        assert run.tpot_s == pytest.approx(sum(steps[1:]) / 5)   # (E2E - TTFT) / (tokens - 1)
 
 
 def test_context_sweep_shapes(tiny_model):
@@ -154,7 +155,13 @@ def test_context_sweep_shapes(tiny_model):
         latency.context_sweep(tiny_model, [65], progress=False)
 
 
-def test_plan_run_refuses_before_allocating():
+@pytest.fixture
+def small_machine(monkeypatch):
+    """A machine reporting 16 GiB free, whatever the test host has: refusals must not depend on its RAM."""
+    monkeypatch.setattr(llminfer.device, "free_memory_bytes", lambda device: 16 * 2**30)
+
+
+def test_plan_run_refuses_before_allocating(small_machine):
     cfg = llminfer.get_preset("llama-3-70b")
     needed = latency.estimate_run_bytes(cfg, 128, 16, torch.float32)
     assert needed > cfg.n_params() * 4  # weights alone are 4 bytes a parameter
@@ -164,7 +171,7 @@ def test_plan_run_refuses_before_allocating():
         latency.plan_run(tiny_config(), 60, 10, "cpu", torch.float32)
 
 
-def test_latency_widget_run_and_refusals(monkeypatch):
+def test_latency_widget_run_and_refusals(monkeypatch, small_machine):
     shapes = {"tiny": tiny_config(), "llama-3-70b": llminfer.get_preset("llama-3-70b")}
     box = latency.build_latency_widget(shapes, default="tiny")
     assert box.prompt_len.max + box.new_tokens.value <= 64  # bounded by the model's max_seq_len
@@ -173,8 +180,8 @@ def test_latency_widget_run_and_refusals(monkeypatch):
     box.run_button.click()
     runs, summary = box.state.runs, box.state.summary
     assert runs["cached"].token_ids == runs["recomputed"].token_ids
-    assert len(runs["cached"].steps_s) == len(runs["recomputed"].steps_s) == 5
-    assert summary["total_speedup"] == pytest.approx(sum(runs["recomputed"].steps_s) / sum(runs["cached"].steps_s))
+    assert len(latency.step_times(runs["cached"])) == len(latency.step_times(runs["recomputed"])) == 5
+    assert summary["total_speedup"] == pytest.approx(runs["recomputed"].e2e_s / runs["cached"].e2e_s)
     # FLOP prediction: without a cache step i redoes the whole 12 + i token context, so it must exceed 1
     assert summary["predicted_speedup"] > 1
     assert "TTFT" in box.summary_view.value and "llminfer-latency-run" in box.run_button._dom_classes
@@ -206,3 +213,25 @@ def test_reference_results_read_from_bench_reports(tmp_path):
     assert [r["name"] for r in refs] == ["Some GPU, llama-3.2-1b, bfloat16"]
     assert refs[0]["context_len"] == [128, 256] and refs[0]["recomputed_s"] == [0.003, 0.004]
     assert len(latency.load_reference_results(tmp_path, gpu_only=False)) == 2
+
+
+def test_memory_widget_on_a_missing_gpu_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    box = memory.build_memory_widget(device="cuda", default="llama-3-8b")
+    assert "CUDA is not available" in box.message.value
+    box.batch.value = 2
+    assert box.state.kv_bytes == 2 * 32 * 8 * 128 * 2 * box.context.value * 2    # the estimate still works
+    assert "free" not in box.result.value
+
+
+def test_recompute_widget_refuses_no_new_tokens_in_the_widget(tiny_model):
+    from small_models import word_tokenizer
+
+    tokenizer = word_tokenizer(64)
+    for bad in (0, -2, True):
+        box = recompute.recompute_widget(tiny_model, tokenizer, "t1 t2 t3", max_new_tokens=bad)
+        assert "at least one new token" in box.message.value and box.state is None
+    box = recompute.recompute_widget(tiny_model, tokenizer, "", max_new_tokens=3)
+    assert "holds no tokens" in box.message.value
+    box = recompute.recompute_widget(tiny_model, tokenizer, "t1 t2 t3", max_new_tokens=62)
+    assert "max_seq_len=64" in box.message.value

@@ -90,3 +90,12 @@ def test_inputs_are_bounded():
     box.query_inputs[0].value = 100.0
     assert box.query_inputs[0].value == aw.INPUT_BOUND
     assert box.state.query[0] == aw.INPUT_BOUND
+
+
+def test_a_nan_typed_into_a_box_gets_a_message_and_the_widget_recovers():
+    box = aw.attention_widget()
+    good = box.state
+    box.query_inputs[0].value = float("nan")
+    assert "not finite" in box.message.value and box.state == good     # last good result kept
+    box.query_inputs[0].value = 0.5
+    assert box.message.value == "" and box.state.query[0] == 0.5

@@ -172,7 +172,10 @@ def attention_widget(query=EXAMPLE_QUERY, keys=EXAMPLE_KEYS, values=EXAMPLE_VALU
         widgets.HBox([label("weights"), weights_html]),
         widgets.HBox([label("output"), output_html]),
     ])
-    box = widgets.VBox([query_row, key_rows, scaled_box, readout, chart])
+    message = widgets.HTML()
+    message.add_class("llminfer-attn-message")
+    box = widgets.VBox([query_row, key_rows, scaled_box, readout, message, chart])
+    box.message = message
     box.add_class("llminfer-attn")
     box.query_inputs, box.key_inputs, box.scaled_box = query_inputs, key_inputs, scaled_box
     box.scores_html, box.weights_html, box.output_html, box.chart = scores_html, weights_html, output_html, chart
@@ -185,11 +188,17 @@ def attention_widget(query=EXAMPLE_QUERY, keys=EXAMPLE_KEYS, values=EXAMPLE_VALU
         chart.value = figure_png(weights_figure(state))
 
     def update(_change=None) -> None:
-        show(attention_state(
-            [w.value for w in query_inputs],
-            [[w.value for w in row] for row in key_inputs],
-            first.values, first.tokens, scaled_box.value,
-        ))
+        try:
+            state = attention_state(
+                [w.value for w in query_inputs],
+                [[w.value for w in row] for row in key_inputs],
+                first.values, first.tokens, scaled_box.value,
+            )
+        except ValueError as err:              # e.g. NaN typed into a box: say so, keep the last good result
+            message.value = f"<span style='color:#c62828'>{err}</span>"
+            return
+        message.value = ""
+        show(state)
 
     for w in (*query_inputs, *(w for row in key_inputs for w in row), scaled_box):
         w.observe(update, names="value")

@@ -17,49 +17,31 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from llminfer import timing
+from llminfer.device import check_fits, dtype_bytes
 
 BENCHMARK_DIR = Path(__file__).resolve().parents[2] / "data" / "benchmarks"
 
 
-@dataclass
-class LatencyRun:
-    """Step times of one generation: [0] the prefill, [i] the decode at context prompt_len + i. Chapter 04."""
-
-    use_cache: bool
-    prompt_len: int
-    steps_s: list[float]
-    token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def ttft_s(self) -> float:
-        return self.steps_s[0]
-
-    @property
-    def tpot_s(self) -> float:
-        return statistics.median(self.steps_s[1:]) if len(self.steps_s) > 1 else float("nan")
-
-    @property
-    def decode_s(self) -> float:
-        return sum(self.steps_s[1:])
+def step_times(run) -> list[float]:
+    """Seconds of each step of a GenerationResult: [0] the prefill (TTFT), then each inter-token gap. Chapter 04."""
+    return [run.ttft_s, *run.itl_s]
 
 
 def estimate_run_bytes(config, prompt_len: int, new_tokens: int, dtype: torch.dtype) -> int:
-    """Bytes a timing run needs at its peak: weights, the KV cache and the widest uncached forward. Chapter 04."""
-    import llminfer
+    """Bytes a timing run needs at its peak: weights, then the larger of the cached and uncached runs. Chapter 04."""
+    from llminfer import costs
 
-    element = timing.dtype_bytes(dtype)
-    context = prompt_len + new_tokens
+    element = dtype_bytes(dtype)
     weights = config.n_params() * element
-    kv = llminfer.kv_cache_bytes(config, context, dtype=dtype)
-    # an uncached step over the whole context holds a few (T, hidden) activations and one row of logits
-    activations = context * (4 * config.dim + 2 * config.hidden_dim) * element + config.vocab_size * 4
-    return weights + kv + activations
+    runs = (costs.generation_bytes(config, 1, prompt_len, new_tokens, element, use_cache=use_cache)
+            for use_cache in (True, False))
+    return weights + max(runs)
 
 
 def plan_run(config, prompt_len: int, new_tokens: int, device: str, dtype: torch.dtype) -> int:
@@ -74,51 +56,29 @@ def plan_run(config, prompt_len: int, new_tokens: int, device: str, dtype: torch
                          f"max_seq_len={config.max_seq_len}; shorten the prompt or generate fewer tokens")
     needed = estimate_run_bytes(config, prompt_len, new_tokens, dtype)
     dtype_name = str(dtype).replace("torch.", "")
-    timing.check_fits(needed, device, f"{config.n_params() / 1e6:,.0f}M parameters in {dtype_name} with a KV cache "
+    check_fits(needed, device, f"{config.n_params() / 1e6:,.0f}M parameters in {dtype_name} with a KV cache "
                       f"of {prompt_len + new_tokens} positions")
     return needed
 
 
-def _timed(fn, device) -> tuple[float, object]:
-    """(seconds, result) of one call of fn, timed by llminfer.timing."""
-    box = []
-    seconds = timing.time_fn(lambda: box.append(fn()), device, warmup=0, repeats=1).median_s
-    return seconds, box[-1]
-
-
-@torch.inference_mode()
-def time_generation(model, prompt_ids: list[int], new_tokens: int, use_cache: bool) -> LatencyRun:
-    """Greedy generation of new_tokens, every step timed; no cache means a full forward per step. Chapter 04."""
+def time_generation(model, prompt_ids: list[int], new_tokens: int, use_cache: bool):
+    """Greedy generation of new_tokens, every token timed: `llminfer.generate`'s GenerationResult. Chapter 04."""
     import llminfer
 
-    device = model.device
-    ids = torch.tensor([prompt_ids], device=device)  # (1, P)
-    if use_cache:
-        cache = model.new_cache(batch_size=1, max_seq_len=len(prompt_ids) + new_tokens)
-        seconds, logits = _timed(lambda: llminfer.prefill(model, ids, cache), device)  # (1, vocab)
-    else:
-        seconds, logits = _timed(lambda: model(ids, last_only=True)[:, -1], device)     # (1, vocab)
-    steps, tokens = [seconds], [int(logits.argmax(-1))]
-    for _ in range(new_tokens - 1):
-        token = torch.tensor([tokens[-1]], device=device)
-        if use_cache:
-            start_pos = len(prompt_ids) + len(tokens) - 1
-            seconds, logits = _timed(lambda: llminfer.decode_step(model, token, cache, start_pos), device)
-        else:
-            ids = torch.cat([ids, token[None]], dim=1)  # (1, P + step)
-            seconds, logits = _timed(lambda: model(ids, last_only=True)[:, -1], device)
-        steps.append(seconds)
-        tokens.append(int(logits.argmax(-1)))
-    return LatencyRun(use_cache, len(prompt_ids), steps, tokens)
+    return llminfer.generate(model, prompt_ids, max_new_tokens=new_tokens, use_cache=use_cache)
 
 
-def median_run(runs: list[LatencyRun]) -> LatencyRun:
-    """One run whose every step time is the median over runs (which must agree on tokens). Chapter 04."""
-    steps = [statistics.median(times) for times in zip(*(run.steps_s for run in runs))]
-    return LatencyRun(runs[0].use_cache, runs[0].prompt_len, steps, runs[0].token_ids)
+def median_run(runs: list):
+    """One GenerationResult whose every step time is the median over runs (which must agree on tokens). Chapter 04."""
+    import llminfer
+
+    steps = [statistics.median(times) for times in zip(*(step_times(run) for run in runs))]
+    first = runs[0]
+    return llminfer.GenerationResult(first.token_ids, steps[0], steps[1:], sum(steps), first.num_prompt_tokens,
+                                     first.use_cache)
 
 
-def measure_both(model, prompt_len: int, new_tokens: int, repeats: int = 3, seed: int = 0) -> dict[str, LatencyRun]:
+def measure_both(model, prompt_len: int, new_tokens: int, repeats: int = 3, seed: int = 0) -> dict:
     """Median step times with ('cached') and without ('recomputed') the cache on a random prompt. Chapter 04."""
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=generator).tolist()
@@ -130,18 +90,19 @@ def measure_both(model, prompt_len: int, new_tokens: int, repeats: int = 3, seed
     return runs
 
 
-def summarize(runs: dict[str, LatencyRun], config=None) -> dict[str, float]:
+def summarize(runs: dict, config=None) -> dict[str, float]:
     """TTFT, TPOT and the decode speedup of the cache, measured and (with config) predicted from FLOPs. Chapter 04."""
     cached, recomputed = runs["cached"], runs["recomputed"]
     summary = {"ttft_cached_s": cached.ttft_s, "ttft_recomputed_s": recomputed.ttft_s,
                "tpot_cached_s": cached.tpot_s, "tpot_recomputed_s": recomputed.tpot_s,
                "tpot_speedup": recomputed.tpot_s / cached.tpot_s,
-               "total_speedup": sum(recomputed.steps_s) / sum(cached.steps_s)}
+               "total_speedup": recomputed.e2e_s / cached.e2e_s}
     if config is not None:
         from llminfer import costs
 
-        new_tokens = len(cached.steps_s)
-        summary["predicted_speedup"] = costs.cache_vs_recompute_flops(config, cached.prompt_len, new_tokens).speedup
+        new_tokens = len(step_times(cached))
+        summary["predicted_speedup"] = costs.cache_vs_recompute_flops(config, cached.num_prompt_tokens,
+                                                                      new_tokens).speedup
     return summary
 
 
@@ -167,8 +128,10 @@ def context_sweep(model, context_lens: list[int], repeats: int = 3, progress: bo
         if length > 1:
             llminfer.prefill(model, ids[:, : length - 1], cache)  # positions 0 .. length-2, untimed
         last = ids[:, length - 1]  # (1,)
-        cached.append(timing.time_fn(lambda: llminfer.decode_step(model, last, cache, length - 1), device,
-                                     warmup=1, repeats=repeats).median_s)
+        def step():                       # one decode step at position length - 1, then rolled back
+            llminfer.decode_step(model, last, cache, check_ids=False)
+            cache.truncate(length - 1)
+        cached.append(timing.time_fn(step, device, warmup=1, repeats=repeats).median_s)
         recomputed.append(timing.time_fn(lambda: model(ids[:, :length], last_only=True), device,
                                          warmup=1, repeats=repeats).median_s)
     return {"context_len": list(context_lens), "cached_s": cached, "recomputed_s": recomputed}
@@ -200,12 +163,12 @@ def load_reference_results(folder: Path = BENCHMARK_DIR, gpu_only: bool = True) 
     return results
 
 
-def plot_runs(ax, runs: dict[str, LatencyRun]) -> None:
+def plot_runs(ax, runs: dict) -> None:
     """Milliseconds per step against context length, one line per strategy. Chapter 04."""
     for name, style in (("recomputed", "o-"), ("cached", "s-")):
         run = runs[name]
-        contexts = [run.prompt_len + i for i in range(len(run.steps_s))]
-        ax.plot(contexts[1:], [s * 1e3 for s in run.steps_s[1:]], style, markersize=3,
+        contexts = [run.num_prompt_tokens + i for i in range(1, len(run.itl_s) + 1)]
+        ax.plot(contexts, [s * 1e3 for s in run.itl_s], style, markersize=3,
                 label=f"{'without' if name == 'recomputed' else 'with'} cache")
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("ms per decoded token")

@@ -90,8 +90,16 @@ def build_memory_widget(presets: dict | None = None, device: str | torch.device 
     for control, css in ((model_pick, "model"), (context, "context"), (batch, "batch"), (dtype_pick, "dtype"),
                          (result, "result")):
         control.add_class(f"llminfer-memory-{css}")
-    box = widgets.VBox([model_pick, context, batch, dtype_pick, result])
-    available = free_memory_bytes(device)
+    message = widgets.HTML()
+    message.add_class("llminfer-memory-message")
+    box = widgets.VBox([model_pick, context, batch, dtype_pick, result, message])
+    box.message = message
+    try:                                  # the estimate still works without the device; only the verdict needs it
+        available = free_memory_bytes(llminfer.resolve_device(device))
+    except (ValueError, RuntimeError) as err:
+        available = 1 << 62
+        message.value = (f"<span style='color:#c62828'>{err}. The estimates below still hold; "
+                         "the fit against free memory is left out.</span>")
 
     def refresh(_change=None):
         config = presets[model_pick.value]

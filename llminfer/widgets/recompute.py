@@ -219,8 +219,29 @@ def build_recompute_widget(per_forward_uncached: list[int], per_forward_cached: 
 
 def recompute_widget(model, tokenizer, prompt: str = "The capital of France is", max_new_tokens: int = 8,
                      eos_token_id: int | None = None):
-    """Run the model with and without the cache under count_kv and return the widget. Chapter 03."""
-    input_ids = tokenizer.encode(prompt)
+    """Run the model with and without the cache under count_kv and return the widget. Chapter 03.
+
+    Input that cannot make a grid (no new tokens, an empty prompt) gets a widget holding the message."""
+    import ipywidgets as widgets
+
+    input_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else None
+    problem = None
+    if input_ids is None or not input_ids:
+        problem = f"the prompt {prompt!r} holds no tokens; type some text"
+    elif isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        problem = (f"max_new_tokens={max_new_tokens!r}: the grid needs at least one new token; "
+                   "pass max_new_tokens=1 or more")
+    elif len(input_ids) + max_new_tokens > model.config.max_seq_len:
+        problem = (f"{len(input_ids)} prompt tokens + max_new_tokens={max_new_tokens} exceed the model's "
+                   f"max_seq_len={model.config.max_seq_len}; pass max_new_tokens <= "
+                   f"{model.config.max_seq_len - len(input_ids)}")
+    if problem:
+        message = widgets.HTML(f"<span style='color:#c62828'>{problem}</span>")
+        message.add_class("llminfer-recompute-message")
+        box = widgets.VBox([message])
+        box.add_class("llminfer-recompute")
+        box.message, box.state = message, None
+        return box
     uncached, tokens_uncached = count_generation(model, input_ids, max_new_tokens, False, eos_token_id)
     cached, tokens_cached = count_generation(model, input_ids, max_new_tokens, True, eos_token_id)
     if tokens_uncached != tokens_cached:

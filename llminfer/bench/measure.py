@@ -1,4 +1,4 @@
-"""`python -m llminfer.bench`: prefill and decode beside the machine's measured ceilings and beside transformers. Chapter 04.
+"""The measurements of `python -m llminfer.bench`: prefill and decode beside the machine's measured ceilings and beside transformers. Chapter 04.
 
 One run, one device, the same random weights for every contender:
 ceilings (copy and matvec bandwidth, matmul rate) -> prefill (tokens/s, FLOP/s, MFU)
@@ -13,19 +13,22 @@ repeat each, so that each ratio compares runs made at the same moment.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import costs, timing
-from .checkpoint import load_random, resolve_device
-from .config import get_preset
-from .generate import decode_step, generate, prefill
-from . import bench_report, bench_transformers
+from .. import costs, timing
+from ..checkpoint import bundled_models, load_random, _models_dir
+from ..config import ModelConfig, get_preset
+from ..device import check_fits, dtype_bytes, resolve_device
+from ..generate import decode_step, generate, prefill
+from . import figures, report as bench_report, transformers_contender
 
 __all__ = ["Settings", "parse_args", "check_settings", "estimate_bytes", "run", "main"]
 
@@ -94,23 +97,40 @@ def parse_args(argv: list[str] | None = None) -> Settings:
 
 def estimate_bytes(cfg, dtype: torch.dtype, settings: Settings, device=torch.device("cpu")) -> int:
     """Returns the peak memory the run needs: weights (twice with transformers), caches, activations."""
-    elem = timing.dtype_bytes(dtype)
+    elem = dtype_bytes(dtype)
     weights = cfg.n_params() * elem * (2 if settings.transformers else 1)
-    longest = max(max(settings.contexts) + 1, settings.prompt_len + settings.new_tokens)
-    batch_tokens = max(max(b * (settings.prompt_len + settings.new_tokens) for b in settings.batch_sizes), longest)
-    kv = batch_tokens * costs.kv_bytes_per_token(cfg, elem)
-    activations = longest * (4 * cfg.dim + 3 * cfg.hidden_dim) * elem * 2
+    runs = [costs.generation_bytes(cfg, batch, settings.prompt_len, settings.new_tokens, elem)
+            for batch in settings.batch_sizes]
+    longest = max(settings.contexts) + 1
+    runs += [costs.kv_cache_bytes(cfg, longest, elem) + costs.activation_bytes(cfg, longest, elem)]
     scores = cfg.n_heads * longest * longest * 4        # attention scores, if the kernel materialises them
-    logits = max(settings.batch_sizes) * cfg.vocab_size * 4 * 4
     probes = 3 * 2 * ((1 << 30) if device.type == "cuda" else (256 << 20))   # copy (2 buffers) and matvec
-    return weights + kv + activations + scores + logits + probes
+    return weights + max(runs) + scores + probes
+
+
+def shape_config(shape: str) -> ModelConfig:
+    """Returns the config of a published shape (PRESETS) or of a bundled model, by name."""
+    if shape in bundled_models():
+        return ModelConfig.from_hf(json.loads((_models_dir() / shape / "config.json").read_text()))
+    return get_preset(shape)                                 # an unknown shape: ValueError naming the known ones
+
+
+def _check_writable(folder: str) -> None:
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".llminfer-bench-"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--out {folder!r} is not a writable folder ({exc.strerror or exc}); "
+                         "pass --out to a folder you can write") from None
 
 
 def check_settings(settings: Settings):
     """Returns (device, dtype, cfg) after checking every setting; raises before anything is allocated. Chapter 04."""
     device = resolve_device(settings.device)                 # an absent device: RuntimeError
     shape = settings.shape or ("llama-3.2-1b" if device.type == "cuda" else "smollm2-135m")
-    cfg = get_preset(shape)                                  # an unknown shape: ValueError naming the known ones
+    cfg = shape_config(shape)
     dtype_name = settings.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
     for name in ("prompt_len", "new_tokens", "recompute_new_tokens", "repeats", "threads"):
@@ -129,9 +149,11 @@ def check_settings(settings: Settings):
     if longest > cfg.max_seq_len:
         raise ValueError(f"the run needs {longest} positions but {shape} holds max_seq_len={cfg.max_seq_len}; "
                          "pass shorter --contexts, --prompt-len or --new-tokens")
-    timing.check_fits(estimate_bytes(cfg, dtype, settings, device), device,
-                      f"benchmarking {shape} in {dtype_name} (weights, caches, activations"
-                      f"{', a transformers copy' if settings.transformers else ''})")
+    check_fits(estimate_bytes(cfg, dtype, settings, device), device,
+               f"benchmarking {shape} in {dtype_name} (weights, caches, activations"
+               f"{', a transformers copy' if settings.transformers else ''})",
+               fix="pass a smaller --shape, --batch-sizes or --contexts")
+    _check_writable(settings.out)                            # before minutes of measuring, not after
     return device, dtype, cfg.replace(max_seq_len=max(longest, settings.prompt_len + settings.new_tokens))
 
 
@@ -143,60 +165,48 @@ def _random_ids(cfg, batch: int, length: int, seed: int, device) -> torch.Tensor
 def bench_prefill(model, cfg, ids, probes, settings) -> dict:
     """Returns prefill time, tokens/s and FLOP/s for one prompt, sampling the matmul probe in between. Chapter 04."""
     cache = model.new_cache(ids.shape[0], max_seq_len=ids.shape[1])
+
+    def one_prefill():
+        cache.reset()
+        prefill(model, ids, cache)
     times, alongside = [], []
-    with torch.inference_mode():
-        prefill(model, ids, cache)                                           # warm-up
-        for _ in range(max(3, settings.repeats)):
-            times += timing.time_fn(lambda: prefill(model, ids, cache), model.device, 0, 1).times_s
-            alongside += probes["matmul_flops"].sample()
+    one_prefill()                                                            # warm-up
+    for _ in range(max(3, settings.repeats)):
+        times += timing.time_fn(one_prefill, model.device, 0, 1).times_s
+        alongside += probes["matmul_flops"].sample()
     result = timing.TimingResult.from_times(times)
-    flops = costs.prefill_flops(cfg, ids.shape[1], ids.shape[0])
-    return {"prompt_len": ids.shape[1], "median_s": result.median_s, "iqr_s": result.iqr_s,
-            "tokens_per_s": ids.numel() / result.median_s, "flops": flops, "flop_per_s": flops / result.median_s,
+    return {"median_s": result.median_s, "iqr_s": result.iqr_s,
             "matmul_flop_per_s_alongside": probes["matmul_flops"].rate_of(alongside)}
-
-
-def _decode_figures(cfg, elem, latencies, batch, prompt_len, new_tokens, matvec_rate, copy_rate) -> dict:
-    """Returns tokens/s, bytes per step and token, and MBU from per-step latencies of a cached decode."""
-    step_s = statistics.median(latencies)
-    steps = new_tokens - 1                                # the first new token comes from the prefill
-    per_step = costs.decode_bytes(cfg, prompt_len + 1, steps, elem, batch) / steps
-    achieved = per_step / step_s
-    return {"batch_size": batch, "step_s": step_s, "tokens_per_s": batch / step_s,
-            "bytes_per_step": per_step, "bytes_per_token": per_step / batch, "bytes_per_s": achieved,
-            "matvec_bytes_per_s_alongside": matvec_rate, "mbu_matvec": achieved / matvec_rate,
-            "mbu_copy": achieved / copy_rate}
 
 
 def bench_contenders(model, cfg, ids, settings, hf_model, probes) -> dict[str, dict]:
     """Returns per-token decode latencies of each contender, the contenders taking turns per repeat."""
     def llminfer_run(use_cache):
         n = settings.new_tokens if use_cache else settings.recompute_new_tokens + 1
-        result = generate(model, ids, max_new_tokens=n, use_cache=use_cache)
-        return result.ttft_s, result.token_latencies_s, result.token_ids
+        return generate(model, ids, max_new_tokens=n, use_cache=use_cache)
 
     runners = {"llminfer (cache)": lambda: llminfer_run(True),
                "llminfer (no cache)": lambda: llminfer_run(False)}
     if hf_model is not None:
-        runners["transformers (cache)"] = lambda: bench_transformers.generate_timed(
+        runners["transformers (cache)"] = lambda: transformers_contender.generate(
             hf_model, ids, settings.new_tokens, use_cache=True)
-        runners["transformers (no cache)"] = lambda: bench_transformers.generate_timed(
+        runners["transformers (no cache)"] = lambda: transformers_contender.generate(
             hf_model, ids, settings.recompute_new_tokens + 1, use_cache=False)
     if model.device.type == "cuda" and settings.cuda_graphs:
-        from .cuda_graphs import GraphedDecoder
+        from ..cuda_graphs import GraphedDecoder
         graphed = GraphedDecoder(model, batch_size=ids.shape[0], max_seq_len=ids.shape[1] + settings.new_tokens)
-        runners["llminfer (CUDA graphs)"] = lambda: graphed.generate_timed(ids, settings.new_tokens)
+        runners["llminfer (CUDA graphs)"] = lambda: graphed.generate(ids, settings.new_tokens)
     for runner in runners.values():                        # warm-up: allocators, kernels, graph capture
         runner()
     found = {name: {"ttft_s": [], "latencies_s": [], "repeat_medians_s": []} for name in runners}
     alongside = []
     for _ in range(settings.repeats):
         for name, runner in runners.items():
-            ttft, latencies, tokens = runner()
-            found[name]["ttft_s"].append(ttft)
-            found[name]["latencies_s"].extend(latencies)
-            found[name]["repeat_medians_s"].append(statistics.median(latencies))
-            found[name]["token_ids"] = tokens
+            result = runner()                                  # a GenerationResult, whoever made it
+            found[name]["ttft_s"].append(result.ttft_s)
+            found[name]["latencies_s"].extend(result.itl_s)
+            found[name]["repeat_medians_s"].append(statistics.median(result.itl_s))
+            found[name]["token_ids"] = result.token_ids
         alongside += probes["matvec_bandwidth"].sample(2)   # the ceilings, under the same load as this round
         probes["copy_bandwidth"].sample()
     for name, entry in found.items():
@@ -210,40 +220,34 @@ def bench_contenders(model, cfg, ids, settings, hf_model, probes) -> dict[str, d
 
 def bench_scaling(model, cfg, settings, probes) -> list[dict]:
     """Returns per-token latency with and without the cache at each context length, and the FLOP prediction."""
-    elem = timing.dtype_bytes(model.dtype)
+    elem = dtype_bytes(model.dtype)
     rows = []
     repeats = max(2, settings.repeats // 2)
     for context in sorted(settings.contexts):
         ids = _random_ids(cfg, 1, context + 1, settings.seed + context, model.device)
         cache = model.new_cache(1, max_seq_len=context + 1)
+        prefill(model, ids[:, :context], cache)                                # the cache holds `context` positions
+
+        def cached_step():                            # the step at position `context`, then rolled back
+            decode_step(model, ids[:, context], cache, check_ids=False)
+            cache.truncate(context)
+        cached = timing.time_fn(cached_step, model.device, warmup=2, repeats=3 * settings.repeats)
         with torch.inference_mode():
-            prefill(model, ids[:, :context], cache)                            # the cache holds `context` positions
-            cached = timing.time_fn(lambda: decode_step(model, ids[:, context], cache, context),
-                                    model.device, warmup=2, repeats=3 * settings.repeats)
             recompute = timing.time_fn(lambda: model(ids, last_only=True), model.device, warmup=1,
                                        repeats=repeats)
         probes["matvec_bandwidth"].sample()
         probes["matmul_flops"].sample()
-        flops_cached = costs.decode_step_flops(cfg, context)
+        flops_cached = costs.decode_step_flops(cfg, cached_len=context)
         flops_recompute = costs.forward_flops(cfg, context + 1, 0, logits_positions=1)
         rows.append({"context_len": context, "cached_s": cached.median_s, "cached_iqr_s": cached.iqr_s,
                      "recompute_s": recompute.median_s, "recompute_iqr_s": recompute.iqr_s,
                      "speedup": recompute.median_s / cached.median_s,
                      "flop_speedup": flops_recompute / flops_cached,
                      "flops_cached": flops_cached, "flops_recompute": flops_recompute,
-                     "bytes_cached": costs.decode_step_bytes(cfg, context + 1, elem),
+                     "bytes_cached": costs.decode_step_bytes(cfg, cached_len=context, dtype_bytes=elem),
                      "bytes_recompute": costs.weight_bytes(cfg, elem)})
         del cache
     return rows
-
-
-def add_roofline(rows: list[dict], ceilings) -> None:
-    """Adds the speedup the roofline predicts (each step at the slower of its two limits) to scaling rows."""
-    matmul, bandwidth = ceilings["matmul_flops"].rate, ceilings["matvec_bandwidth"].rate
-    for row in rows:
-        cached = costs.roofline_seconds(row["flops_cached"], row["bytes_cached"], matmul, bandwidth)
-        recompute = costs.roofline_seconds(row["flops_recompute"], row["bytes_recompute"], matmul, bandwidth)
-        row["roofline_speedup"] = recompute / cached
 
 
 def run(settings: Settings) -> dict:
@@ -265,7 +269,8 @@ def _measure(settings: Settings, device, dtype, cfg) -> dict:
     for probe in probes.values():
         probe.sample(2 if settings.quick else 3)
     model = load_random(cfg, device=device, dtype=dtype, seed=settings.seed)
-    hf_model, hf_note = bench_transformers.load_same_weights(model) if settings.transformers else (None, "skipped")
+    hf_model, hf_note = (transformers_contender.load_same_weights(model) if settings.transformers
+                         else (None, "skipped"))
     if settings.decode_layout and device.type == "cpu":
         model.use_decode_layout()                 # same values, memory order for fast matvecs (transformers: as shipped)
     ids = _random_ids(cfg, 1, settings.prompt_len, settings.seed, device)
@@ -281,21 +286,26 @@ def _measure(settings: Settings, device, dtype, cfg) -> dict:
         batch_ids = _random_ids(cfg, batch, settings.prompt_len, settings.seed + batch, device)
         latencies[batch], alongside[batch] = [], []
         for _ in range(max(2, settings.repeats // 2)):
-            latencies[batch] += generate(model, batch_ids, max_new_tokens=settings.new_tokens).token_latencies_s
+            latencies[batch] += generate(model, batch_ids, max_new_tokens=settings.new_tokens).itl_s
             alongside[batch] += probes["matvec_bandwidth"].sample()
     print("[bench] scaling with context", file=sys.stderr)
     scaling = bench_scaling(model, cfg, settings, probes)
     ceilings = {name: probe.ceiling() for name, probe in probes.items()}      # medians of every sample
     # MFU and MBU against the probe samples taken alongside (same load); the run-wide ceilings are reported too
-    prefill_figures["mfu"] = prefill_figures["flop_per_s"] / prefill_figures["matmul_flop_per_s_alongside"]
-    prefill_figures["mfu_vs_run_ceiling"] = prefill_figures["flop_per_s"] / ceilings["matmul_flops"].rate
-    elem = timing.dtype_bytes(dtype)
-    decode = [_decode_figures(cfg, elem, latencies[batch], batch, settings.prompt_len, settings.new_tokens,
-                              probes["matvec_bandwidth"].rate_of(alongside[batch]), ceilings["copy_bandwidth"].rate)
+    prefill_timing = prefill_figures
+    prefill_figures = figures.prefill_figures(cfg, ids.shape[1], ids.shape[0], prefill_timing["median_s"],
+                                              prefill_timing["matmul_flop_per_s_alongside"],
+                                              ceilings["matmul_flops"].rate)
+    prefill_figures["iqr_s"] = prefill_timing["iqr_s"]
+    elem = dtype_bytes(dtype)
+    decode = [figures.decode_figures(cfg, elem, latencies[batch], batch, settings.prompt_len, settings.new_tokens,
+                                     probes["matvec_bandwidth"].rate_of(alongside[batch]),
+                                     ceilings["copy_bandwidth"].rate)
               for batch in sorted(latencies)]
     for row in decode:
-        row["mbu_matvec_vs_run_ceiling"] = row["bytes_per_s"] / ceilings["matvec_bandwidth"].rate
-    add_roofline(scaling, ceilings)
+        row["mbu_matvec_vs_run_ceiling"] = figures.utilisation(row["bytes_per_s"], ceilings["matvec_bandwidth"].rate,
+                                                               "decode MBU against the run's matvec bandwidth")
+    figures.add_roofline(scaling, ceilings["matmul_flops"].rate, ceilings["matvec_bandwidth"].rate)
     return bench_report.assemble(settings=settings, device=device, dtype=dtype, cfg=cfg, ceilings=ceilings,
                                  prefill=prefill_figures, contenders=contenders, decode=decode, scaling=scaling,
                                  hf_note=hf_note, elapsed_s=time.perf_counter() - started,
@@ -315,6 +325,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {json_path} and {png_path}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

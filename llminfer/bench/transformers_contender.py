@@ -6,14 +6,13 @@ when the benchmark asks for it; without it the benchmark runs and says the conte
 from __future__ import annotations
 
 import tempfile
-import time
 
 import torch
 
-from .checkpoint import save_pretrained
-from .timing import synchronize
+from ..checkpoint import save_pretrained
+from ..generate import GenerationResult, TokenTimer
 
-__all__ = ["load_same_weights", "generate_timed"]
+__all__ = ["load_same_weights", "generate"]
 
 
 def load_same_weights(model) -> tuple[object | None, str]:
@@ -32,34 +31,29 @@ def load_same_weights(model) -> tuple[object | None, str]:
                       "loaded from llminfer.save_pretrained of the same weights")
 
 
-def _stamp_processor(device, stamps: list[float]):
+def _stamp_processor(timer: TokenTimer):
     from transformers import LogitsProcessor
 
     class StampEachToken(LogitsProcessor):
         """Records the time each next-token distribution is ready (once per generated token)."""
 
         def __call__(self, input_ids, scores):
-            synchronize(device)
-            stamps.append(time.perf_counter())
+            timer.token()
             return scores
 
     return StampEachToken()
 
 
 @torch.inference_mode()
-def generate_timed(hf_model, ids: torch.Tensor, new_tokens: int, use_cache: bool):
-    """Returns (ttft_s, per-token latencies_s, new token ids) of a greedy transformers generate. Chapter 04."""
+def generate(hf_model, ids: torch.Tensor, new_tokens: int, use_cache: bool) -> GenerationResult:
+    """Greedy transformers `generate`, timed like llminfer's own loop: the same GenerationResult. Chapter 04."""
     from transformers import LogitsProcessorList
 
-    stamps: list[float] = []
-    device = ids.device
-    synchronize(device)
-    start = time.perf_counter()
+    timer = TokenTimer(ids.device)
+    timer.start()
     out = hf_model.generate(
         input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
         do_sample=False, use_cache=use_cache, pad_token_id=0, eos_token_id=None,
-        logits_processor=LogitsProcessorList([_stamp_processor(device, stamps)]))
-    synchronize(device)
-    latencies = [later - earlier for earlier, later in zip(stamps, stamps[1:])]
+        logits_processor=LogitsProcessorList([_stamp_processor(timer)]))
     rows = out[:, ids.shape[1]:].tolist()
-    return stamps[0] - start, latencies, rows[0] if len(rows) == 1 else rows
+    return timer.result(rows[0] if len(rows) == 1 else rows, ids.shape[1], use_cache)

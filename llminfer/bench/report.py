@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, timing
+from .. import __version__
+from ..device import free_memory_bytes
+from .figures import paired_ratio, utilisation
 
 __all__ = ["load_average", "machine", "device_slug", "assemble", "table", "plot", "write", "TARGETS"]
 
@@ -57,7 +59,7 @@ def machine(device: torch.device) -> dict:
     except ImportError:
         transformers_version = None
     info = {"cpu": _cpu_model(), "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "memory_available_gib": round(timing.free_memory_bytes("cpu") / 2**30, 1), "platform": platform.platform(),
+            "memory_available_gib": round(free_memory_bytes("cpu") / 2**30, 1), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers_version,
             "llminfer": __version__, "device": str(device)}
     if device.type == "cuda":
@@ -77,9 +79,7 @@ def _ratio(contenders: dict, mine: str, theirs: str) -> dict | None:
     if mine not in contenders or theirs not in contenders:
         return None
     # each repeat ran both contenders back to back: their ratio compares like with like on a busy machine
-    pairs = [t / m for m, t in zip(contenders[mine]["repeat_medians_s"], contenders[theirs]["repeat_medians_s"])]
-    return {"of_medians": contenders[theirs]["token_s"] / contenders[mine]["token_s"],
-            "paired_median": statistics.median(pairs)}
+    return paired_ratio(contenders[mine]["repeat_medians_s"], contenders[theirs]["repeat_medians_s"])
 
 
 def assemble(*, settings, device, dtype, cfg, ceilings, prefill, contenders, decode, scaling, hf_note,
@@ -97,7 +97,8 @@ def assemble(*, settings, device, dtype, cfg, ceilings, prefill, contenders, dec
     graphs = contenders.get("llminfer (CUDA graphs)")
     graph_mbu = None
     if graphs:
-        graph_mbu = decode[0]["bytes_per_step"] / graphs["token_s"] / ceilings["copy_bandwidth"].rate
+        graph_mbu = utilisation(decode[0]["bytes_per_step"] / graphs["token_s"], ceilings["copy_bandwidth"].rate,
+                                "CUDA-graph decode MBU against the copy bandwidth")
     values = [(ratios["decode_vs_transformers_cache"] or {}).get("paired_median"), decode[0]["mbu_matvec"],
               prefill["mfu"], (ratios["graphs_vs_transformers_cache"] or {}).get("paired_median"), graph_mbu]
     targets = []

@@ -1,0 +1,6 @@
+"""`python -m llminfer.bench`."""
+import sys
+
+from .measure import main
+
+sys.exit(main())
