@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.overrides import TorchFunctionMode
 
 from .config import ModelConfig, get_preset
 from .device import check_fits, dtype_bytes, resolve_device
@@ -158,10 +159,28 @@ def _hf_name(name: str) -> str:
     return name if name == "lm_head.weight" else "model." + name
 
 
+class _SkipMetaInit(TorchFunctionMode):
+    """Skips torch.nn.init's fills of meta tensors, which hold no values (and whose random fills would otherwise
+    load torch's compiler, seconds and about 100 MiB, the first time)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+def _meta_model(config: ModelConfig) -> Transformer:
+    """A Transformer on the meta device: shapes and names, no memory."""
+    with torch.device("meta"), _SkipMetaInit():
+        return Transformer(config)
+
+
 def _empty_model(config: ModelConfig, device: torch.device) -> Transformer:
     """A Transformer whose parameters live on the meta device (no memory) and whose buffers, if any, on device."""
-    with torch.device("meta"):
-        model = Transformer(config)
+    model = _meta_model(config)
     if next(model.buffers(), None) is None:
         return model
     # Buffers (tables computed from the config, e.g. rotary frequencies) are made by __init__ and are not in a
@@ -175,7 +194,7 @@ def _empty_model(config: ModelConfig, device: torch.device) -> Transformer:
 
     nn.Module.register_parameter = register_on_meta
     try:
-        with torch.device(device):
+        with torch.device(device), _SkipMetaInit():
             model = Transformer(config)
     finally:
         nn.Module.register_parameter = register
@@ -288,8 +307,7 @@ def load_pretrained(path_or_name: str | Path, device: str | torch.device | None 
     tokenizer = _load_tokenizer(folder, config) if load_tokenizer else None
     check_fits(config.n_params() * dtype_bytes(dtype), device, f"the weights of {folder.name} in {dtype}")
     layout = _tensor_layout(files)
-    with torch.device("meta"):
-        expected = {name: tuple(p.shape) for name, p in Transformer(config).named_parameters()}  # ties: one name
+    expected = {name: tuple(p.shape) for name, p in _meta_model(config).named_parameters()}  # ties: one name
     for name, shape in expected.items():
         hf = _hf_name(name)
         if hf not in layout:

@@ -13,23 +13,15 @@ import torch
 LIMIT = 1.3          # peak extra memory while loading / bytes of the weights in the target dtype
 SHAPE = "smollm2-135m"
 
-# Run in a fresh interpreter so that no other test's allocations move the peak. A tiny model is loaded first
-# through the same path, so one-time costs that do not grow with the model (lazy imports, torch's first use of
-# its CPU kernels: about 80 MiB here) are paid before the measurement starts.
+# Run in a fresh interpreter so that no other test's allocations move the peak. The measurement starts right
+# after `import llminfer`: one-time costs of the first load (lazy imports, torch's first use of a kernel) count.
 CHILD = r"""
 import json, sys
 import torch
 import llminfer
 
 torch.set_num_threads(1)
-mode, device, folder = sys.argv[1], torch.device(sys.argv[2]), sys.argv[3]
-tiny = llminfer.ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64)
-
-
-def load(name_or_folder):
-    if mode == "random":
-        return llminfer.load_random(name_or_folder, device=device, dtype=torch.bfloat16)
-    return llminfer.load_pretrained(name_or_folder, device=device, dtype=torch.bfloat16, load_tokenizer=False)[0]
+mode, device, folder, shape = sys.argv[1], torch.device(sys.argv[2]), sys.argv[3], sys.argv[4]
 
 
 def status(key):
@@ -39,8 +31,8 @@ def status(key):
                 return int(line.split()[1]) * 1024
 
 
-load(tiny if mode == "random" else "tiny-capitals")
 if device.type == "cuda":
+    torch.cuda.init()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -48,7 +40,10 @@ else:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")                        # resets VmHWM, the peak resident set, to the current VmRSS
     before = status("VmRSS")
-model = load(llminfer.get_preset("smollm2-135m") if mode == "random" else folder)
+if mode == "random":
+    model = llminfer.load_random(shape, device=device, dtype=torch.bfloat16)
+else:
+    model = llminfer.load_pretrained(folder, device=device, dtype=torch.bfloat16, load_tokenizer=False)[0]
 if device.type == "cuda":
     torch.cuda.synchronize()
     peak, after = torch.cuda.max_memory_allocated() - before, torch.cuda.memory_allocated() - before
@@ -77,7 +72,7 @@ def _run(*args: str) -> str:
 
 
 def _measure(mode: str, device: str, folder: Path | str = "-") -> dict:
-    result = json.loads(_run(CHILD, mode, device, str(folder)).strip().splitlines()[-1])
+    result = json.loads(_run(CHILD, mode, device, str(folder), SHAPE).strip().splitlines()[-1])
     print(f"\n{mode} {SHAPE} bf16 on {device}: weights {result['weights'] / 2**20:.0f} MiB, "
           f"peak extra {result['peak'] / result['weights']:.3f}x, after {result['after'] / result['weights']:.3f}x")
     assert result["dtype"] == "torch.bfloat16" and result["device"].startswith(device) and result["tied"]
