@@ -1,0 +1,356 @@
+"""LLMEngine: requests in, tokens out, one scheduled step at a time. Chapters 05 and 06.
+
+    engine = LLMEngine(model, block_size=16, max_num_seqs=16, max_num_batched_tokens=512)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=64))      # one RequestOutput per prompt
+
+or driven step by step, as a server does:
+
+    request_id = engine.add_request(prompt_ids, params)
+    while engine.has_unfinished():
+        for request_id, token_id, finished in engine.step():
+            ...
+    engine.pop_output(request_id)                                             # tokens and timings
+
+Each step: the scheduler picks the batch (`AttentionMetadata`), the model runner runs it through the
+model's one forward over the `PagedKVCache`, the sampled tokens are appended, finished requests free
+their blocks. `engine.trace` keeps what every step ran, for the scheduling chart of chapter 05.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence as SequenceType
+
+import torch
+
+from ..device import dtype_bytes, free_memory_bytes, synchronize
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .paged_cache import PagedKVCache, paged_cache_bytes
+from .sampling_params import SamplingParams
+from .scheduler import POLICIES, Scheduler
+from .sequence import RequestOutput, Sequence, SequenceStatus, StepOutput
+
+__all__ = ["LLMEngine", "EngineStats", "StepRecord"]
+
+KV_MEMORY_FRACTION = 0.5    # with num_blocks=None the pool takes at most this share of free memory
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one engine step ran, and when: the raw material of the scheduling chart. Chapter 05."""
+    step: int
+    start_s: float
+    end_s: float
+    entries: tuple[tuple[int, str, int], ...]    # (request id, "prefill" or "decode", tokens run)
+    preempted: tuple[int, ...] = ()
+    finished: tuple[int, ...] = ()
+    blocks_used: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, _, n in self.entries)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's counters at one moment. Chapters 05 and 06."""
+    steps: int
+    num_blocks: int
+    block_size: int
+    blocks_used: int
+    blocks_free: int
+    blocks_cached_free: int        # free blocks that still hold a reusable prefix
+    kv_pool_bytes: int
+    num_waiting: int
+    num_running: int
+    num_finished: int
+    preemptions: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    tokens_computed: int           # positions run through the model, all steps
+    evictions: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    @property
+    def usage(self) -> float:
+        return self.blocks_used / self.num_blocks
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache with prefix caching, driven one step at a time. Chapter 05."""
+
+    def __init__(self, model, block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 512, policy: str = "continuous", enable_prefix_caching: bool = True,
+                 chunked_prefill: bool = True, max_model_len: int | None = None,
+                 kv_memory_fraction: float = KV_MEMORY_FRACTION, kernel: str | None = None,
+                 clock=time.perf_counter, trace_limit: int = 100_000):
+        cfg = model.config
+        if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two (1, 2, 4, 8, 16, ...), got {block_size!r}; "
+                             "16 is the usual choice")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if max_model_len is None:
+            max_model_len = cfg.max_seq_len
+        if not _is_int(max_model_len) or not 1 <= max_model_len <= cfg.max_seq_len:
+            raise ValueError(f"max_model_len must lie in 1..{cfg.max_seq_len} (the model's max_seq_len), "
+                             f"got {max_model_len!r}")
+        if not 0 < kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction must lie in (0, 1], got {kv_memory_fraction}")
+        per_block = paged_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 1, block_size, model.dtype)
+        one_request = -(-max_model_len // block_size)
+        if num_blocks is None:
+            # as many blocks as the memory allows, but never more than max_num_seqs full-length requests use
+            free = free_memory_bytes(model.device)
+            affordable = int(kv_memory_fraction * free) // per_block
+            useful = max_num_seqs * one_request
+            num_blocks = min(affordable, useful)
+            self.pool_sizing = (f"{num_blocks} blocks: min({affordable} that {kv_memory_fraction:.0%} of the "
+                                f"{free / 2**30:.1f} GiB free hold, {useful} for {max_num_seqs} requests of "
+                                f"{max_model_len} positions)")
+            if num_blocks < one_request:
+                raise MemoryError(f"the KV pool fits only {num_blocks} blocks of {block_size} positions in "
+                                  f"{kv_memory_fraction:.0%} of the {free / 2**30:.2f} GiB free, too few for one "
+                                  f"request of max_model_len={max_model_len} ({one_request} blocks); free memory, "
+                                  "pass a smaller max_model_len, or a larger kv_memory_fraction")
+        else:
+            if not _is_int(num_blocks) or num_blocks < 1:
+                raise ValueError(f"num_blocks must be a positive integer or None (size from free memory), "
+                                 f"got {num_blocks!r}")
+            if num_blocks < one_request:
+                raise ValueError(f"num_blocks={num_blocks} × block_size={block_size} = {num_blocks * block_size} "
+                                 f"positions is too small for one request of max_model_len={max_model_len}; pass "
+                                 f"num_blocks >= {one_request}, or max_model_len <= {num_blocks * block_size}")
+            self.pool_sizing = f"{num_blocks} blocks (given)"
+        self.model = model
+        self.config = cfg
+        self.max_model_len = max_model_len
+        self.chunked_prefill = chunked_prefill
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.cache = PagedKVCache.for_model(model, num_blocks, block_size, kernel=kernel)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, policy, chunked_prefill)
+        self.runner = ModelRunner(model, self.cache)
+        self.clock = clock
+        self.trace: deque[StepRecord] = deque(maxlen=trace_limit)
+        self._requests: dict[int, Sequence] = {}     # unfinished
+        self._finished: dict[int, Sequence] = {}     # finished, until popped
+        self._next_id = 0
+        self._steps = 0
+        self._tokens_computed = 0
+        self._num_finished = 0
+
+    # --- settings ----------------------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    @property
+    def policy(self) -> str:
+        return self.scheduler.policy
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.scheduler.max_num_batched_tokens
+
+    def __repr__(self) -> str:
+        return (f"LLMEngine(policy={self.policy!r}, max_num_seqs={self.max_num_seqs}, "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}, chunked_prefill={self.chunked_prefill}, "
+                f"prefix_caching={self.enable_prefix_caching}, pool={self.num_blocks} blocks × {self.block_size} "
+                f"= {self.cache.nbytes / 2**20:.1f} MiB, kernel={self.cache.kernel_name!r})")
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    def _check_prompt(self, prompt_ids) -> list[int]:
+        if isinstance(prompt_ids, torch.Tensor):
+            if prompt_ids.dim() != 1:
+                raise ValueError(f"a prompt must be a 1-D list of token ids, got a tensor of shape "
+                                 f"{tuple(prompt_ids.shape)}; pass one prompt per request")
+            prompt_ids = prompt_ids.tolist()
+        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, SequenceType):
+            raise ValueError(f"a prompt must be a list of token ids, got {type(prompt_ids).__name__}; encode text "
+                             "first with tokenizer.encode(text)")
+        if len(prompt_ids) == 0:
+            raise ValueError("the prompt is empty; a request needs at least one token (e.g. the BOS token)")
+        vocab = self.config.vocab_size
+        for value in prompt_ids:
+            if not _is_int(value):
+                raise ValueError(f"a prompt must hold integer token ids, got {value!r} ({type(value).__name__})")
+            if not 0 <= value < vocab:
+                raise ValueError(f"token id {value} is outside the vocabulary of {vocab} ids (valid ids are "
+                                 f"0..{vocab - 1}); was the text encoded by this model's own tokenizer?")
+        return [int(v) for v in prompt_ids]
+
+    def _check_request(self, prompt: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        vocab = self.config.vocab_size
+        if params.eos_token_id is not None and params.eos_token_id >= vocab:
+            raise ValueError(f"eos_token_id={params.eos_token_id} is outside the vocabulary of {vocab} ids, so the "
+                             "request would never stop on it; pass the tokenizer's eos_token_id")
+        total = len(prompt) + params.max_new_tokens
+        limit = self.config.max_seq_len
+        if total > limit:
+            raise ValueError(f"a prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} "
+                             f"positions exceed the model's context (max_seq_len={limit}); pass max_new_tokens <= "
+                             f"{max(limit - len(prompt), 0)} or shorten the prompt")
+        positions = total - 1                          # the last token is sampled, never run through the model
+        needed = self.block_manager.blocks_needed(positions)
+        if needed > self.num_blocks:
+            raise ValueError(f"the request could never fit in the KV pool, even alone: {positions} positions need "
+                             f"{needed} blocks of {self.block_size} but the pool has {self.num_blocks}; make the "
+                             f"engine with num_blocks >= {needed}, or shorten the request")
+        if total > self.max_model_len:
+            raise ValueError(f"a prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} "
+                             f"exceeds the engine's max_model_len={self.max_model_len}; shorten the request")
+        if not self.chunked_prefill and positions > self.max_num_batched_tokens:
+            raise ValueError(f"without chunked prefill a request's {positions} positions must fit in one step's "
+                             f"budget, max_num_batched_tokens={self.max_num_batched_tokens} (it may have to be "
+                             "recomputed whole after a preemption); enable chunked_prefill or raise the budget")
+
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, arrival_time: float | None = None) -> int:
+        """Queues one request; returns its id. Everything is checked here, before it can be scheduled."""
+        params = SamplingParams() if params is None else params
+        prompt = self._check_prompt(prompt_ids)
+        self._check_request(prompt, params)
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real)
+                                         or not math.isfinite(arrival_time)):
+            raise ValueError(f"arrival_time must be a finite number of seconds on the engine's clock, "
+                             f"got {arrival_time!r}")
+        request_id = self._next_id
+        self._next_id += 1
+        arrival = self.clock() if arrival_time is None else float(arrival_time)
+        seq = Sequence(request_id, prompt, params, arrival, device=self.model.device)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running."""
+        return self.scheduler.has_unfinished()
+
+    def abort(self, request_id: int) -> bool:
+        """Stops a request and frees its blocks; True if it was unfinished, False if it had already finished."""
+        if not _is_int(request_id) or not 0 <= request_id < self._next_id:
+            raise ValueError(f"unknown request id {request_id!r}: this engine has issued ids 0..{self._next_id - 1}"
+                             if self._next_id else f"unknown request id {request_id!r}: no request has been added")
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        self._finish(seq)
+        return True
+
+    def _finish(self, seq: Sequence) -> None:
+        self._finished[seq.request_id] = seq
+        self._num_finished += 1
+
+    def pop_output(self, request_id: int) -> RequestOutput:
+        """The finished request's RequestOutput, handed over once (the engine then forgets it)."""
+        seq = self._finished.pop(request_id, None)
+        if seq is None:
+            state = "still running" if request_id in self._requests else "unknown or already popped"
+            raise ValueError(f"request {request_id!r} has no finished output: it is {state}")
+        return seq.output()
+
+    def output(self, request_id: int) -> RequestOutput:
+        """A snapshot of a request's RequestOutput, running or finished (not yet popped)."""
+        seq = self._requests.get(request_id) or self._finished.get(request_id)
+        if seq is None:
+            raise ValueError(f"request {request_id!r} is unknown or its output was already popped")
+        return seq.output()
+
+    @property
+    def unfinished_sequences(self) -> list[Sequence]:
+        return list(self.scheduler.running) + list(self.scheduler.waiting)
+
+    # --- stepping ----------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Runs one scheduled batch; returns the tokens it made as (request_id, token_id, finished)."""
+        start = self.clock()
+        metadata = self.scheduler.schedule(now=start)
+        preempted = tuple(self.scheduler.last_preempted)
+        if metadata is None:
+            return []
+        tokens = self.runner.execute(metadata)
+        self.scheduler.finish_step(metadata)
+        synchronize(self.model.device)
+        now = self.clock()
+        events, finished = [], []
+        for seq, token in zip(metadata.seqs, tokens):
+            if token is None:
+                continue
+            done = seq.append_token(token, now)
+            events.append(StepOutput(seq.request_id, token, done))
+            if done:
+                self.scheduler.remove(seq)
+                del self._requests[seq.request_id]
+                self._finish(seq)
+                finished.append(seq.request_id)
+        entries = tuple((s.request_id, kind, q) for s, kind, q in zip(metadata.seqs, metadata.kinds, metadata.query_lens))
+        self._steps += 1
+        self._tokens_computed += metadata.num_tokens
+        self.trace.append(StepRecord(self._steps, start, now, entries, preempted, tuple(finished),
+                                     self.block_manager.num_used_blocks))
+        return events
+
+    @property
+    def stats(self) -> EngineStats:
+        """Blocks used and free, prefix hit rate, preemptions, steps, queue sizes."""
+        bm = self.block_manager
+        return EngineStats(
+            steps=self._steps, num_blocks=bm.num_blocks, block_size=bm.block_size, blocks_used=bm.num_used_blocks,
+            blocks_free=bm.num_free_blocks, blocks_cached_free=bm.num_cached_free_blocks,
+            kv_pool_bytes=self.cache.nbytes, num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running), num_finished=self._num_finished,
+            preemptions=self.scheduler.preemptions, prefix_hit_tokens=bm.hit_tokens,
+            prefix_query_tokens=bm.queried_tokens, tokens_computed=self._tokens_computed, evictions=bm.evictions)
+
+    # --- offline use -------------------------------------------------------------------------------
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion; returns one RequestOutput per prompt, in order. Chapter 05."""
+        if isinstance(prompts, torch.Tensor):
+            prompts = [row for row in prompts] if prompts.dim() == 2 else [prompts]
+        if not isinstance(prompts, SequenceType) or isinstance(prompts, (str, bytes)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of prompts, each a list of token ids")
+        if prompts and _is_int(prompts[0]):
+            raise ValueError("prompts must be a list of prompts (lists of token ids); wrap a single prompt as "
+                             "[prompt_ids]")
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts; pass one, or one each")
+        checked = []
+        for prompt, p in zip(prompts, params_list):       # every request checked before any is queued
+            prompt = self._check_prompt(prompt)
+            self._check_request(prompt, p if p is not None else SamplingParams())
+            checked.append(prompt)
+        ids = [self.add_request(prompt, p) for prompt, p in zip(checked, params_list)]
+        while self.has_unfinished():
+            self.step()
+        return [self.pop_output(i) for i in ids]

@@ -1,0 +1,231 @@
+"""The paged KV cache: one pool of fixed-size blocks per layer, read through block tables. Chapter 06.
+
+`PagedKVCache` speaks the same protocol as the contiguous `KVCache` of chapter 04
+(`begin` / `attend` / `end`), so the model's one forward runs on it unchanged:
+
+    cache.bind(metadata)                       # the engine's step: which tokens, which blocks
+    logits = model(input_ids, positions, cache)
+    cache.unbind()
+
+Per layer, `attend` writes the step's new K/V into their slots (`slot_mapping`) and then runs a
+paged-attention kernel (`paged_attention.py`) that reads each sequence's K/V through its block table.
+
+Used on its own (no metadata bound), the cache manages block tables itself for a batch of equal-length
+sequences, so `llminfer.prefill` and `llminfer.decode_step` work on it like on a `KVCache`:
+
+    cache = PagedKVCache.for_model(model, num_blocks=32, block_size=16)
+    logits = llminfer.prefill(model, ids, cache)
+    cache.block_tables            # [[0, 1]] for a 20-token prompt
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+
+from ..device import check_fits, dtype_bytes
+from .attention_metadata import AttentionMetadata
+from .block_manager import BlockManager
+from .paged_attention import default_paged_kernel, gather_attention, get_paged_kernel
+from .sampling_params import SamplingParams
+from .sequence import Sequence
+
+__all__ = ["PagedKVCache", "paged_cache_bytes"]
+
+
+def paged_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                      dtype: torch.dtype) -> int:
+    """Bytes of a block pool: 2 (K and V) · layers · blocks · block_size · kv_heads · head_dim · bytes. Chapter 06."""
+    return 2 * n_layers * num_blocks * block_size * n_kv_heads * head_dim * dtype_bytes(dtype)
+
+
+class PagedKVCache:
+    """K/V in num_blocks blocks of block_size positions per layer; the cache protocol over block tables. Chapter 06."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, kernel: str | None = None):
+        for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
+                            ("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PagedKVCache {name} must be a positive integer, got {value!r}")
+        if block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}; try {1 << block_size.bit_length()}")
+        self.device = torch.device(device)
+        self.kernel_name = kernel or default_paged_kernel(self.device)
+        self._kernel = get_paged_kernel(self.kernel_name)       # an unknown name is refused here
+        self._auto_kernel = kernel is None
+        needed = paged_cache_bytes(n_layers, n_kv_heads, head_dim, num_blocks, block_size, dtype)
+        check_fits(needed, self.device, f"a paged KV cache of {num_blocks} blocks × {block_size} positions × "
+                   f"{n_layers} layers", fix="pass a smaller num_blocks")
+        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._metadata: AttentionMetadata | None = None
+        # standalone use (no engine): this cache keeps its own block tables for a batch of sequences
+        self._blocks: BlockManager | None = None
+        self._rows: list[Sequence] = []
+        self._length = 0
+        self._new = 0
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int = 16, kernel: str | None = None) -> "PagedKVCache":
+        """A pool shaped for `model`, on its device and dtype."""
+        cfg = model.config
+        return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, num_blocks, block_size, model.device, model.dtype,
+                   kernel)
+
+    # --- what it holds -----------------------------------------------------------------------------
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for every layer's K and V pool."""
+        return sum(t.untyped_storage().nbytes() for t in self.k + self.v)
+
+    @property
+    def capacity(self) -> int:
+        """Positions the pool can hold in all (one sequence may use all of them)."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def length(self) -> int:
+        """Positions held per sequence: standalone, the batch's shared length; bound to an engine step,
+        the longest context before the step."""
+        if self._metadata is not None:
+            return max(self._metadata.context_lens)
+        return self._length
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Standalone use: each sequence's block table."""
+        return [list(row.block_table) for row in self._rows]
+
+    def gather(self, layer_idx: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's K and V of one layer, read through its block table: each (1, H_kv, length, D). Chapter 06."""
+        if not 0 <= layer_idx < self.n_layers:
+            raise ValueError(f"layer_idx={layer_idx} is outside 0..{self.n_layers - 1}")
+        if length > len(block_table) * self.block_size:
+            raise ValueError(f"{length} positions do not fit in {len(block_table)} blocks of {self.block_size}")
+        pos = torch.arange(length)
+        slots = (torch.tensor(block_table, dtype=torch.long)[pos // self.block_size] * self.block_size
+                 + pos % self.block_size).to(self.device)
+        flat_k = self.k[layer_idx].view(-1, *self.k[layer_idx].shape[2:])
+        flat_v = self.v[layer_idx].view(-1, *self.v[layer_idx].shape[2:])
+        return (flat_k[slots].transpose(0, 1)[None], flat_v[slots].transpose(0, 1)[None])
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies every layer's K/V of block src into block dst, for each (src, dst): copy-on-write. Chapter 06."""
+        for src, dst in pairs:
+            for pool in self.k + self.v:
+                pool[dst].copy_(pool[src])
+
+    # --- binding an engine step -------------------------------------------------------------------
+
+    def bind(self, metadata: AttentionMetadata) -> None:
+        """The next forward runs this engine step (metadata prepared on this cache's device)."""
+        metadata.prepare(self.device)
+        self._metadata = metadata
+
+    def unbind(self) -> None:
+        self._metadata = None
+
+    # --- the protocol ------------------------------------------------------------------------------
+
+    def begin(self, n_tokens: int, batch_size: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Checks the forward against the bound step (or books room for it when standalone); returns positions."""
+        meta = self._metadata
+        if meta is None:
+            return self._begin_standalone(n_tokens, batch_size, positions)
+        if batch_size != 1 or n_tokens != meta.num_tokens:
+            raise ValueError(f"the bound engine step runs {meta.num_tokens} tokens as input_ids of shape "
+                             f"(1, {meta.num_tokens}), got ({batch_size}, {n_tokens})")
+        if positions is None or positions is meta.positions:
+            return meta.positions
+        if positions.dim() == 2:
+            positions = positions[0]
+        if positions.shape != meta.positions.shape or not torch.equal(positions.to(meta.positions.device),
+                                                                      meta.positions):
+            raise ValueError("positions disagree with the bound engine step's metadata; pass metadata.positions")
+        return meta.positions
+
+    def _begin_standalone(self, n_tokens: int, batch_size: int, positions: torch.Tensor | None) -> torch.Tensor:
+        if self._blocks is None or not self._rows:
+            self._blocks = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching=False)
+            params = SamplingParams(max_new_tokens=1)
+            self._rows = [Sequence(i, [], params, 0.0) for i in range(batch_size)]
+            self._length = 0
+        if batch_size != len(self._rows):
+            raise ValueError(f"the cache holds {len(self._rows)} sequences but the input has {batch_size}; "
+                             "call cache.reset() to start a new batch")
+        start = self._length
+        if positions is not None:
+            values = positions.reshape(-1, positions.shape[-1])[0].tolist()
+            if values != list(range(start, start + n_tokens)):
+                raise ValueError(f"positions {values[:8]} do not continue from the cache's length {start}; "
+                                 "pass positions=None")
+        total = self._blocks.blocks_needed(start + n_tokens) * batch_size - sum(len(r.block_table) for r in self._rows)
+        if total > self._blocks.num_free_blocks:
+            raise ValueError(f"{batch_size} sequence(s) of {start + n_tokens} positions need "
+                             f"{self._blocks.blocks_needed(start + n_tokens) * batch_size} blocks of {self.block_size} "
+                             f"but the pool has {self.num_blocks}; make a cache with more blocks")
+        for row in self._rows:
+            row.token_ids.extend([0] * n_tokens)        # the pool only needs how many, not which
+            self._blocks.allocate(row, n_tokens)
+        self._new = n_tokens
+        meta = AttentionMetadata(seqs=self._rows, query_lens=[n_tokens] * batch_size,
+                                 context_lens=[start] * batch_size,
+                                 block_tables=[list(r.block_table) for r in self._rows], block_size=self.block_size)
+        self._metadata = meta.prepare(self.device)
+        self._standalone_step = True
+        return torch.arange(start, start + n_tokens, device=self.device)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               backend: Callable) -> torch.Tensor:
+        """Writes this layer's new K/V into their slots, then attends through the block tables (B, H, T, D)."""
+        meta = self._metadata
+        batch, n_heads, seq_len, head_dim = q.shape
+        if batch > 1:                                   # standalone batch: rows side by side, like an engine step
+            q = q.transpose(0, 1).reshape(1, n_heads, batch * seq_len, head_dim)
+            k = k.transpose(0, 1).reshape(1, k.shape[1], batch * seq_len, head_dim)
+            v = v.transpose(0, 1).reshape(1, v.shape[1], batch * seq_len, head_dim)
+        k_pool, v_pool = self.k[layer_idx], self.v[layer_idx]
+        k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, meta.slot_mapping, k[0].transpose(0, 1))  # (N, H_kv, D)
+        v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, meta.slot_mapping, v[0].transpose(0, 1))
+        try:
+            out = self._kernel(q, k_pool, v_pool, meta, backend)                    # (1, H, N, D)
+        except Exception as exc:        # an automatic choice that fails here (e.g. no compiler) falls back
+            if not self._auto_kernel or self._kernel is gather_attention:
+                raise
+            warnings.warn(f"paged-attention kernel {self.kernel_name!r} failed ({exc!r}); using 'gather'")
+            self.kernel_name, self._kernel = "gather", gather_attention
+            out = gather_attention(q, k_pool, v_pool, meta, backend)
+        if batch > 1:
+            out = out.reshape(n_heads, batch, seq_len, head_dim).transpose(0, 1)
+        return out
+
+    def end(self) -> None:
+        """Standalone: the positions written become part of every sequence. Engine steps advance elsewhere."""
+        if getattr(self, "_standalone_step", False):
+            for row in self._rows:
+                row.num_computed_tokens += self._new
+            self._length += self._new
+            self._new = 0
+            self._metadata = None
+            self._standalone_step = False
+
+    def reset(self) -> None:
+        """Standalone: frees every block (the pool stays allocated); a new batch may start."""
+        if self._blocks is not None:
+            for row in self._rows:
+                self._blocks.free(row)
+        self._rows, self._length, self._metadata = [], 0, None
+
+    def __repr__(self) -> str:
+        nb, bs, h, d = self.k[0].shape
+        return (f"PagedKVCache(layers={self.n_layers}, blocks={nb} × {bs} positions, n_kv_heads={h}, head_dim={d}, "
+                f"dtype={self.k[0].dtype}, kernel={self.kernel_name!r}, {self.nbytes / 2**20:.2f} MiB)")
