@@ -7,3 +7,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Chapter 07's Triton kernel runs on CPU tensors only under Triton's interpreter, a mode fixed when triton
+# is first imported (torch._dynamo and transformers import it too): without CUDA, choose it before they do.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
