@@ -14,7 +14,7 @@ help:
 	@echo "make test-e2e   the widgets in JupyterLab, driven in headless Chromium"
 	@echo "make notebooks  re-execute and normalise the chapters (commits their outputs)"
 	@echo "make bench      the side-by-side benchmark (writes data/benchmarks/)"
-	@echo "make model      rebuild the bundled model in data/models/tiny-capitals"
+	@echo "make model      rebuild the bundled models in data/models (tiny-capitals, then its draft)"
 	@echo "make clean      remove .venv and caches"
 
 # The environment: made once, reinstalled only when the pins or the package change.
@@ -48,6 +48,7 @@ bench: $(STAMP)
 
 model: $(STAMP)
 	$(PY) data/build_model.py
+	$(PY) data/build_model.py --draft
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

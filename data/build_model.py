@@ -1,6 +1,7 @@
 """Rebuild the bundled model data/models/tiny-capitals from scratch: corpus, tokenizer, weights, model card.
 
-`make model` runs this. Everything is seeded, so a rebuild gives the same greedy
+`make model` runs this, then `--draft`, which trains the one-layer draft model data/models/tiny-capitals-draft
+(chapter 09) on the same corpus with the same tokenizer. Everything is seeded, so a rebuild gives the same greedy
 outputs (the weights themselves may differ in the last bits between machines).
 Training uses llminfer's own Transformer on one CPU thread.
 """
@@ -42,6 +43,11 @@ WARMUP_STEPS = 100
 FINAL_LR_FRACTION = 0.05
 WEIGHT_DECAY = 0.01
 EVAL_EVERY = 500
+# The draft model of chapter 09 (speculative decoding): the same corpus, tokenizer and recipe, one layer instead of
+# four, so that one of its decode steps costs a fraction of the target's while it still guesses most tokens.
+DRAFT_DIR = DATA_DIR / "models" / "tiny-capitals-draft"
+DRAFT_SHAPE = dict(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=384, max_seq_len=128)
+DRAFT_STEPS = 2000
 # Greedy outputs recorded in the model card: the article's two prompts, then a few that show the limits.
 EXAMPLE_PROMPTS = ["The capital of France", "The capital of France is", "I love", "Paris is the capital of",
                    "The capital city of Peru is", "The capital of France is called", "The capital of Atlantis is"]
@@ -120,10 +126,11 @@ def evaluate(model, tokenizer, rows, held_out) -> dict[str, float]:
     return scores
 
 
-def train(sentences: list[str], tokenizer, rows, held_out, steps: int = STEPS) -> tuple[llminfer.Transformer, dict]:
-    """Train the model on sentence + <eos> sequences (no BOS) and return it with a training log."""
+def train(sentences: list[str], tokenizer, rows, held_out, steps: int = STEPS,
+          shape: dict | None = None) -> tuple[llminfer.Transformer, dict]:
+    """Train the model (SHAPE unless `shape` is given) on sentence + <eos> sequences (no BOS); return it with a log."""
     config = llminfer.ModelConfig(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, **SHAPE)
+                                  eos_token_id=tokenizer.eos_token_id, **(SHAPE if shape is None else shape))
     model = llminfer.Transformer(config).init_weights(SEED)
     model.train()
     sequences = [tokenizer.encode(s) + [tokenizer.eos_token_id] for s in sentences]
@@ -166,11 +173,21 @@ def main() -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=STEPS, help=f"training steps (default {STEPS})")
-    parser.add_argument("--out", type=Path, default=MODEL_DIR, help=f"model folder (default {MODEL_DIR})")
+    parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {STEPS}; "
+                        f"{DRAFT_STEPS} with --draft)")
+    parser.add_argument("--out", type=Path, default=None, help=f"model folder (default {MODEL_DIR}; "
+                        f"{DRAFT_DIR} with --draft)")
     parser.add_argument("--threads", type=int, default=THREADS, help=f"CPU threads (default {THREADS})")
+    parser.add_argument("--draft", action="store_true", help="build the draft model tiny-capitals-draft instead "
+                        "(chapter 09); it reuses the tokenizer of the model in --target")
+    parser.add_argument("--target", type=Path, default=MODEL_DIR, help=f"with --draft: the target model's folder "
+                        f"(default {MODEL_DIR})")
     args = parser.parse_args()
-    out = args.out
+    if args.draft:
+        build_draft(args.out or DRAFT_DIR, args.target, args.steps or DRAFT_STEPS, args.threads)
+        return
+    args.steps = args.steps or STEPS
+    out = args.out or MODEL_DIR
     seed_everything()
     torch.set_num_threads(args.threads)
     write_corpus(SEED)
@@ -205,6 +222,120 @@ def main() -> None:
     write_model_card(report, out / "README.md")
     print(json.dumps({k: report[k] for k in ("n_params", "weights_bytes", "train_wall_s", "train_cpu_s",
                                              "accuracy", "greedy_examples")}, indent=2, ensure_ascii=False))
+
+
+@torch.no_grad()
+def greedy_agreement(draft, target, tokenizer, prompts: list[str], max_new_tokens: int = 16) -> dict:
+    """How often the draft's greedy next token equals the target's along the target's own greedy outputs.
+
+    This is the acceptance rate of greedy speculative decoding per drafted position: teacher-forced on
+    prompt + the target's continuation, one forward of each model, the argmaxes compared position by position.
+    """
+    agree = total = 0
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt)
+        continuation = llminfer.generate(target, ids, max_new_tokens=max_new_tokens,
+                                         eos_token_id=tokenizer.eos_token_id).token_ids
+        full = torch.tensor([ids + continuation])                        # (1, T)
+        lo, hi = len(ids) - 1, full.shape[1] - 1                         # rows that predict the continuation
+        draft_next = draft(full).argmax(-1)[0, lo:hi]
+        target_next = target(full).argmax(-1)[0, lo:hi]
+        agree += int((draft_next == target_next).sum())
+        total += hi - lo
+    return {"agreement": agree / total, "positions": total, "prompts": len(prompts)}
+
+
+def decode_step_seconds(models: list, prompt_ids: list[int], repeats: int = 200) -> list[float]:
+    """Median seconds of one single-token decode step after the prompt, for each model (one thread).
+
+    The models' steps are interleaved, so a busy moment on a shared machine slows them all alike.
+    """
+    import statistics
+
+    def stepper(model):
+        cache = model.new_cache(1)
+        llminfer.prefill(model, torch.tensor([prompt_ids]), cache)
+        length, token = cache.length, torch.tensor([[prompt_ids[-1]]])
+
+        def step():
+            cache.truncate(length)
+            with torch.inference_mode():
+                model(token, cache=cache)
+        return step
+
+    steps = [stepper(model) for model in models]
+    times: list[list[float]] = [[] for _ in models]
+    for round_ in range(20 + repeats):                 # the first 20 rounds warm up
+        for step, record in zip(steps, times):
+            start = time.perf_counter()
+            step()
+            if round_ >= 20:
+                record.append(time.perf_counter() - start)
+    return [statistics.median(record) for record in times]
+
+
+def build_draft(out: Path, target_dir: Path, steps: int, threads: int) -> None:
+    """Train tiny-capitals-draft on the target's corpus with the target's tokenizer; write weights, report and card."""
+    import shutil
+
+    from model_card import write_draft_model_card
+
+    seed_everything()
+    torch.set_num_threads(threads)
+    if not (target_dir / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {target_dir}; build the target model first "
+                                "(python data/build_model.py), then the draft with --draft")
+    try:
+        sentences, held_out = read_corpus()
+    except FileNotFoundError:
+        write_corpus(SEED)
+        sentences, held_out = read_corpus()
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):       # the very same tokenizer, byte for byte
+        if (target_dir / name).is_file():
+            shutil.copyfile(target_dir / name, out / name)
+    tokenizer = llminfer.Tokenizer.from_file(out / "tokenizer.json")
+    rows = load_countries()
+    model, log = train(sentences, tokenizer, rows, held_out, steps, shape=DRAFT_SHAPE)
+    llminfer.save_pretrained(model, out)
+    draft, draft_tokenizer = llminfer.load_pretrained(out, device="cpu")
+    target, _ = llminfer.load_pretrained(target_dir, device="cpu")
+    scores = evaluate(draft, draft_tokenizer, rows, held_out)
+    examples = {}
+    for prompt in EXAMPLE_PROMPTS:
+        result = llminfer.generate(draft, draft_tokenizer.encode(prompt), max_new_tokens=12,
+                                   eos_token_id=draft_tokenizer.eos_token_id)
+        examples[prompt] = draft_tokenizer.tokens(result.token_ids)
+    capital_prompts = [f"The capital of {r['name_in_sentence']} is" for r in rows]
+    held_out_prompts = [p for _, p, _ in held_out]
+    agreement = {"capital_prompts": greedy_agreement(draft, target, tokenizer, capital_prompts),
+                 "held_out_prompts": greedy_agreement(draft, target, tokenizer, held_out_prompts),
+                 "example_prompts": greedy_agreement(draft, target, tokenizer, EXAMPLE_PROMPTS)}
+    timing_prompt = tokenizer.encode("The capital of France is")
+    draft_s, target_s = decode_step_seconds([draft, target], timing_prompt)
+    report = {
+        "seed": SEED, "threads": threads, "shape": DRAFT_SHAPE, "steps": steps, "batch_size": BATCH_SIZE,
+        "peak_lr": PEAK_LR, "warmup_steps": WARMUP_STEPS, "weight_decay": WEIGHT_DECAY,
+        "target": target_dir.name, "target_n_layers": target.config.n_layers,
+        "n_params": sum(p.numel() for p in draft.parameters()),
+        "target_n_params": sum(p.numel() for p in target.parameters()),
+        "weights_bytes": (out / "model.safetensors").stat().st_size,
+        "vocab_size": draft_tokenizer.vocab_size, "n_sentences": len(sentences),
+        "n_countries": len(rows), "accuracy": scores, "greedy_examples": examples,
+        "greedy_agreement_with_target": agreement,
+        "decode_step_ms": {"draft": round(draft_s * 1e3, 3), "target": round(target_s * 1e3, 3),
+                           "ratio": round(draft_s / target_s, 3)},
+        "train_wall_s": round(log["train_wall_s"], 1), "train_cpu_s": round(log["train_cpu_s"], 1),
+        "load_average_during_training": round(os.getloadavg()[0], 2),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "torch": torch.__version__, "final_loss": log["losses"][-1][1] if log["losses"] else None,
+        "evals": log["evals"],
+    }
+    (out / "training_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    write_draft_model_card(report, out / "README.md")
+    print(json.dumps({k: report[k] for k in ("n_params", "weights_bytes", "train_wall_s", "train_cpu_s", "accuracy",
+                                             "greedy_agreement_with_target", "decode_step_ms")},
+                     indent=2, ensure_ascii=False))
 
 
 if __name__ == "__main__":

@@ -187,9 +187,123 @@ Greedy outputs (tokens as text):
     path.write_text(text, encoding="utf-8")
 
 
+def write_draft_model_card(report: dict, path: Path) -> None:
+    """Write README.md for the draft model folder: what it is for, training, size, agreement with the target, limits."""
+    shape = report["shape"]
+    agreement = report["greedy_agreement_with_target"]
+    step = report["decode_step_ms"]
+    n = report["n_countries"]
+    mb = report["weights_bytes"] / 1e6
+    acc = report["accuracy"]
+    evals = "\n".join(
+        f"| {e['step']} | {_pct(e['train_template'])} | " + " | ".join(_pct(e[k]) for k in HELD_OUT_TEMPLATES) + " |"
+        for e in report["evals"])
+    eval_header = "| step | `The capital of X is` | " + " | ".join(f"held out `{k}`" for k in HELD_OUT_TEMPLATES) + " |"
+    eval_rule = "|---" * (2 + len(HELD_OUT_TEMPLATES)) + "|"
+    agreement_rows = "\n".join(
+        f"| {label} | {a['prompts']} | {a['positions']} | {_pct(a['agreement'])} |"
+        for label, a in (("`The capital of X is`, every country", agreement["capital_prompts"]),
+                         ("the held-out phrasings, every country", agreement["held_out_prompts"]),
+                         ("the example prompts below", agreement["example_prompts"])))
+    text = f"""# tiny-capitals-draft
+
+The **draft model** of the handbook's chapter 09 (speculative decoding): a {report['n_params'] / 1e6:.2f}M-parameter,
+{shape['n_layers']}-layer Llama-family model trained by `data/build_model.py --draft` on exactly the corpus of its
+target, [`{report['target']}`](../{report['target']}/README.md) ({report['target_n_layers']} layers,
+{report['target_n_params'] / 1e6:.2f}M parameters), with the target's tokenizer copied byte for byte. It exists to
+guess the target's next tokens cheaply: speculative decoding lets it propose a few tokens, and the target checks
+them all in one forward pass. Its own answers are worse than the target's; what matters is how often they agree.
+
+## Use
+
+```python
+import llminfer
+from llminfer import speculative
+target, tokenizer = llminfer.load_pretrained("tiny-capitals")
+draft, _ = llminfer.load_pretrained("tiny-capitals-draft")
+ids = tokenizer.encode("The capital of France is")
+result = speculative.generate(target, ids, speculative.DraftModelDrafter(draft), num_speculative_tokens=4,
+                              max_new_tokens=8, eos_token_id=tokenizer.eos_token_id)
+tokenizer.decode(result.token_ids), result.acceptance_rate
+```
+
+It is also an ordinary Hugging Face checkpoint (`LlamaForCausalLM`), loadable on its own.
+
+## Architecture
+
+| | draft | target |
+|---|---|---|
+| layers | {shape['n_layers']} | {report['target_n_layers']} |
+| width / query heads / K-V heads | {shape['dim']} / {shape['n_heads']} / {shape['n_kv_heads']} | the same |
+| MLP width | {shape['hidden_dim']} | the same |
+| vocabulary | {report['vocab_size']} (the same `tokenizer.json`) | {report['vocab_size']} |
+| max positions | {shape['max_seq_len']} | the same |
+| parameters | {report['n_params']:,} | {report['target_n_params']:,} |
+| weights file | float32, {report['weights_bytes']:,} bytes ({mb:.1f} MB) | |
+
+One layer rather than a thinner four: on a CPU a model this small spends its time on the fixed cost of each
+operator call, not on arithmetic, so a step's cost follows the number of layers far more than their width.
+
+## How well it guesses the target
+
+Greedy agreement: along the target's own greedy continuation of each prompt (up to 16 tokens, to `<eos>`), the
+fraction of positions where the draft's most likely next token is the target's. This is the acceptance rate of
+greedy speculative decoding per drafted token (chapter 09 calls it α).
+
+| prompts | count | positions | agreement |
+|---|---|---|---|
+{agreement_rows}
+
+One single-token decode step, median over 200 steps of each model taken in turn on one CPU thread, measured
+right after training on the machine below: draft {step['draft']:.3f} ms, target {step['target']:.3f} ms, a cost ratio c = {step['ratio']:.2f}.
+Chapter 09 measures both again on the reader's machine and puts them into the expected-speedup formula.
+
+## Training
+
+The target's recipe, unchanged apart from the depth: {report['steps']} steps x {report['batch_size']} sentences of
+`data/corpus/train.txt` ({report['n_sentences']:,} sentences), AdamW (0.9, 0.95), weight decay
+{report['weight_decay']} on matrices, warmup over {report['warmup_steps']} steps to {report['peak_lr']} then cosine
+decay to 5%, seed {report['seed']}, deterministic kernels, {report['threads']} CPU thread, torch {report['torch']}.
+Training took {report['train_wall_s']:.0f} s of wall clock and {report['train_cpu_s']:.0f} s of CPU time on a
+2-core virtual machine shared with other jobs (load average {report['load_average_during_training']} at the end);
+final smoothed loss {report['final_loss']}.
+
+{eval_header}
+{eval_rule}
+{evals}
+
+## Measured accuracy
+
+Greedy exact match on the saved checkpoint over all {n} countries (` <capital>.` then `<eos>`):
+`The capital of X is` {_pct(acc['train_template'])}; held out: """ + ", ".join(
+        f"`{k}` {_pct(acc[k])}" for k in HELD_OUT_TEMPLATES) + f""".
+
+| prompt | continuation | tokens |
+|---|---|---|
+{chr(10).join(_example_rows(report))}
+
+## Limits
+
+- Everything the target's card says about its knowledge applies here, more so: with one layer it misses
+  more capitals and phrasings than the target.
+- Its mistakes cost speed, never correctness: speculative decoding keeps the target's output exactly (greedy:
+  token for token; sampling: in distribution), whatever the draft proposes.
+- It only makes sense beside `{report['target']}`: another target would need its own draft, with the same tokenizer.
+
+## Rebuild
+
+`make model` rebuilds the target and then this model; `python data/build_model.py --draft` rebuilds this one alone
+from the target's folder (corpus and tokenizer are reused, so the target is not touched).
+"""
+    path.write_text(text, encoding="utf-8")
+
+
 if __name__ == "__main__":
     import json
+    import sys
 
-    folder = Path(__file__).resolve().parent / "models" / "tiny-capitals"
-    write_model_card(json.loads((folder / "training_report.json").read_text()), folder / "README.md")
+    draft = "--draft" in sys.argv[1:]       # the draft model of chapter 09 instead
+    folder = Path(__file__).resolve().parent / "models" / ("tiny-capitals-draft" if draft else "tiny-capitals")
+    write = write_draft_model_card if draft else write_model_card
+    write(json.loads((folder / "training_report.json").read_text()), folder / "README.md")
     print(f"wrote {folder / 'README.md'} from training_report.json")
