@@ -63,7 +63,7 @@ def check_worker(worker) -> None:
         raise ValueError(f"worker must be a function, got {type(worker).__name__}")
     module, qualname = getattr(worker, "__module__", None), getattr(worker, "__qualname__", "")
     where = ("in a notebook or in the script being run (__main__)" if module == "__main__"
-             else "inside another function" if "<locals>" in qualname else "as a lambda" if "<lambda>" in qualname
+             else "as a lambda" if "<lambda>" in qualname else "inside another function" if "<locals>" in qualname
              else None)
     if where is None and module:
         try:
@@ -152,6 +152,7 @@ def launch(worker, args: tuple = (), world_size: int = 2, backend: str | None = 
     results = context.Queue()
     processes = []
     store = None
+    finished = False
     try:
         store = dist.TCPStore(LOOPBACK, port, world_size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno(),
@@ -162,9 +163,11 @@ def launch(worker, args: tuple = (), world_size: int = 2, backend: str | None = 
                                       args=(rank, world_size, backend, port, payload, results, threads, timeout_s))
             process.start()
             processes.append(process)
-        return _collect(processes, results, world_size, timeout_s)
+        results_by_rank = _collect(processes, results, world_size, timeout_s)
+        finished = True
+        return results_by_rank
     finally:
-        _end(processes)
+        _end(processes, grace_s=5.0 if finished else 0.5)   # after a failure, nothing is worth waiting for
         if store is None:
             sock.close()
         del store
@@ -225,10 +228,11 @@ def _collect(processes, results, world_size: int, timeout_s: float) -> list:
     return [done[rank] for rank in range(world_size)]
 
 
-def _end(processes) -> None:
-    """Joins every process; terminates, then kills, any that do not end by themselves."""
+def _end(processes, grace_s: float = 5.0) -> None:
+    """Waits up to grace_s in all for the processes to end; terminates, then kills, any still running."""
+    deadline = time.monotonic() + grace_s
     for process in processes:
-        process.join(timeout=5)
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
     for process in processes:
         if process.is_alive():
             process.terminate()

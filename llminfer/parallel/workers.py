@@ -119,7 +119,8 @@ def tp_worker(ctx: WorkerContext, spec: RunSpec) -> dict:
     out: dict = {"rank": ctx.rank}
     if spec.timing_repeats and spec.baseline:
         out["baseline"] = _baseline_timings(ctx, spec, prompt, dtype)
-    model = load_tensor_parallel(spec.model, device=ctx.device, dtype=dtype)
+    model, out["load_peak_bytes"] = _peak_memory_during(
+        lambda: load_tensor_parallel(spec.model, device=ctx.device, dtype=dtype), ctx.device)
     state = model.parallel
     result = llminfer.generate(model, prompt, max_new_tokens=spec.max_new_tokens, return_logits=spec.return_logits)
     out.update(
@@ -144,6 +145,37 @@ def tp_worker(ctx: WorkerContext, spec: RunSpec) -> dict:
                                  _filled_cache(model, prompt), check_ids=False)
         out["decode_collectives"] = {kind: tuple(v) for kind, v in state.stats.by_kind.items()}
     return out
+
+
+def _rss_kib(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _peak_memory_during(fn, device):
+    """(fn(), how far memory on device rose above its start at the peak of fn) in bytes. On the CPU that is this
+    process's resident memory, known on Linux only (through /proc/self/clear_refs); None where it is unknown."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn()
+        return result, torch.cuda.max_memory_allocated(device) - before
+    before = _rss_kib("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")                       # resets the peak (VmHWM) to the current resident size
+    except OSError:
+        before = None
+    result = fn()
+    peak = _rss_kib("VmHWM")
+    return result, None if before is None or peak is None else (peak - before) * 1024
 
 
 @torch.inference_mode()
