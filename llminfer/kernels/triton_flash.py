@@ -17,7 +17,7 @@ TRITON_INTERPRET=1 in the environment then, numpy executes each program in turn 
 meant for checking correctness; CUDA tensors are copied to the host and back); without it, triton
 compiles for the GPU and CPU tensors are refused. On a machine without CUDA the first call sets
 TRITON_INTERPRET=1 itself if nothing has imported triton yet. Libraries that import triton on their
-own (transformers does) fix the mode too: a notebook sets the variable in its first cell.
+own (torch._dynamo and transformers do) fix the mode too: a notebook sets the variable in its first cell.
 
 Head sizes that are not powers of two (80, 96, ...) are padded to the next one inside the
 kernel: the extra lanes load zeros and are never stored. Sequence lengths need not be
@@ -32,6 +32,8 @@ import sys
 from typing import NamedTuple
 
 import torch
+
+from llminfer.device import dtype_bytes
 
 __all__ = ["FlashOutput", "flash_attention", "flash_decode", "flash_tile_counts", "flash_backend",
            "triton_available", "interpreted", "default_blocks", "padded_head_dim", "SUPPORTED_DTYPES",
@@ -88,9 +90,9 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def default_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(block_m, block_n): the largest tiles (up to 64 × 64) whose Q tile and two stages of K and V fit
-    in SHARED_MEMORY_BUDGET bytes of on-chip memory. Chapter 07."""
-    width = padded_head_dim(head_dim) * torch.empty((), dtype=dtype).element_size()   # bytes of one row
+    """Returns (block_m, block_n): the largest tiles, up to 64 × 64, that fit the on-chip budget. Chapter 07."""
+    # a Q tile, plus K and V tiles for two pipeline stages, within SHARED_MEMORY_BUDGET bytes
+    width = padded_head_dim(head_dim) * dtype_bytes(dtype)                            # bytes of one row
     for block_m, block_n in ((64, 64), (64, 32), (64, 16), (32, 16), (16, 16)):
         if block_m * width + 2 * 2 * block_n * width <= SHARED_MEMORY_BUDGET:
             return block_m, block_n

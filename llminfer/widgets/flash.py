@@ -105,13 +105,15 @@ def grid_html(trace: FlashTrace, step: int) -> str:
     """An HTML table of the tiles: rows are query blocks, columns key blocks, coloured by state. Chapter 07."""
     states = tile_states(trace, step)
     block = trace.block
-    head = "".join(f"<th style='padding:0 4px;font-weight:normal'>K {j * block}–{(j + 1) * block - 1}</th>"
+    head = "".join(f"<th style='padding:0 4px;font-weight:normal;white-space:nowrap'>"
+                   f"K {j * block}–{(j + 1) * block - 1}</th>"
                    for j in range(len(states[0])))
     rows = []
     for i, row in enumerate(states):
         cells = "".join(f"<td class='flash-{state}' title='{LABELS[state]}' style='background:{COLOURS[state]};"
                         f"width:48px;height:28px;border:1px solid #9e9e9e'></td>" for state in row)
-        rows.append(f"<tr><td style='text-align:right;padding-right:6px'>Q {i * block}–{(i + 1) * block - 1}</td>"
+        rows.append(f"<tr><td style='text-align:right;padding-right:6px;white-space:nowrap'>"
+                    f"Q {i * block}–{(i + 1) * block - 1}</td>"
                     f"{cells}</tr>")
     legend = " ".join(f"<span style='background:{COLOURS[s]};border:1px solid #9e9e9e;padding:1px 6px'>"
                       f"{LABELS[s]}</span>" for s in (CURRENT, DONE, PENDING, SKIPPED))
@@ -126,12 +128,14 @@ def state_html(trace: FlashTrace, step: int) -> str:
     first_key = current.k_block * trace.block
     caption = (f"query block {current.q_block} after key tile {current.k_block} "
                f"(keys {first_key}–{first_key + trace.block - 1})")
+    cell = "style='padding:0 10px;text-align:right'"
     body = "".join(
-        f"<tr><td>{pos}</td><td>{m:.3f}</td><td>{l:.3f}</td><td><code>"
+        f"<tr><td {cell}>{pos}</td><td {cell}>{m:.3f}</td><td {cell}>{l:.3f}</td><td {cell}><code>"
         + html.escape("[" + ", ".join(f"{x:.3f}" for x in out) + "]") + "</code></td></tr>"
         for pos, m, l, out in state_rows(trace, step))
     return (f"<div>{html.escape(caption)}</div><table style='border-collapse:collapse'>"
-            "<tr><th>query</th><th>running max m</th><th>running sum l</th><th>output so far (acc / l)</th></tr>"
+            "<tr><th style='padding:0 10px'>query</th><th style='padding:0 10px'>running max m</th>"
+            "<th style='padding:0 10px'>running sum l</th><th style='padding:0 10px'>output so far (acc / l)</th></tr>"
             f"{body}</table>")
 
 
