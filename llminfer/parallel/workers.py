@@ -139,10 +139,11 @@ def tp_worker(ctx: WorkerContext, spec: RunSpec) -> dict:
         out["prefill"] = time_prefill(model, prompt, spec.timing_repeats)
         dist.barrier()
         out["decode"] = time_decode_steps(model, prompt, spec.timing_repeats)
+        cache = _filled_cache(model, prompt)
         state.stats.reset()
-        with state.stats.recording():
-            llminfer.decode_step(model, torch.zeros(prompt.shape[0], dtype=torch.long, device=ctx.device),
-                                 _filled_cache(model, prompt), check_ids=False)
+        with state.stats.recording():                             # one decode step's collectives, counted
+            llminfer.decode_step(model, torch.zeros(prompt.shape[0], dtype=torch.long, device=ctx.device), cache,
+                                 check_ids=False)
         out["decode_collectives"] = {kind: tuple(v) for kind, v in state.stats.by_kind.items()}
     return out
 
