@@ -220,9 +220,10 @@ def device_memory(cfg, tp: int = 1, pp: int = 1, context_len: int = 0, batch_siz
 
 
 def fitting_layouts(cfg, device_bytes: float, context_len: int, batch_size: int, dtype_bytes: int,
-                    degrees=(1, 2, 4, 8, 16), max_devices: int = 64, headroom: float = 0.9) -> list[tuple[int, int]]:
-    """(tp, pp) layouts, fewest devices first, whose busiest device holds weights + KV within headroom ×
-    device_bytes. Chapter 10."""
+                    degrees=(1, 2, 4, 8, 16), max_devices: int = 64, headroom: float = 0.9,
+                    gpus_per_node: int = 8) -> list[tuple[int, int]]:
+    """(tp, pp) layouts whose busiest device holds weights + KV within headroom × device_bytes: fewest devices
+    first, then those keeping TP inside a node of gpus_per_node, then less PP. Chapter 10."""
     found = []
     for tp in degrees:
         if cfg.n_heads % tp or (cfg.n_kv_heads % tp and tp % cfg.n_kv_heads):
@@ -233,7 +234,7 @@ def fitting_layouts(cfg, device_bytes: float, context_len: int, batch_size: int,
             need = device_memory(cfg, tp, pp, context_len, batch_size, dtype_bytes).total_bytes
             if need <= headroom * device_bytes:
                 found.append((tp, pp))
-    return sorted(found, key=lambda layout: (layout[0] * layout[1], layout[1]))
+    return sorted(found, key=lambda layout: (layout[0] * layout[1], layout[0] > gpus_per_node, layout[1]))
 
 
 # --- predicted decode step ------------------------------------------------------------------------------------
