@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 NB     := $(sort $(wildcard chapters/[0-9][0-9]_*.ipynb))
 export PYTHONHASHSEED := 0
 
-.PHONY: lab test test-unit test-notebooks test-e2e notebooks bench bench-quick model clean help
+.PHONY: lab test test-unit test-notebooks test-e2e notebooks bench bench-quick model serve clean help
 
 help:
 	@echo "make lab        create .venv if needed and open JupyterLab on chapters/"
@@ -14,6 +14,7 @@ help:
 	@echo "make test-e2e   the widgets in JupyterLab, driven in headless Chromium"
 	@echo "make notebooks  re-execute and normalise the chapters (commits their outputs)"
 	@echo "make bench      the side-by-side benchmark (writes data/benchmarks/)"
+	@echo "make serve      the OpenAI-compatible server on the bundled model (127.0.0.1:8000, Ctrl-C stops it)"
 	@echo "make model      rebuild the bundled models in data/models (tiny-capitals, then its draft)"
 	@echo "make clean      remove .venv and caches"
 
@@ -45,6 +46,9 @@ notebooks: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m llminfer.bench
+
+serve: $(STAMP)
+	$(PY) -m llminfer.serve --model tiny-capitals --port 8000
 
 model: $(STAMP)
 	$(PY) data/build_model.py

@@ -1,0 +1,97 @@
+"""`python -m llminfer.serve --model tiny-capitals --port 8000`: the OpenAI-compatible server. Chapter 11.
+
+It listens on 127.0.0.1 (this machine only) unless --host names another address. Ctrl-C (SIGINT) or
+SIGTERM shuts it down gracefully: no new connections, in-flight requests finish for up to
+--drain-timeout seconds, the rest are aborted, then the engine stops.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+
+__all__ = ["main", "parse_args", "build_server"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m llminfer.serve", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="tiny-capitals", help="a bundled model's name, a folder, or a hub id")
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the server to the network")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: from free memory)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--max-queued-requests", type=int, default=128,
+                   help="requests allowed to wait for the engine; more get HTTP 429")
+    p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds in-flight requests get at shutdown")
+    p.add_argument("--default-temperature", type=float, default=1.0,
+                   help="temperature for requests that leave it unset (the OpenAI API's default is 1)")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port must lie in 0..65535, got {args.port}")
+    try:
+        ipaddress.ip_address(args.host)
+    except ValueError:
+        if args.host != "localhost":
+            p.error(f"--host must be an IP address (127.0.0.1 for this machine only), got {args.host!r}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.max_queued_requests < 1:
+        p.error(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
+    if args.drain_timeout < 0:
+        p.error(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    return args
+
+
+def build_server(args: argparse.Namespace):
+    """Loads the model and returns the FastAPI app for these arguments."""
+    import torch
+
+    import llminfer
+    from llminfer.checkpoint import _locate
+
+    from .server import ServeConfig, build_app
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    model, tokenizer = llminfer.load_pretrained(args.model, device=args.device)
+    folder = _locate(args.model)
+    add_bos = False
+    try:
+        import json
+        add_bos = bool(json.loads((folder / "tokenizer_config.json").read_text()).get("add_bos_token", False))
+    except (OSError, ValueError):
+        pass
+    config = ServeConfig(
+        model_name=args.served_model_name or args.model, max_queued_requests=args.max_queued_requests,
+        drain_timeout_s=args.drain_timeout, default_temperature=args.default_temperature, add_bos=add_bos,
+        engine_kwargs=dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           enable_prefix_caching=not args.no_prefix_caching,
+                           chunked_prefill=not args.no_chunked_prefill))
+    return build_app(model, tokenizer, config, model_folder=folder)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import uvicorn
+    app = build_server(args)
+    state = app.state.server
+    where = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "reachable from the network"
+    print(f"llminfer: serving {state.config.model_name!r} on http://{args.host}:{args.port}/v1 ({where}); "
+          f"{state.engine!r}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=max(1, int(round(args.drain_timeout))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,691 @@
+"""Prefill–decode disaggregation: a prefill worker and a decode worker in separate processes. Chapter 12.
+
+    spec = ModelSpec(name="tiny-capitals")
+    with DisaggregatedEngine(spec, decode_engine_kwargs=dict(num_blocks=128)) as engine:
+        outputs = engine.generate(prompts, SamplingParams(max_new_tokens=16))    # RequestOutput per prompt
+
+Three processes, the way DistServe, Splitwise and Mooncake lay a deployment out (one machine here):
+
+- the **router** (this process) takes requests, sends each prompt to the prefill worker, and merges the
+  tokens coming back: the first from the prefill worker, the rest from the decode worker;
+- the **prefill worker** runs each prompt through the model's one forward. Its cache (`ShippingCache`)
+  keeps nothing: as each layer writes its keys (after RoPE) and values, it sends them to the decode
+  worker at once (`isend`), so the transfer of layer i overlaps the compute of layers i+1...; then it
+  samples the first token and sends it, with the sampler's state, behind the last layer;
+- the **decode worker** runs an `LLMEngine` that only ever decodes. A receiver thread takes each
+  request's K/V off the wire; between engine steps the loop writes them into blocks of the paged pool
+  (`install_prefilled`) and the request joins the running batch as if it had been prefilled there.
+
+K/V travel over torch.distributed point to point: gloo over TCP on 127.0.0.1 here (NCCL between
+GPUs; a production system would use NVLink, RDMA or a library such as NIXL or Mooncake's transfer
+engine). Control messages (requests, tokens, aborts) go over multiprocessing queues. Every timestamp
+is time.perf_counter(), which on Linux reads CLOCK_MONOTONIC and so agrees across processes.
+
+What this buys (chapter 12 measures it): a long prompt's prefill no longer stalls the running decodes,
+so their inter-token latency stays flat; what it costs is a second worker, the K/V bytes on the wire,
+and batching that is split between two machines' worth of compute.
+
+The decode side injects requests into the engine through the engine's own parts (its scheduler's
+queues, its block manager and its pool), which is what a KV connector does in vLLM.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_module
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..engine import LLMEngine, RequestOutput, SamplingParams
+from ..engine.sequence import SequenceStatus, StepOutput
+
+__all__ = ["ModelSpec", "ShippingCache", "install_prefilled", "DisaggregatedEngine", "TransferRecord",
+           "WorkerError", "kv_transfer_bytes"]
+
+LOOPBACK = "127.0.0.1"
+PREFILL_RANK, DECODE_RANK = 0, 1
+_STOP = -1
+
+
+class WorkerError(RuntimeError):
+    """A worker of the disaggregated setup failed; the message holds its traceback. Chapter 12."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How each worker builds the same model: a checkpoint (a bundled name or a folder), or a random config. Chapter 12."""
+    name: str | None = None
+    config: dict | None = None            # ModelConfig fields, for random weights (load_random)
+    seed: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if (self.name is None) == (self.config is None):
+            raise ValueError("ModelSpec needs exactly one of name= (a checkpoint) or config= (ModelConfig fields "
+                             "for random weights)")
+        if not hasattr(torch, self.dtype) or not isinstance(getattr(torch, self.dtype), torch.dtype):
+            raise ValueError(f"dtype must name a torch dtype such as 'float32' or 'bfloat16', got {self.dtype!r}")
+
+    def build(self):
+        """The model, on the CPU, in eval mode."""
+        import llminfer
+        from llminfer.config import ModelConfig
+        dtype = getattr(torch, self.dtype)
+        if self.name is not None:
+            model, _ = llminfer.load_pretrained(self.name, device="cpu", dtype=dtype, load_tokenizer=False)
+            return model
+        return llminfer.load_random(ModelConfig(**self.config), device="cpu", dtype=dtype, seed=self.seed)
+
+
+def kv_transfer_bytes(cfg, num_tokens: int, dtype_bytes: int) -> int:
+    """Bytes one request's prompt K/V take on the wire: 2 · layers · kv_heads · head_dim · tokens · bytes. Chapter 12."""
+    from ..costs import kv_cache_bytes
+    return kv_cache_bytes(cfg, num_tokens, dtype_bytes)
+
+
+class ShippingCache:
+    """The prefill worker's cache: attends within the prompt and ships each layer's K/V as it is made. Chapter 12.
+
+    It speaks the cache protocol, so the model's one forward runs on it unchanged; nothing is kept.
+    """
+
+    def __init__(self, n_layers: int, max_seq_len: int, dst: int = DECODE_RANK, send=None):
+        self.n_layers = n_layers
+        self.max_seq_len = max_seq_len
+        self.dst = dst
+        self._send = send                     # send(tensor) -> work with .wait(); torch.distributed.isend by default
+        self._works = []
+        self._keep = []
+        self.sent_bytes = 0
+        self.layer_sent_s: list[float] = []   # when each layer's K/V were handed to the transport
+
+    length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.max_seq_len
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def begin(self, n_tokens: int, batch_size: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if batch_size != 1:
+            raise ValueError(f"the prefill worker ships one request at a time; got a batch of {batch_size}")
+        if positions is not None:
+            raise ValueError("the prefill worker runs whole prompts from position 0; pass positions=None")
+        return torch.arange(n_tokens)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend) -> torch.Tensor:
+        out = backend(q, k, v, causal=True)                               # (1, H, T, D)
+        for tensor in (k, v):                                             # (1, H_kv, T, D), keys after RoPE
+            payload = tensor.contiguous()
+            self._keep.append(payload)
+            self._works.append(self._isend(payload))
+            self.sent_bytes += payload.numel() * payload.element_size()
+        self.layer_sent_s.append(time.perf_counter())
+        return out
+
+    def _isend(self, tensor):
+        if self._send is not None:
+            return self._send(tensor)
+        import torch.distributed as dist
+        return dist.isend(tensor, self.dst)
+
+    def end(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        """Blocks until every layer's K/V have left (the buffers may then be freed)."""
+        for work in self._works:
+            if work is not None:
+                work.wait()
+        self._works, self._keep = [], []
+
+    def reset(self) -> None:
+        self.wait()
+
+
+def install_prefilled(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, first_token: int,
+                      kv: list[tuple[torch.Tensor, torch.Tensor]], arrival_time: float, first_token_time: float,
+                      generator_state: torch.Tensor | None = None) -> int | None:
+    """Adds a request whose prompt K/V were computed elsewhere, already decoding; returns its engine id. Chapter 12.
+
+    kv: per layer (k, v), each (1, n_kv_heads, P, head_dim), keys after RoPE. The blocks for the P prompt
+    positions are allocated from the engine's pool and filled, the first token is appended as the
+    request's first output, and the request joins the running batch: its next step is a decode.
+    Returns None, changing nothing, if the pool or the running batch has no room now (try again later).
+    """
+    num_tokens = len(prompt_ids)
+    cfg = engine.config
+    if len(kv) != cfg.n_layers:
+        raise ValueError(f"K/V for {len(kv)} layers, but the model has {cfg.n_layers}")
+    for k, v in kv:
+        expected = (1, cfg.n_kv_heads, num_tokens, cfg.head_dim)
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"K/V of shape {tuple(k.shape)} and {tuple(v.shape)}; expected {expected} for a "
+                             f"{num_tokens}-token prompt")
+    bm, scheduler = engine.block_manager, engine.scheduler
+    if len(scheduler.running) >= scheduler.max_num_seqs or bm.blocks_needed(num_tokens + 1) > bm.num_free_blocks:
+        return None
+    request_id = engine.add_request(prompt_ids, params, arrival_time=arrival_time)   # every check of the engine
+    seq = scheduler.waiting.pop()
+    assert seq.request_id == request_id
+    if not bm.allocate(seq, num_tokens):                                  # pragma: no cover - checked above
+        scheduler.waiting.append(seq)
+        raise RuntimeError("the pool refused an allocation it had room for")
+    size = bm.block_size
+    positions = torch.arange(num_tokens)
+    table = torch.tensor(seq.block_table, dtype=torch.long)
+    slots = (table[positions // size] * size + positions % size).to(engine.cache.device)   # (P,)
+    for layer, (k, v) in enumerate(kv):
+        for pool, tensor in ((engine.cache.k[layer], k), (engine.cache.v[layer], v)):
+            flat = pool.view(-1, *pool.shape[2:])                         # (blocks · block_size, H_kv, D)
+            flat.index_copy_(0, slots, tensor[0].transpose(0, 1).to(flat.dtype))   # (P, H_kv, D)
+    seq.num_computed_tokens = num_tokens
+    seq.num_cached_tokens = 0
+    seq.status = SequenceStatus.RUNNING
+    seq.first_scheduled_time = first_token_time
+    if seq.generator is not None and generator_state is not None:
+        seq.generator.set_state(generator_state)
+    if seq.append_token(first_token, first_token_time):                   # pragma: no cover - router filters these
+        raise ValueError("a request that finished at its first token has nothing to decode")
+    scheduler.running.append(seq)
+    return request_id
+
+
+@dataclass
+class TransferRecord:
+    """One request's K/V transfer: how many tokens and bytes, and how long each side took. Chapter 12."""
+    request_id: int
+    num_tokens: int
+    nbytes: int
+    prefill_start_s: float          # the prefill worker began the forward
+    prefill_end_s: float            # the first token was sampled
+    send_done_s: float              # the last layer's send completed
+    recv_done_s: float = float("nan")      # the decode worker held every layer
+    installed_s: float = float("nan")      # its blocks were written and it joined the batch
+
+    @property
+    def prefill_s(self) -> float:
+        return self.prefill_end_s - self.prefill_start_s
+
+    @property
+    def transfer_s(self) -> float:
+        """From the end of the prefill to the last byte at the decode worker (what the overlap left over)."""
+        return self.recv_done_s - self.prefill_end_s
+
+
+# --- the workers ------------------------------------------------------------------------------------------
+
+def _init_group(rank: int, port: int, timeout_s: float, threads: int | None) -> None:
+    import torch.distributed as dist
+
+    from ..parallel.plan import loopback_interface
+    if threads is not None:
+        torch.set_num_threads(threads)
+    interface = loopback_interface()
+    if interface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(LOOPBACK, port, 2, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+
+
+def _generator_state_size() -> int:
+    return torch.Generator().get_state().numel()
+
+
+def _prefill_worker(port: int, spec: ModelSpec, inbox, outbox, threads: int | None, timeout_s: float) -> None:
+    """Prompts in; each layer's K/V out to the decode worker as it is computed; the first token back."""
+    import torch.distributed as dist
+
+    from ..generate import sample_next
+    try:
+        torch.set_grad_enabled(False)
+        model = spec.build()
+        _init_group(PREFILL_RANK, port, timeout_s, threads)
+        outbox.put(("ready", "prefill", os.getpid()))
+        cfg = model.config
+        while True:
+            message = inbox.get()
+            if message[0] == "stop":
+                dist.send(torch.tensor([_STOP, 0], dtype=torch.long), DECODE_RANK)
+                break
+            _, request_id, prompt, params_fields = message
+            params = SamplingParams(**params_fields)
+            start = time.perf_counter()
+            dist.send(torch.tensor([request_id, len(prompt)], dtype=torch.long), DECODE_RANK)   # the header
+            cache = ShippingCache(cfg.n_layers, cfg.max_seq_len)
+            logits = model(torch.tensor([prompt]), cache=cache, last_only=True)[:, -1]   # (1, vocab)
+            generator = torch.Generator()
+            if not params.greedy:
+                generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+            token = int(sample_next(logits, params.temperature, params.top_k, params.top_p,
+                                    generator if not params.greedy else None)[0])
+            first_time = time.perf_counter()
+            finished = (params.eos_token_id is not None and token == params.eos_token_id) or params.max_new_tokens == 1
+            trailer = torch.tensor([token, int(finished)], dtype=torch.long)
+            state = generator.get_state()
+            cache.wait()
+            dist.send(trailer, DECODE_RANK)
+            dist.send(state, DECODE_RANK)
+            sent = time.perf_counter()
+            outbox.put(("first", request_id, token, first_time, finished,
+                        (len(prompt), cache.sent_bytes, start, first_time, sent)))
+    except BaseException:
+        outbox.put(("error", "prefill", traceback.format_exc()))
+    finally:
+        _leave(outbox)
+
+
+def _receiver(cfg, dtype, arrived: queue_module.Queue) -> None:
+    """The decode worker's receiving thread: header, every layer's K and V, trailer, sampler state."""
+    import torch.distributed as dist
+    state_size = _generator_state_size()
+    while True:
+        header = torch.empty(2, dtype=torch.long)
+        dist.recv(header, PREFILL_RANK)
+        request_id, num_tokens = (int(x) for x in header)
+        if request_id == _STOP:
+            arrived.put(None)
+            return
+        kv = []
+        for _ in range(cfg.n_layers):
+            k = torch.empty(1, cfg.n_kv_heads, num_tokens, cfg.head_dim, dtype=dtype)
+            v = torch.empty_like(k)
+            dist.recv(k, PREFILL_RANK)
+            dist.recv(v, PREFILL_RANK)
+            kv.append((k, v))
+        trailer = torch.empty(2, dtype=torch.long)
+        dist.recv(trailer, PREFILL_RANK)
+        state = torch.empty(state_size, dtype=torch.uint8)
+        dist.recv(state, PREFILL_RANK)
+        arrived.put((request_id, kv, int(trailer[0]), bool(trailer[1]), state, time.perf_counter()))
+
+
+def _decode_worker(port: int, spec: ModelSpec, engine_kwargs: dict, inbox, outbox, threads: int | None,
+                   timeout_s: float) -> None:
+    """K/V in (receiver thread), written into the pool between steps; an LLMEngine that only decodes."""
+    try:
+        torch.set_grad_enabled(False)
+        model = spec.build()
+        engine = LLMEngine(model, **engine_kwargs)
+        _init_group(DECODE_RANK, port, timeout_s, threads)
+        arrived: queue_module.Queue = queue_module.Queue()
+        receiver = threading.Thread(target=_receiver, args=(model.config, model.dtype, arrived), daemon=True)
+        receiver.start()
+        outbox.put(("ready", "decode", os.getpid()))
+        requests: dict[int, tuple] = {}          # router id -> (prompt, params, arrival, first token time)
+        ready: deque = deque()                   # transfers whose K/V are here, waiting for room
+        to_router: dict[int, int] = {}           # engine id -> router id
+        to_engine: dict[int, int] = {}
+        aborted: set[int] = set()
+        stopping = False
+        receiver_done = False
+        while True:
+            block = not engine.has_unfinished() and not ready
+            try:
+                message = inbox.get(timeout=0.002) if block else inbox.get_nowait()
+            except queue_module.Empty:
+                message = None
+            while message is not None:
+                if message[0] == "request":
+                    _, router_id, prompt, params_fields, arrival, first_time = message
+                    requests[router_id] = (prompt, SamplingParams(**params_fields), arrival, first_time)
+                elif message[0] == "abort":
+                    router_id = message[1]
+                    aborted.add(router_id)
+                    if router_id in to_engine:
+                        engine_id = to_engine.pop(router_id)
+                        to_router.pop(engine_id, None)
+                        if engine.abort(engine_id):
+                            engine.pop_output(engine_id)
+                elif message[0] == "stop":
+                    stopping = True
+                try:
+                    message = inbox.get_nowait()
+                except queue_module.Empty:
+                    message = None
+            while True:
+                try:
+                    item = arrived.get_nowait()
+                except queue_module.Empty:
+                    break
+                if item is None:
+                    receiver_done = True
+                else:
+                    ready.append(item)
+            installed = []
+            for item in list(ready):
+                router_id, kv, token, finished, state, recv_time = item
+                if finished or router_id in aborted:   # nothing to decode: the K/V are dropped
+                    ready.remove(item)
+                    requests.pop(router_id, None)
+                    aborted.discard(router_id)
+                    continue
+                if router_id not in requests:
+                    continue                       # the router's message is still on its way
+                prompt, params, arrival, first_time = requests[router_id]
+                engine_id = install_prefilled(engine, prompt, params, token, kv, arrival, first_time, state)
+                if engine_id is None:
+                    break                          # no room now; first come, first served
+                ready.remove(item)
+                requests.pop(router_id)
+                to_router[engine_id] = router_id
+                to_engine[router_id] = engine_id
+                installed.append((router_id, recv_time, time.perf_counter()))
+            if installed:
+                outbox.put(("installed", installed))
+            if engine.has_unfinished():
+                events = engine.step()
+                now = time.perf_counter()
+                tokens = []
+                for event in events:
+                    router_id = to_router.get(event.request_id)
+                    if router_id is None:
+                        continue
+                    tokens.append((router_id, event.token_id, event.finished))
+                    if event.finished:
+                        engine.pop_output(event.request_id)
+                        del to_router[event.request_id]
+                        del to_engine[router_id]
+                if tokens:
+                    outbox.put(("tokens", now, tokens, engine.stats.blocks_used))
+            elif stopping and receiver_done and not ready:
+                break
+    except BaseException:
+        outbox.put(("error", "decode", traceback.format_exc()))
+    finally:
+        _leave(outbox)
+
+
+def _leave(outbox) -> None:
+    import torch.distributed as dist
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    outbox.close()
+    outbox.join_thread()
+    os._exit(0)
+
+
+# --- the router -------------------------------------------------------------------------------------------
+
+@dataclass
+class _Tracked:
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def _end_processes(processes, inboxes) -> None:
+    for box in inboxes:
+        try:
+            box.put(("stop",))
+        except Exception:
+            pass
+    for process in processes:
+        process.join(timeout=10)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=3)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=3)
+
+
+def _context(start_method: str | None):
+    """forkserver (torch imported once, each worker forked from it) where available, else spawn; never fork."""
+    import multiprocessing as mp
+    available = mp.get_all_start_methods()
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in available else "spawn"
+    if start_method not in ("spawn", "forkserver") or start_method not in available:
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver' (available here: "
+                         f"{[m for m in available if m != 'fork']}), got {start_method!r}; 'fork' is refused: a "
+                         "forked copy of a process that already ran torch can deadlock")
+    context = mp.get_context(start_method)
+    if start_method == "forkserver":
+        context.set_forkserver_preload(["torch", "torch.distributed", "llminfer.serve.disagg"])
+    return context
+
+
+class DisaggregatedEngine:
+    """The router: prompts to the prefill worker, decodes on the decode worker, tokens merged back. Chapter 12.
+
+    It has the stepping interface of LLMEngine (add_request, step, has_unfinished, abort, pop_output,
+    generate, clock), so `llminfer.engine.workload.replay` drives it like a colocated engine.
+    """
+
+    policy = "disaggregated"
+
+    def __init__(self, spec: ModelSpec, decode_engine_kwargs: dict | None = None, prefill_threads: int | None = 1,
+                 decode_threads: int | None = 1, timeout_s: float = 120.0, start_method: str | None = None):
+        from ..config import ModelConfig
+        import llminfer
+        self.spec = spec
+        self.decode_engine_kwargs = dict(decode_engine_kwargs or {})
+        self.prefill_threads, self.decode_threads = prefill_threads, decode_threads
+        self.timeout_s = timeout_s
+        self.start_method = start_method
+        if spec.config is not None:
+            self.config = ModelConfig(**spec.config)
+        else:
+            from ..checkpoint import _locate
+            import json
+            self.config = ModelConfig.from_hf(json.loads((_locate(spec.name) / "config.json").read_text()))
+        self.max_model_len = self.decode_engine_kwargs.get("max_model_len") or self.config.max_seq_len
+        self.clock = time.perf_counter
+        self.trace: deque = deque()
+        self.transfers: dict[int, TransferRecord] = {}
+        self.blocks_used = 0
+        self._tracked: dict[int, _Tracked] = {}
+        self._finished: dict[int, _Tracked] = {}
+        self._next_id = 0
+        self._processes = []
+        self._inboxes = []
+        self._outbox = None
+        self._finalizer = None
+        self.started = False
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+
+    def start(self) -> "DisaggregatedEngine":
+        import torch.distributed as dist
+
+        from ..parallel.plan import check_port
+        if self.started:
+            raise RuntimeError("this DisaggregatedEngine was already started; make a new one")
+        context = _context(self.start_method)
+        sock = check_port(None)
+        port = sock.getsockname()[1]
+        self._store = dist.TCPStore(LOOPBACK, port, 2, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=self.timeout_s),
+                                    master_listen_fd=sock.fileno(), use_libuv=True)
+        sock.detach()
+        self._outbox = context.Queue()
+        prefill_in, decode_in = context.Queue(), context.Queue()
+        self._inboxes = [prefill_in, decode_in]
+        self._prefill_in, self._decode_in = prefill_in, decode_in
+        self._processes = [
+            context.Process(target=_prefill_worker, name="llminfer-prefill", daemon=True,
+                            args=(port, self.spec, prefill_in, self._outbox, self.prefill_threads, self.timeout_s)),
+            context.Process(target=_decode_worker, name="llminfer-decode", daemon=True,
+                            args=(port, self.spec, self.decode_engine_kwargs, decode_in, self._outbox,
+                                  self.decode_threads, self.timeout_s)),
+        ]
+        for process in self._processes:
+            process.start()
+        self._finalizer = weakref.finalize(self, _end_processes, list(self._processes), list(self._inboxes))
+        self.started = True
+        ready = set()
+        deadline = time.monotonic() + self.timeout_s
+        while len(ready) < 2:
+            try:
+                message = self._outbox.get(timeout=0.2)
+            except queue_module.Empty:
+                dead = [p.name for p in self._processes if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    raise WorkerError(f"the workers did not start ({'died: ' + ', '.join(dead) if dead else 'timeout'})")
+                continue
+            if message[0] == "error":
+                self.close()
+                raise WorkerError(f"the {message[1]} worker failed while starting:\n{message[2]}")
+            if message[0] == "ready":
+                ready.add(message[1])
+        return self
+
+    def close(self) -> None:
+        """Stops both workers (they finish what they hold first) and ends their processes."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if self._processes:
+            _end_processes(self._processes, self._inboxes)
+        self._processes = []
+        self._store = None
+
+    def __enter__(self) -> "DisaggregatedEngine":
+        return self.start() if not self.started else self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- requests ------------------------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, arrival_time: float | None = None) -> int:
+        """Queues one request at the prefill worker; returns its id."""
+        if not self.started or not self._processes:
+            raise RuntimeError("the workers are not running; call start() (or use `with DisaggregatedEngine(...)`)")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
+        if not prompt:
+            raise ValueError("the prompt is empty; a request needs at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary of {self.config.vocab_size} ids")
+        if len(prompt) + params.max_new_tokens > self.max_model_len:
+            raise ValueError(f"a prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} exceeds "
+                             f"max_model_len={self.max_model_len}; shorten the request")
+        request_id = self._next_id
+        self._next_id += 1
+        arrival = self.clock() if arrival_time is None else float(arrival_time)
+        self._tracked[request_id] = _Tracked(prompt, params, arrival)
+        self._prefill_in.put(("prefill", request_id, prompt, asdict(params)))
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self._tracked)
+
+    def abort(self, request_id: int) -> bool:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return False
+        tracked.finish_reason = "abort"
+        self._finished[request_id] = tracked
+        self._decode_in.put(("abort", request_id))
+        return True
+
+    def _record(self, request_id: int, tokens_and_times, finished: bool, reason: str | None, events: list) -> None:
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return
+        for token, when in tokens_and_times:
+            tracked.token_ids.append(token)
+            tracked.token_times.append(when)
+        if finished:
+            if reason is None:
+                eos = tracked.params.eos_token_id
+                reason = "stop" if eos is not None and tracked.token_ids[-1] == eos else "length"
+            tracked.finish_reason = reason
+            self._finished[request_id] = self._tracked.pop(request_id)
+        for token, _ in tokens_and_times:
+            events.append(StepOutput(request_id, token, finished))
+
+    def step(self, timeout_s: float = 0.002) -> list[StepOutput]:
+        """Takes what the workers have sent (waiting up to timeout_s for the first message); returns new tokens."""
+        events: list[StepOutput] = []
+        try:
+            message = self._outbox.get(timeout=timeout_s)
+        except queue_module.Empty:
+            dead = [p.name for p in self._processes if not p.is_alive()]
+            if dead:
+                raise WorkerError(f"worker process(es) {dead} ended unexpectedly")
+            return events
+        while message is not None:
+            kind = message[0]
+            if kind == "error":
+                raise WorkerError(f"the {message[1]} worker failed:\n{message[2]}")
+            if kind == "first":
+                _, request_id, token, first_time, finished, (n_tokens, nbytes, start, end, sent) = message
+                self.transfers[request_id] = TransferRecord(request_id, n_tokens, nbytes, start, end, sent)
+                tracked = self._tracked.get(request_id)
+                if tracked is not None and not finished:
+                    self._decode_in.put(("request", request_id, tracked.prompt, asdict(tracked.params),
+                                         tracked.arrival, first_time))
+                self._record(request_id, [(token, first_time)], finished, None, events)
+            elif kind == "installed":
+                for request_id, recv_time, install_time in message[1]:
+                    record = self.transfers.get(request_id)
+                    if record is not None:
+                        record.recv_done_s, record.installed_s = recv_time, install_time
+            elif kind == "tokens":
+                _, when, tokens, blocks_used = message
+                self.blocks_used = blocks_used
+                for request_id, token, finished in tokens:
+                    self._record(request_id, [(token, when)], finished, None, events)
+            try:
+                message = self._outbox.get_nowait()
+            except queue_module.Empty:
+                message = None
+        return events
+
+    def pop_output(self, request_id: int) -> RequestOutput:
+        """The finished request's RequestOutput (times from its arrival, on the shared monotonic clock)."""
+        tracked = self._finished.pop(request_id, None)
+        if tracked is None:
+            raise ValueError(f"request {request_id!r} has no finished output (unknown, running, or already popped)")
+        stamps = tracked.token_times
+        return RequestOutput(
+            token_ids=list(tracked.token_ids), ttft_s=stamps[0] - tracked.arrival if stamps else 0.0,
+            itl_s=[b - a for a, b in zip(stamps, stamps[1:])], e2e_s=stamps[-1] - tracked.arrival if stamps else 0.0,
+            num_prompt_tokens=len(tracked.prompt), use_cache=True, request_id=request_id,
+            prompt_token_ids=list(tracked.prompt), finish_reason=tracked.finish_reason)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 timeout_s: float | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion; one RequestOutput per prompt, in order."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts; pass one, or one each")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while self.has_unfinished():
+            if time.monotonic() > deadline:
+                raise WorkerError(f"the requests did not finish within {timeout_s or self.timeout_s} s")
+            self.step(timeout_s=0.05)
+        return [self.pop_output(i) for i in ids]
+
+    @property
+    def stats(self):
+        return None
+
+    def __repr__(self) -> str:
+        return (f"DisaggregatedEngine(prefill worker: 1 process × {self.prefill_threads} thread(s), decode worker: "
+                f"LLMEngine({self.decode_engine_kwargs}) × {self.decode_threads} thread(s), K/V over gloo)")

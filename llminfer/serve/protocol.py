@@ -1,0 +1,174 @@
+"""The OpenAI request and response shapes the server speaks, and its errors. Chapter 11.
+
+Requests are pydantic models with `extra="forbid"`: a field the OpenAI API does not define is refused
+with HTTP 400, as the OpenAI API refuses it ("Unrecognized request argument supplied: ..."). Fields the
+API defines but this server does not implement (n > 1, logprobs, tools, penalties, ...) are accepted at
+their neutral value and refused with a 400 that names them otherwise, so a client never gets silently
+different behaviour. Three extensions, spelled as vLLM spells them, ride in the same body
+(`extra_body=` in the openai client): `top_k`, `ignore_eos`, and `return_timings` (the server's and the
+engine's view of the request's timings, chapter 11's serving-overhead measurement).
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["APIError", "error_body", "CompletionRequest", "ChatCompletionRequest", "ChatMessage",
+           "StreamOptions", "check_sampling_fields", "new_id", "now_s"]
+
+
+class APIError(Exception):
+    """An error the client caused (or a refusal), sent as an OpenAI error body with its HTTP status. Chapter 11."""
+
+    def __init__(self, message: str, status_code: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """{"error": {"message", "type", "param", "code"}}: the shape of every OpenAI error response."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+    """A response id in OpenAI's style, e.g. 'cmpl-3f2a...'."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    """Unix time in whole seconds: the `created` field."""
+    return int(time.time())
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None
+
+
+class _Sampling(BaseModel):
+    """The fields the two endpoints share."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # extensions (vLLM's names)
+    top_k: int | None = None
+    ignore_eos: bool = False
+    return_timings: bool = False
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16                    # the OpenAI default for completions
+    best_of: int | None = None
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    refusal: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+    messages: list[ChatMessage]
+    max_tokens: int | None = None                  # None: as many as the context allows
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Union[str, dict[str, Any], None] = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+
+_UNSUPPORTED_IF_SET = {
+    # field: (neutral values, what to say)
+    "n": ((None, 1), "this server returns one choice per prompt; pass n=1"),
+    "best_of": ((None, 1), "this server returns one choice per prompt; pass best_of=1"),
+    "echo": ((None, False), "echo is not supported; leave it false"),
+    "logprobs": ((None, False, 0), "log-probabilities are not returned by this server; leave logprobs unset"),
+    "top_logprobs": ((None, 0), "log-probabilities are not returned by this server; leave top_logprobs unset"),
+    "suffix": ((None, ""), "suffix (insertion) is not supported; leave it unset"),
+    "frequency_penalty": ((None, 0, 0.0), "penalties are not supported; pass frequency_penalty=0"),
+    "presence_penalty": ((None, 0, 0.0), "penalties are not supported; pass presence_penalty=0"),
+    "logit_bias": ((None,), "logit_bias is not supported; leave it unset"),
+    "tools": ((None,), "tool calling is not supported by this server; leave tools unset"),
+    "functions": ((None,), "function calling is not supported by this server; leave functions unset"),
+    "tool_choice": ((None, "none"), "tool calling is not supported by this server; leave tool_choice unset"),
+    "function_call": ((None, "none"), "function calling is not supported; leave function_call unset"),
+}
+
+
+def check_sampling_fields(request: _Sampling) -> None:
+    """APIError (400) for a value the OpenAI API allows but this server cannot honour, or one out of range."""
+    for name, (neutral, fix) in _UNSUPPORTED_IF_SET.items():
+        if name in type(request).model_fields:
+            value = getattr(request, name)
+            if name == "logit_bias" and value == {}:
+                continue
+            if value not in neutral:
+                raise APIError(f"{name}={value!r} is not supported: {fix}", param=name)
+    if isinstance(request, ChatCompletionRequest):
+        fmt = request.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            raise APIError(f"response_format={fmt!r} is not supported (structured output is not implemented); "
+                           "pass {\"type\": \"text\"} or leave it unset", param="response_format")
+    t = request.temperature
+    if t is not None and (not math.isfinite(t) or not 0 <= t <= 2):
+        raise APIError(f"temperature={t!r} is invalid: it must be a number from 0 to 2 (0: greedy)",
+                       param="temperature")
+    p = request.top_p
+    if p is not None and (not math.isfinite(p) or not 0 < p <= 1):
+        raise APIError(f"top_p={p!r} is invalid: it must lie in (0, 1] (1: no nucleus cut)", param="top_p")
+    k = request.top_k
+    if k is not None and k != -1 and k < 1:
+        raise APIError(f"top_k={k!r} is invalid: it must be >= 1, or -1 / unset for no cut", param="top_k")
+    stops = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
+    if len(stops) > 4:
+        raise APIError(f"stop holds {len(stops)} sequences; at most 4 are allowed", param="stop")
+    if any(s == "" for s in stops):
+        raise APIError("stop sequences must not be empty strings", param="stop")

@@ -1,0 +1,538 @@
+"""An OpenAI-compatible HTTP server on the engine: FastAPI routes, server-sent events, errors. Chapter 11.
+
+    app = build_app(model, tokenizer, model_name="tiny-capitals")          # a FastAPI app
+    with ServerThread(app) as server:                                      # uvicorn on 127.0.0.1, a free port
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+
+or from a shell, `python -m llminfer.serve --model tiny-capitals` (see __main__.py).
+
+Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events with
+`stream=true`, else one JSON body), GET /v1/models, /health and /metrics (Prometheus text).
+
+A request's path: parse and check the body (400 with an OpenAI error body if anything is wrong, before
+the engine sees it), render the chat template, tokenize, hand the token ids to the engine loop (429 if
+its queue is full), then turn the token ids coming back into text, incrementally (a multi-byte character
+split across tokens is held back until it is whole; so is text that may be the start of a stop string).
+A client that goes away mid-request has its request aborted, which frees its KV blocks before the
+engine's next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from ..engine import LLMEngine, SamplingParams
+from .async_engine import EngineLoop, EngineUnavailable, QueueFull, RequestHandle, Update
+from .chat import ChatTemplate, load_chat_template
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_sampling_fields, error_body,
+                       new_id, now_s)
+
+__all__ = ["ServeConfig", "OpenAIServer", "build_app", "ServerThread", "IncrementalText"]
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+@dataclass
+class ServeConfig:
+    """How the server runs: its name for the model, queue bound, shutdown drain, default sampling. Chapter 11."""
+    model_name: str = "tiny-capitals"
+    max_queued_requests: int = 128
+    drain_timeout_s: float = 10.0
+    default_temperature: float = 1.0          # the OpenAI API's default when a request leaves it unset
+    add_bos: bool = False                     # prepend the BOS token to text prompts (tokenizer_config.json)
+    engine_kwargs: dict = field(default_factory=dict)
+
+
+class IncrementalText:
+    """Token ids in, text deltas out: holds back a split multi-byte character and a possible stop string. Chapter 11."""
+
+    def __init__(self, tokenizer, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.token_ids: list[int] = []
+        self.text = ""           # everything decoded so far (cut at a stop string once one is found)
+        self.sent = 0            # characters of self.text already handed out
+        self.stopped = False     # a stop string was found
+
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        """The new text these tokens make visible (all of it when final)."""
+        if self.stopped:
+            return ""
+        self.token_ids.extend(token_ids)
+        text = self.tokenizer.decode(self.token_ids)
+        if self.stop:
+            start = max(0, self.sent - max(len(s) for s in self.stop))
+            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                text, final, self.stopped = text[:min(hits)], True, True
+        end = len(text)
+        if not final:
+            while end > self.sent and text[end - 1] == "\ufffd":    # an unfinished UTF-8 sequence
+                end -= 1
+            for keep in range(min(max((len(s) for s in self.stop), default=1) - 1, end - self.sent), 0, -1):
+                if any(s.startswith(text[end - keep:end]) for s in self.stop):
+                    end -= keep                                      # might be the start of a stop string
+                    break
+        self.text = text
+        delta = text[self.sent:end]
+        self.sent = end
+        return delta
+
+
+class OpenAIServer:
+    """The state behind the routes: engine loop, tokenizer, chat template, metrics. Chapter 11."""
+
+    def __init__(self, model, tokenizer, config: ServeConfig | None = None, chat_template: ChatTemplate | None = None,
+                 engine: LLMEngine | None = None, model_folder: str | Path | None = None):
+        self.config = config or ServeConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.engine = engine if engine is not None else LLMEngine(model, **self.config.engine_kwargs)
+        self.chat_template = chat_template or load_chat_template(model_folder)
+        self.loop = EngineLoop(self.engine, self.config.max_queued_requests)
+        self.metrics = ServerMetrics(self.loop)
+        self.loop.on_step = self.metrics.on_step
+        self.loop.on_finish = self.metrics.on_finish
+        self.max_model_len = self.engine.max_model_len
+        self.vocab_size = model.config.vocab_size
+        self.created = now_s()
+        self.clock = self.engine.clock
+
+    # --- lifecycle ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.loop.state == "new":
+            self.loop.start()
+
+    def stop(self) -> None:
+        self.loop.stop(drain_timeout_s=self.config.drain_timeout_s)
+
+    # --- request checks ----------------------------------------------------------------------------------
+
+    def _check_model(self, name: str) -> None:
+        if name != self.config.model_name:
+            raise APIError(f"The model {name!r} does not exist: this server serves {self.config.model_name!r} "
+                           "(GET /v1/models lists it)", status_code=404, param="model", code="model_not_found")
+
+    def _token_prompt(self, ids: list[int], where: str) -> list[int]:
+        if not ids:
+            raise APIError(f"{where} is empty; send at least one token", param="prompt")
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise APIError(f"{where} holds token id {bad[0]}, outside this model's vocabulary of {self.vocab_size} "
+                           f"ids (0..{self.vocab_size - 1})", param="prompt")
+        return list(ids)
+
+    def _text_prompt(self, text: str, where: str, param: str = "prompt") -> list[int]:
+        if text == "":
+            raise APIError(f"{where} is empty; send some text", param=param)
+        ids = self.tokenizer.encode(text, add_bos=self.config.add_bos)
+        if not ids:
+            raise APIError(f"{where} tokenizes to no tokens; send some text", param=param)
+        return ids
+
+    def completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
+        """The request's prompts as token-id lists (a 400 for an empty one)."""
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return [self._text_prompt(prompt, "the prompt")]
+        if not prompt:
+            raise APIError("the prompt is empty; send a string, a list of strings, or token ids", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [self._token_prompt(prompt, "the prompt")]
+        out = []
+        for i, p in enumerate(prompt):
+            out.append(self._text_prompt(p, f"prompt[{i}]") if isinstance(p, str)
+                       else self._token_prompt(p, f"prompt[{i}]"))
+        return out
+
+    def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        """The messages through the chat template, tokenized (special tokens in the template count as such)."""
+        if not request.messages:
+            raise APIError("messages is empty; send at least one message", param="messages")
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        try:
+            text = self.chat_template.render(messages)
+        except ValueError as exc:
+            raise APIError(str(exc), param="messages") from None
+        if text == "":
+            raise APIError("the messages render to an empty prompt; send some text", param="messages")
+        ids = self.tokenizer.encode(text, allow_special=True)
+        if not ids:
+            raise APIError("the messages tokenize to no tokens; send some text", param="messages")
+        return ids
+
+    def sampling_params(self, request, prompt_len: int, max_tokens: int | None) -> SamplingParams:
+        """SamplingParams for one prompt: max_tokens checked against the context (400 if it does not fit)."""
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens, and the prompt "
+                           f"alone has {prompt_len}, leaving no room for a completion; shorten the prompt",
+                           param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = room
+        if max_tokens < 1:
+            raise APIError(f"max_tokens={max_tokens} is invalid: it must be at least 1", param="max_tokens")
+        if prompt_len + max_tokens > self.max_model_len:
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                           f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
+                           f"in the completion); pass max_tokens <= {room} or shorten the prompt",
+                           param="max_tokens", code="context_length_exceeded")
+        temperature = self.config.default_temperature if request.temperature is None else request.temperature
+        top_k = None if request.top_k in (None, -1) else request.top_k
+        top_p = None if request.top_p in (None, 1.0) else request.top_p
+        eos = None if request.ignore_eos else self.tokenizer.eos_token_id
+        try:
+            return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  eos_token_id=eos, seed=request.seed)
+        except ValueError as exc:
+            raise APIError(str(exc)) from None
+
+    # --- submitting --------------------------------------------------------------------------------------
+
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestHandle]:
+        """Hands every prompt to the engine loop; all or none (an error aborts those already added)."""
+        handles: list[RequestHandle] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                handles.append(await self.loop.add_request(prompt, p))
+        except BaseException as exc:
+            for handle in handles:
+                handle.abort()
+            if isinstance(exc, QueueFull):
+                self.metrics.rejected.labels("queue_full").inc()
+                raise APIError(str(exc), status_code=429, type="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": "1"}) from None
+            if isinstance(exc, EngineUnavailable):
+                self.metrics.rejected.labels("unavailable").inc()
+                raise APIError(str(exc), status_code=503, type="server_error", code="unavailable",
+                               headers={"Retry-After": "1"}) from None
+            if isinstance(exc, ValueError):       # the engine's own checks; counted by the 400 handler
+                raise APIError(str(exc)) from None
+            raise
+        return handles
+
+
+def _sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), allow_nan=False)
+    return f"data: {data}\n\n"
+
+
+def _finish_reason(update: Update, text: IncrementalText) -> str:
+    return "stop" if text.stopped else (update.finish_reason or "abort")
+
+
+async def _wait_for_disconnect(request) -> None:
+    """Returns when the HTTP client goes away (the ASGI 'http.disconnect' message)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, server: OpenAIServer | None = None,
+              model_folder: str | Path | None = None):
+    """The FastAPI app: the OpenAI routes, /health and /metrics, and the engine loop's lifespan. Chapter 11."""
+    state = server or OpenAIServer(model, tokenizer, config, model_folder=model_folder)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.stop)
+
+    app = FastAPI(title="llminfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+
+    def error_response(exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        if exc.status_code == 400 or exc.status_code == 404:
+            state.metrics.rejected.labels("invalid").inc()
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc):
+        state.metrics.rejected.labels("invalid").inc()
+        return JSONResponse(error_body(f"invalid request: {exc.errors()[:1]}"), status_code=400)
+
+    async def read_body(request: Request, schema):
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(f"We could not parse the JSON body of your request ({exc}); send a JSON object "
+                           "(Content-Type: application/json)") from None
+        if not isinstance(body, dict):
+            raise APIError(f"the request body must be a JSON object, got a JSON {type(body).__name__}")
+        try:
+            parsed = schema.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or None
+            if first["type"] == "extra_forbidden":
+                raise APIError(f"Unrecognized request argument supplied: {where}", param=where) from None
+            if first["type"] == "missing":
+                raise APIError(f"Missing required parameter: {where!r}", param=where) from None
+            raise APIError(f"Invalid value for {where!r}: {first['msg']} (got {first.get('input')!r})",
+                           param=where) from None
+        state._check_model(parsed.model)
+        check_sampling_fields(parsed)
+        return parsed
+
+    @app.get("/health")
+    async def health():
+        if state.loop.state in ("running", "new"):
+            return Response(status_code=200)
+        return JSONResponse(error_body(f"the engine is {state.loop.state}", "server_error"), status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.config.model_name, "object": "model",
+                                            "created": state.created, "owned_by": "llminfer",
+                                            "max_model_len": state.max_model_len}]}
+
+    async def run(request: Request, body, prompts: list[list[int]], chat: bool, received: float):
+        max_tokens = body.max_tokens
+        if chat and body.max_completion_tokens is not None:
+            max_tokens = body.max_completion_tokens
+        params = [state.sampling_params(body, len(p), max_tokens) for p in prompts]
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        handles = await state.submit(prompts, params)
+        response_id = new_id("chatcmpl" if chat else "cmpl")
+        created = now_s()
+        kind = "chat.completion" if chat else "text_completion"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _stream(handles, prompts, stops, chat, response_id, created, body, include_usage, received),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(_collect(handles, stops))
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():                # the client left: stop its requests, free their blocks
+                collect.cancel()
+                for handle in handles:
+                    handle.abort()
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=499)
+        results = collect.result()
+        choices, completion_tokens = [], 0
+        for index, (text, update_last, n_tokens, timings) in enumerate(results):
+            completion_tokens += n_tokens
+            choice = {"index": index, "finish_reason": _finish_reason(update_last, text), "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text.text}
+            else:
+                choice["text"] = text.text
+            if body.return_timings:
+                choice["timings"] = _timings(handles[index], update_last, received, timings, state.clock())
+            choices.append(choice)
+        if any(u.error for _, u, _, _ in results):
+            raise APIError(f"the engine failed: {results[0][1].error}", status_code=500, type="server_error")
+        prompt_tokens = sum(len(p) for p in prompts)
+        return {"id": response_id, "object": kind, "created": created, "model": state.config.model_name,
+                "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                              "total_tokens": prompt_tokens + completion_tokens}}
+
+    async def _collect(handles: list[RequestHandle], stops: list[str]):
+        async def one(handle):
+            text = IncrementalText(state.tokenizer, stops)
+            n_tokens, last, sent_times = 0, None, []
+            async for update in handle:
+                n_tokens += len(update.token_ids)
+                text.add(update.token_ids, final=update.finished)
+                sent_times.append(state.clock())
+                last = update
+                if text.stopped and not update.finished:
+                    handle.abort()
+                    last = Update([], True, "stop", None, update.engine_time_s)
+                    break
+            return text, last, n_tokens, sent_times
+        return await asyncio.gather(*(one(h) for h in handles))
+
+    def _timings(handle: RequestHandle, last: Update, received: float, sent_times: list[float], now: float) -> dict:
+        """The request as the server and the engine saw it, in seconds from the server's receipt of it."""
+        out = last.output
+        return {
+            "server_received_s": 0.0,
+            "engine_arrival_s": handle.engine_arrival_s - received,
+            "engine_ttft_s": out.ttft_s if out is not None else None,
+            "engine_queue_s": out.queue_s if out is not None else None,
+            "engine_itl_s": list(out.itl_s) if out is not None else None,
+            "engine_num_cached_tokens": out.num_cached_tokens if out is not None else None,
+            "server_sent_s": [t - received for t in sent_times],
+        }
+
+    async def _stream(handles, prompts, stops, chat, response_id, created, body, include_usage, received):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        model_name = state.config.model_name
+        queue: asyncio.Queue = asyncio.Queue()
+        texts = [IncrementalText(state.tokenizer, stops) for _ in handles]
+        counts = [0] * len(handles)
+        sent_times: list[list[float]] = [[] for _ in handles]
+
+        async def pump(index, handle):
+            try:
+                async for update in handle:
+                    await queue.put((index, update))
+                    if text_done[index]:
+                        break
+            except asyncio.CancelledError:
+                raise
+
+        text_done = [False] * len(handles)
+        pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+
+        def chunk(index, delta_text=None, finish=None, role=False):
+            if chat:
+                delta = {}
+                if role:
+                    delta["role"] = "assistant"
+                    delta["content"] = ""
+                elif delta_text is not None:
+                    delta["content"] = delta_text
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": index, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+            return {"id": response_id, "object": kind, "created": created, "model": model_name, "choices": [choice]}
+
+        finished = 0
+        try:
+            if chat:
+                for i in range(len(handles)):
+                    yield _sse(chunk(i, role=True))
+            while finished < len(handles):
+                index, update = await queue.get()
+                if text_done[index]:
+                    continue
+                if update.error is not None:
+                    yield _sse(error_body(f"the engine failed: {update.error}", "server_error"))
+                    text_done[index] = True
+                    finished += 1
+                    continue
+                counts[index] += len(update.token_ids)
+                delta = texts[index].add(update.token_ids, final=update.finished)
+                done = update.finished or texts[index].stopped
+                if texts[index].stopped and not update.finished:
+                    handles[index].abort()
+                reason = _finish_reason(update, texts[index]) if done else None
+                payload = chunk(index, delta, reason)
+                if done and body.return_timings:
+                    last = update if update.finished else Update([], True, "stop", None, update.engine_time_s)
+                    payload["choices"][0]["timings"] = _timings(handles[index], last, received,
+                                                                sent_times[index] + [state.clock()], state.clock())
+                sent_times[index].append(state.clock())
+                yield _sse(payload)
+                if done:
+                    text_done[index] = True
+                    finished += 1
+            if include_usage:
+                prompt_tokens = sum(len(p) for p in prompts)
+                completion_tokens = sum(counts)
+                yield _sse({"id": response_id, "object": kind, "created": created, "model": model_name,
+                            "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                     "completion_tokens": completion_tokens,
+                                                     "total_tokens": prompt_tokens + completion_tokens}})
+            yield _sse("[DONE]")
+        finally:                                  # normal end, or the client went away (cancellation)
+            for pump_task in pumps:
+                pump_task.cancel()
+            for handle in handles:
+                handle.abort()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        received = state.clock()
+        body = await read_body(request, CompletionRequest)
+        prompts = state.completion_prompts(body)
+        return await run(request, body, prompts, chat=False, received=received)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        received = state.clock()
+        body = await read_body(request, ChatCompletionRequest)
+        prompt = state.chat_prompt(body)
+        return await run(request, body, [prompt], chat=True, received=received)
+
+    return app
+
+
+class ServerThread:
+    """uvicorn serving an app on a background thread (127.0.0.1, a free port by default); a context manager.
+
+    Used by the tests and by notebooks that want the server in their own process. `stop()` asks
+    uvicorn to shut down (in-flight requests drain for up to `drain_timeout_s`) and joins the thread.
+    """
+
+    def __init__(self, app, host: str = DEFAULT_HOST, port: int = 0, drain_timeout_s: float = 5.0,
+                 log_level: str = "warning"):
+        import socket
+
+        import uvicorn
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host, self.port = self._sock.getsockname()[:2]
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=max(1, int(drain_timeout_s)),
+                                access_log=False, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.app = app
+        self._thread = threading.Thread(target=self._serve, name="llminfer-http", daemon=True)
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _serve(self) -> None:
+        try:
+            self.server.run(sockets=[self._sock])
+        except BaseException as exc:  # pragma: no cover - reported by start()
+            self._error = exc
+
+    def start(self, timeout_s: float = 30.0) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if self._error is not None or not self._thread.is_alive():
+                raise RuntimeError(f"the server did not start: {self._error!r}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start within {timeout_s} s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout_s)
+        self._sock.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

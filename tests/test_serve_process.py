@@ -1,0 +1,58 @@
+"""`python -m llminfer.serve` as a real process: it binds 127.0.0.1, answers the openai client, stops cleanly."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+import llminfer
+from llminfer.serve.__main__ import parse_args
+from llminfer.serve.process import ServerProcess
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def listening_addresses(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) of sockets listening on port."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            address, hex_port = fields[1].split(":")
+            if int(hex_port, 16) == port and fields[3] == "0A":          # 0A: LISTEN
+                found.append(address)
+    return found
+
+
+def test_the_module_serves_the_bundled_model_on_loopback_and_stops():
+    model, tokenizer = llminfer.load_pretrained("tiny-capitals")
+    expected = tokenizer.decode(llminfer.generate(model, tokenizer.encode("The capital of France"), max_new_tokens=8,
+                                                  eos_token_id=tokenizer.eos_token_id).token_ids)
+    server = ServerProcess(["--model", "tiny-capitals", "--threads", "1", "--num-blocks", "64"])
+    with server:
+        assert listening_addresses(server.port) == ["0100007F"]          # 127.0.0.1 and nothing else
+        client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60)
+        response = client.completions.create(model="tiny-capitals", prompt="The capital of France", max_tokens=8,
+                                             temperature=0)
+        assert response.choices[0].text == expected
+        assert [m.id for m in client.models.list().data] == ["tiny-capitals"]
+    assert server.process.returncode == 0                                 # SIGINT: a graceful exit
+    assert "127.0.0.1" in server.log() and listening_addresses(server.port) == []
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--host", "example.com"], "IP address"),
+    (["--port", "70000"], "--port"),
+    (["--max-queued-requests", "0"], "--max-queued-requests"),
+])
+def test_bad_command_lines_are_refused(argv, words, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert words in capsys.readouterr().err
+
+
+def test_the_default_host_is_loopback():
+    assert parse_args([]).host == "127.0.0.1"
