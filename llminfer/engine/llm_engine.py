@@ -48,7 +48,11 @@ class StepRecord:
     entries: tuple[tuple[int, str, int], ...]    # (request id, "prefill" or "decode", tokens run)
     preempted: tuple[int, ...] = ()
     finished: tuple[int, ...] = ()
-    blocks_used: int = 0
+    blocks_used: int = 0           # after the step
+    num_running: int = 0           # sequences admitted (holding or waiting for blocks) after the step
+    tokens_held: int = 0           # K/V positions the running sequences hold after the step
+    schedule_s: float = 0.0        # time spent choosing the batch
+    model_s: float = 0.0           # time in the model runner (forward and sampling)
 
     @property
     def num_tokens(self) -> int:
@@ -297,6 +301,7 @@ class LLMEngine:
         preempted = tuple(self.scheduler.last_preempted)
         if metadata is None:
             return []
+        scheduled = self.clock()
         tokens = self.runner.execute(metadata)
         self.scheduler.finish_step(metadata)
         synchronize(self.model.device)
@@ -315,8 +320,10 @@ class LLMEngine:
         entries = tuple((s.request_id, kind, q) for s, kind, q in zip(metadata.seqs, metadata.kinds, metadata.query_lens))
         self._steps += 1
         self._tokens_computed += metadata.num_tokens
+        running = self.scheduler.running
         self.trace.append(StepRecord(self._steps, start, now, entries, preempted, tuple(finished),
-                                     self.block_manager.num_used_blocks))
+                                     self.block_manager.num_used_blocks, len(running),
+                                     sum(s.num_computed_tokens for s in running), scheduled - start, now - scheduled))
         return events
 
     @property
