@@ -100,7 +100,7 @@ def measure_here(mode: str, link: cost_model.Link | None = None, repeats: int = 
 
     TP: one decode step, measured in one process and in each of 2 ranks, against the prediction
     (one process's step) / 2 + the collectives' α–β time on link (None: measured first, briefly). PP: a prefill
-    of 8 sequences in 1 and 4 micro-batches, the measured bubble against (p − 1) / (m + p − 1).
+    of 16 sequences of 96 tokens in 1 and 4 micro-batches, the measured bubble against (p − 1) / (m + p − 1).
     """
     from . import workers
     from .pipeline import ideal_bubble_fraction
@@ -125,7 +125,8 @@ def measure_here(mode: str, link: cost_model.Link | None = None, repeats: int = 
                 "predicted_s": single / 2 + predicted_comm, "predicted_comm_s": predicted_comm,
                 "collectives": sum(count for count, _b, _s in collectives.values())}
     else:
-        stages = runner.run_pipeline_parallel("tiny-capitals", prompt * 8, max_new_tokens=2, micro_batches=(1, 4))
+        stages = runner.run_pipeline_parallel("tiny-capitals", _prompt(96) * 16, max_new_tokens=2,
+                                              micro_batches=(1, 4))
         rows = {}
         for n_micro in (1, 4):
             timeline = runner.stage_timeline(stages, n_micro, step=0)
@@ -144,7 +145,7 @@ def measurement_html(result: dict) -> str:
                 f"{result['single_s'] * 1e3:.3g} ms")
     parts = [f"{m} micro-batch{'es' if m > 1 else ''}: bubble measured {row['bubble']:.2f}, ideal {row['ideal']:.2f}, "
              f"prefill {row['span_s'] * 1e3:.3g} ms" for m, row in result["runs"].items()]
-    return "PP=2 on this machine, tiny-capitals, a prefill of 8 sequences: " + " · ".join(parts)
+    return "PP=2 on this machine, tiny-capitals, a prefill of 16 × 96 tokens: " + " · ".join(parts)
 
 
 def build_parallel_widget(measured_link: cost_model.Link | None = None, default: str = "llama-3-70b",

@@ -309,10 +309,13 @@ def default_message_sizes(smallest: int = 4, largest: int = 64 << 20, factor: in
     return sizes
 
 
-def _timed_loop(fn, iterations: int) -> float:
+def _timed_loop(fn, iterations: int, device) -> float:
+    """Seconds per call of fn, over iterations back-to-back calls (the device's queue drained at both ends)."""
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(iterations):
         fn()
+    synchronize(device)
     return (time.perf_counter() - start) / iterations
 
 
@@ -323,18 +326,18 @@ def comm_worker(ctx: WorkerContext, sizes: list[int], repeats: int = 5, budget_s
         x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=ctx.device)
         dist.all_reduce(x)                                          # warm-up: the first call sets up buffers
         dist.barrier()
-        probe = _timed_loop(lambda: dist.all_reduce(x), 1)
+        probe = _timed_loop(lambda: dist.all_reduce(x), 1, ctx.device)
         iterations = max(1, min(200, int(budget_s / max(probe, 1e-6))))
         iterations = _agree(iterations, ctx)
         samples = []
         for _ in range(repeats):
             dist.barrier()
-            samples.append(_timed_loop(lambda: dist.all_reduce(x), iterations))
+            samples.append(_timed_loop(lambda: dist.all_reduce(x), iterations, ctx.device))
         allreduce.append(_agree_max(statistics.median(samples), ctx))
         samples = []
         for _ in range(repeats):
             dist.barrier()
-            samples.append(_timed_loop(lambda: _ping_pong(x, ctx.rank), iterations) / 2)   # one way
+            samples.append(_timed_loop(lambda: _ping_pong(x, ctx.rank), iterations, ctx.device) / 2)   # one way
         sendrecv.append(_agree_max(statistics.median(samples), ctx))
     return {"sizes": list(sizes), "allreduce_s": allreduce, "sendrecv_s": sendrecv}
 
