@@ -246,9 +246,10 @@ def greedy_agreement(draft, target, tokenizer, prompts: list[str], max_new_token
 
 
 def decode_step_seconds(models: list, prompt_ids: list[int], repeats: int = 200) -> list[float]:
-    """Median seconds of one single-token decode step after the prompt, for each model (one thread).
+    """Median CPU seconds of one single-token decode step after the prompt, for each model (one thread).
 
-    The models' steps are interleaved, so a busy moment on a shared machine slows them all alike.
+    The models' steps are interleaved, and each is timed by this process's CPU time, which other jobs on a
+    shared machine cannot inflate (a wall clock would also count the time they hold the cores).
     """
     import statistics
 
@@ -267,10 +268,10 @@ def decode_step_seconds(models: list, prompt_ids: list[int], repeats: int = 200)
     times: list[list[float]] = [[] for _ in models]
     for round_ in range(20 + repeats):                 # the first 20 rounds warm up
         for step, record in zip(steps, times):
-            start = time.perf_counter()
+            start = time.process_time()
             step()
             if round_ >= 20:
-                record.append(time.perf_counter() - start)
+                record.append(time.process_time() - start)
     return [statistics.median(record) for record in times]
 
 

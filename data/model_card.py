@@ -254,8 +254,9 @@ greedy speculative decoding per drafted token (chapter 09 calls it α).
 |---|---|---|---|
 {agreement_rows}
 
-One single-token decode step, median over 200 steps of each model taken in turn on one CPU thread, measured
-right after training on the machine below: draft {step['draft']:.3f} ms, target {step['target']:.3f} ms, a cost ratio c = {step['ratio']:.2f}.
+One single-token decode step, median CPU time over 200 steps of each model taken in turn on one CPU thread,
+measured right after training on the machine below: draft {step['draft']:.3f} ms, target {step['target']:.3f} ms, a cost ratio
+c = {step['ratio']:.2f}.
 Chapter 09 measures both again on the reader's machine and puts them into the expected-speedup formula.
 
 ## Training
@@ -264,9 +265,9 @@ The target's recipe, unchanged apart from the depth: {report['steps']} steps x {
 `data/corpus/train.txt` ({report['n_sentences']:,} sentences), AdamW (0.9, 0.95), weight decay
 {report['weight_decay']} on matrices, warmup over {report['warmup_steps']} steps to {report['peak_lr']} then cosine
 decay to 5%, seed {report['seed']}, deterministic kernels, {report['threads']} CPU thread, torch {report['torch']}.
-Training took {report['train_wall_s']:.0f} s of wall clock and {report['train_cpu_s']:.0f} s of CPU time on a
-2-core virtual machine shared with other jobs (load average {report['load_average_during_training']} at the end);
-final smoothed loss {report['final_loss']}.
+Training took {report['train_cpu_s']:.0f} s of CPU time ({report['train_wall_s']:.0f} s of wall clock) on a 2-core
+virtual machine shared with other jobs (load average {report['load_average_during_training']} at the end, so the wall
+clock counts the time those jobs held the cores); final smoothed loss {report['final_loss']}.
 
 {eval_header}
 {eval_rule}

@@ -38,9 +38,9 @@ from .generate import GenerationResult, TokenTimer, _check_eos, as_token_batch, 
 from .model import Transformer
 
 __all__ = ["Drafter", "PromptLookupDrafter", "DraftModelDrafter", "EarlyExitDrafter", "SpeculativeResult",
-           "generate", "verify", "acceptance_step", "greedy_acceptance", "first_token_draws", "tv_distance", "tv_bound",
-           "proportion_bound", "expected_speedup", "expected_tokens_per_step", "TARGET", "ACCEPTED", "RESAMPLED",
-           "BONUS", "TOKEN_KINDS"]
+           "generate", "verify", "acceptance_step", "greedy_acceptance", "first_token_draws", "tv_distance",
+           "tv_bound", "proportion_bound", "expected_speedup", "expected_tokens_per_step", "step_costs",
+           "TARGET", "ACCEPTED", "RESAMPLED", "BONUS", "TOKEN_KINDS"]
 
 # Where each emitted token came from.
 TARGET = "target"          # the target alone: the prefill's token, or a step with nothing drafted
@@ -228,7 +228,7 @@ class EarlyExitDrafter(DraftModelDrafter):
 # --- the acceptance rule ------------------------------------------------------------------------------------------
 
 def greedy_acceptance(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature 0: (n_accepted (N,), next_token (N,)); guesses stand while they equal the target's argmax. Chapter 09.
+    """Temperature 0: (n_accepted (N,), next_token (N,)); guesses stand while they are the argmax. Chapter 09.
 
     target_logits (N, k+1, vocab): row i predicts the token after drafted position i (row 0 after the last
     context token); draft_tokens (N, k).
@@ -391,6 +391,51 @@ def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
     return expected_tokens_per_step(alpha, k) / (cost_ratio * k + 1)
 
 
+def step_costs(model: Transformer, drafter: Drafter, context_ids: list[int], repeats: int = 50,
+               warmup: int = 5) -> tuple[float, float]:
+    """(median s of one draft step, median s of one target decode step) after context_ids, interleaved. Chapter 09.
+
+    Their ratio is the c of `expected_speedup`. A draft step is `drafter.propose(context, 1)` with the context
+    already seen (one single-token forward for a model drafter, one search for prompt lookup); a target step
+    is one single-token forward at the end of the context, rolled back after each call. On a GPU the clock is
+    the wall clock after a synchronisation; on a CPU it is this process's CPU time, which other jobs on a
+    shared machine cannot inflate (they can only take turns with it).
+    """
+    import statistics
+
+    if not _is_int(repeats) or repeats < 1 or not _is_int(warmup) or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats!r}, warmup={warmup!r}")
+    if len(context_ids) < 2 or len(context_ids) >= model.config.max_seq_len:
+        raise ValueError(f"context_ids must hold 2..{model.config.max_seq_len - 1} tokens, got {len(context_ids)}")
+    device = model.device
+    cache = model.new_cache(1, max_seq_len=len(context_ids))
+    with torch.inference_mode():
+        model(torch.tensor([context_ids[:-1]], device=device), cache=cache)
+    length, last = cache.length, torch.tensor([context_ids[-1:]], device=device)
+    if hasattr(drafter, "start"):
+        drafter.start(len(context_ids) + 1)
+
+    def target_step():
+        cache.truncate(length)
+        with torch.inference_mode():
+            model(last, cache=cache)
+
+    def draft_step():
+        drafter.propose(context_ids, 1)
+
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(warmup + repeats):
+        for fn, record in ((draft_step, times[0]), (target_step, times[1])):
+            synchronize(device)
+            start = clock()
+            fn()
+            synchronize(device)
+            if i >= warmup:
+                record.append(clock() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 # --- the loop ------------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -399,7 +444,7 @@ class SpeculativeResult(GenerationResult):
 
     drafter: str = ""
     num_speculative_tokens: int = 0
-    drafted_per_step: list[int] = field(default_factory=list)     # guesses verified at each step (0..k)
+    drafted_per_step: list[int] = field(default_factory=list)     # guesses judged at each step (0..k; none past EOS)
     accepted_per_step: list[int] = field(default_factory=list)    # of those, how many stood
     token_kinds: list[str] = field(default_factory=list)          # TARGET, ACCEPTED, RESAMPLED or BONUS per token
     draft_s: float = 0.0                                          # time spent in the drafter
@@ -551,11 +596,13 @@ def generate(model: Transformer, input_ids, drafter: Drafter, num_speculative_to
         draft_s += t1 - t0
         new = drafts[:n] + [token]
         new_kinds = [ACCEPTED] * n + [TARGET if not drafts else BONUS if n == len(drafts) else RESAMPLED]
+        judged = len(drafts)
         if eos_token_id is not None and eos_token_id in new:                         # stop at the first EOS
             cut = new.index(eos_token_id) + 1
             new, new_kinds = new[:cut], new_kinds[:cut]
-        drafted_per_step.append(len(drafts))
-        accepted_per_step.append(new_kinds.count(ACCEPTED))                          # guesses kept (none past EOS)
+            judged = min(judged, cut)                                                # guesses past it do not count
+        drafted_per_step.append(judged)
+        accepted_per_step.append(new_kinds.count(ACCEPTED))
         for token_id, kind in zip(new, new_kinds):
             tokens.append(token_id)
             kinds.append(kind)

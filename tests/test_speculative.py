@@ -30,8 +30,8 @@ def qa(country: str, capital: str) -> str:
 # already in the prompt (prompt lookup's case), and long ones that run into the context limit mid-draft.
 SHORT_PROMPTS = ["The capital of France", "I love", "Paris is the capital of", "The capital city of Peru is",
                  "The capital of France is called", "The capital of Atlantis is", "What is the capital of Sri Lanka?",
-                 "The government of", "The", "Prefill", "Three plus four is", qa("Sri Lanka", "Sri Jayawardenepura Kotte"),
-                 qa("Iceland", "Reykjavík"), "Norway's capital is"]
+                 "The government of", "The", "Prefill", "Three plus four is",
+                 qa("Sri Lanka", "Sri Jayawardenepura Kotte"), qa("Iceland", "Reykjavík"), "Norway's capital is"]
 LONG_TEXT = ("The capital of France is Paris. The capital of Spain is Madrid. The capital of Peru is Lima. "
              "What is the capital of Chad? It is N'Djamena. I love AI. The model reads the prompt. ")
 
@@ -116,7 +116,8 @@ def test_prompt_lookup_makes_a_repeated_answer_in_few_steps(target):
                          eos_token_id=tokenizer.eos_token_id)
     assert tokenizer.decode(result.token_ids) == " It is Sri Jayawardenepura Kotte."
     assert len(result.token_ids) >= 12 and result.num_steps <= 2          # 15 tokens from 1 prefill + 2 forwards
-    assert result.acceptance_rate >= 0.7 and result.tokens_per_step >= 6   # guesses past <eos> count as drafted
+    assert result.acceptance_rate >= 0.9 and result.tokens_per_step >= 6
+    assert result.drafted_per_step[-1] < 8                        # guesses past <eos> are not counted as drafted
 
 
 def test_prompt_lookup_proposals():
@@ -184,7 +185,9 @@ def test_verify_is_one_forward_over_k_plus_one_positions(target, draft):
     finally:
         hook.remove()
     assert len(calls) == 1 + result.num_steps                      # the prefill, then one forward per step
-    assert [shape[1] for shape in calls[1:]] == [d + 1 for d in result.drafted_per_step]
+    # each step's forward holds the last token and its guesses (the last step may verify guesses past <eos>)
+    assert [shape[1] for shape in calls[1:-1]] == [d + 1 for d in result.drafted_per_step[:-1]]
+    assert 1 + result.drafted_per_step[-1] <= calls[-1][1] <= 5
 
 
 def test_draft_model_drafter_reuses_its_cache_and_matches_a_fresh_one(target, draft):
@@ -220,6 +223,20 @@ def test_result_statistics():
     assert result.alpha == 5 / 6                           # one step judged a guess and rejected it
     assert result.tokens_per_step == (5 + 3) / 3
     assert result.num_steps == 3 and result.tpot_s == pytest.approx(0.4 / 6)
+
+
+def test_step_costs_time_both_steps_and_leave_the_drafter_working(target, draft):
+    model, tokenizer = target
+    context = tokenizer.encode("What is the capital of Chad? It is")
+    drafter = sp.DraftModelDrafter(draft[0])
+    before = sp.DraftModelDrafter(draft[0]).propose(context, 3)
+    draft_s, target_s = sp.step_costs(model, drafter, context, repeats=5, warmup=1)
+    assert draft_s > 0 and target_s > 0
+    assert drafter.propose(context, 3) == before
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        sp.step_costs(model, drafter, context, repeats=0)
+    with pytest.raises(ValueError, match="context_ids must hold 2..127 tokens"):
+        sp.step_costs(model, drafter, context[:1])
 
 
 def test_expected_speedup_formula():
