@@ -255,8 +255,8 @@ greedy speculative decoding per drafted token (chapter 09 calls it α).
 {agreement_rows}
 
 One single-token decode step, median CPU time over 200 steps of each model taken in turn on one CPU thread,
-measured right after training on the machine below: draft {step['draft']:.3f} ms, target {step['target']:.3f} ms, a cost ratio
-c = {step['ratio']:.2f}.
+measured right after training on the machine below: draft {step['draft']:.3f} ms, target {step['target']:.3f} ms,
+a cost ratio c = {step['ratio']:.2f}.
 Chapter 09 measures both again on the reader's machine and puts them into the expected-speedup formula.
 
 ## Training
