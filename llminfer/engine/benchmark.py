@@ -1,0 +1,237 @@
+"""The measurements of chapters 05 and 06, as functions, and `python -m llminfer.engine.benchmark`. Chapter 05.
+
+    batch_sweep(model, [1, 2, 4, 8])          decode-step time and tokens/s against batch size
+    compare_policies(model, workload)         sequential, static, continuous on one workload
+    chunked_prefill_trade(model)              running decodes' ITL when a long prompt arrives, chunked or not
+    prefix_cache_trade(model)                 TTFT and throughput with a shared system prompt, cached or not
+
+The command runs them on the chapters' default settings and writes a JSON report (machine, settings,
+figures, whether the targets were met) to data/benchmarks/engine-<machine>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from ..device import resolve_device, synchronize
+from ..timing import time_fn
+from .llm_engine import LLMEngine
+from .sampling_params import SamplingParams
+from .workload import make_workload, replay, summarize
+
+__all__ = ["NARROW_LLAMA", "DEFAULT_WORKLOAD", "DEFAULT_ENGINE", "SLO", "TARGETS", "batch_sweep",
+           "compare_policies", "chunked_prefill_trade", "prefix_cache_trade", "machine_info", "main"]
+
+# The model the workloads run on: a Llama of SmolLM2's family, narrowed (6.8M parameters) so that the slowest
+# policy finishes in seconds on a CPU. Its weights are random: speed, not text, is measured.
+NARROW_LLAMA = ModelConfig(vocab_size=8192, dim=256, n_layers=6, n_heads=4, n_kv_heads=2, hidden_dim=768,
+                           max_seq_len=512, tie_embeddings=True)
+# The chapter 05 workload: Poisson arrivals, log-normal lengths (see workload.py for the sources).
+DEFAULT_WORKLOAD = dict(n_requests=24, rate=40.0, seed=0, prompt_median=32, prompt_sigma=0.8, max_prompt=192,
+                        output_median=32, output_sigma=0.8, max_output=128)
+DEFAULT_ENGINE = dict(block_size=16, max_num_seqs=16, max_num_batched_tokens=256)
+SLO = dict(slo_ttft_s=2.0, slo_tpot_s=0.05)           # a fixed latency target (see latency_target for a relative one)
+TPOT_SLO_FACTOR = 4.0                                 # latency_target: TPOT within 4x that of a request served alone
+TARGETS = {"continuous_over_sequential": 3.0, "continuous_over_static": 1.5}
+
+
+def batch_sweep(model, batch_sizes: list[int], cached_len: int = 64, repeats: int = 3, progress: bool = False) -> dict:
+    """Median time of one decode step for each batch size, after cached_len positions; tokens/s. Chapter 05.
+
+    A static batch on the model's contiguous cache (chapter 04): B sequences, one new token each. The
+    cache's contents do not change the time, so its length is set without a prefill.
+    """
+    device = model.device
+    steps, rates = [], []
+    sizes = batch_sizes
+    if progress:
+        from tqdm.auto import tqdm
+        sizes = tqdm(batch_sizes, desc="batch sizes", leave=False)
+    for batch in sizes:
+        cache = model.new_cache(batch_size=batch, max_seq_len=cached_len + 1)
+        tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+
+        def one_step():
+            cache.length = cached_len                      # back to cached_len (the contents do not matter)
+            with torch.inference_mode():
+                model(tokens, cache=cache)
+
+        timing = time_fn(one_step, device, warmup=1, repeats=repeats)
+        steps.append(timing.median_s)
+        rates.append(batch / timing.median_s)
+        del cache
+    return {"batch_size": list(batch_sizes), "step_s": steps, "tokens_per_s": rates, "cached_len": cached_len}
+
+
+def latency_target(model, prompt_len: int = 32, output_len: int = 32, ttft_s: float = 2.0,
+                   tpot_factor: float = TPOT_SLO_FACTOR) -> dict:
+    """A latency target that scales with the machine: TTFT within ttft_s of arrival, TPOT within
+    tpot_factor times the TPOT of one request served alone (measured here). Chapter 05."""
+    engine = LLMEngine(model, block_size=16, max_num_seqs=1, max_model_len=min(model.config.max_seq_len, 512))
+    engine.generate([[1] * 8], SamplingParams(max_new_tokens=2))
+    (alone,) = engine.generate([[5] * prompt_len], SamplingParams(max_new_tokens=output_len))
+    return {"slo_ttft_s": ttft_s, "slo_tpot_s": tpot_factor * alone.tpot_s, "alone_ttft_s": alone.ttft_s,
+            "alone_tpot_s": alone.tpot_s}
+
+
+def _engine(model, workload, policy: str, **settings) -> LLMEngine:
+    settings = {**DEFAULT_ENGINE, **settings}
+    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in workload.requests)
+    block = settings["block_size"]
+    max_model_len = min(model.config.max_seq_len, -(-longest // block) * block)
+    engine = LLMEngine(model, policy=policy, max_model_len=max_model_len, **settings)
+    engine.generate([[1] * 8], SamplingParams(max_new_tokens=2))    # warm-up: first calls allocate and compile
+    return engine
+
+
+def compare_policies(model, workload, policies=("sequential", "static", "continuous"), progress: bool = False,
+                     slo: dict | None = None, **settings) -> dict:
+    """Replays workload under each policy on a fresh engine; returns {policy: (WorkloadResult, summary)}. Chapter 05."""
+    slo = {k: v for k, v in (slo or SLO).items() if k in ("slo_ttft_s", "slo_tpot_s")}
+    out = {}
+    for policy in policies:
+        engine = _engine(model, workload, policy, **settings)
+        result = replay(engine, workload, progress=progress)
+        out[policy] = (result, summarize(result, **slo))
+    return out
+
+
+def chunked_prefill_trade(model, n_decoders: int = 8, decode_prompt: int = 16, decode_tokens: int = 32,
+                          long_prompt: int = 384, budget: int = 64, arrive_after_steps: int = 8, seed: int = 0) -> dict:
+    """n_decoders requests are decoding when one long prompt arrives; with chunked prefill (token budget
+    `budget`) and without (the whole prompt in one step). Returns per setting the decoders' ITLs, the long
+    request's TTFT and the step times. Chapter 05."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    prompts = torch.randint(3, vocab, (n_decoders, decode_prompt), generator=generator).tolist()
+    long_ids = torch.randint(3, vocab, (long_prompt,), generator=generator).tolist()
+    out = {}
+    for chunked in (True, False):
+        engine = LLMEngine(model, block_size=16, max_num_seqs=n_decoders + 1, enable_prefix_caching=False,
+                           max_num_batched_tokens=budget if chunked else long_prompt + n_decoders,
+                           chunked_prefill=chunked, max_model_len=min(model.config.max_seq_len, 512))
+        engine.generate([[1] * 8], SamplingParams(max_new_tokens=2))
+        first = len(engine.trace)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=decode_tokens)) for p in prompts]
+        for _ in range(arrive_after_steps):
+            engine.step()
+        long_id = engine.add_request(long_ids, SamplingParams(max_new_tokens=1))
+        arrival_step = len(engine.trace) - first
+        while engine.has_unfinished():
+            engine.step()
+        outputs = [engine.pop_output(i) for i in ids]
+        long_out = engine.pop_output(long_id)
+        trace = list(engine.trace)[first:]
+        out["chunked" if chunked else "whole"] = {
+            "itl_s": [gap for o in outputs for gap in o.itl_s],
+            "max_itl_s": max(gap for o in outputs for gap in o.itl_s),
+            "long_ttft_s": long_out.ttft_s,
+            "step_s": [r.end_s - r.start_s for r in trace],
+            "step_tokens": [r.num_tokens for r in trace],
+            "arrival_step": arrival_step,
+            "budget": engine.max_num_batched_tokens,
+        }
+    return out
+
+
+def prefix_cache_trade(model, system_prompt_len: int = 96, n_requests: int = 24, rate: float = 40.0,
+                       seed: int = 1, **settings) -> dict:
+    """A shared system prompt in front of every request of a workload; prefix caching on and off. Chapter 06."""
+    generator = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, model.config.vocab_size, (system_prompt_len,), generator=generator).tolist()
+    workload = make_workload(n_requests=n_requests, rate=rate, vocab_size=model.config.vocab_size, seed=seed,
+                             prompt_median=24, max_prompt=96, output_median=16, max_output=64, shared_prefix=system)
+    out = {}
+    for caching in (False, True):
+        engine = _engine(model, workload, "continuous", enable_prefix_caching=caching, **settings)
+        result = replay(engine, workload)
+        out["cached" if caching else "uncached"] = (result, summarize(result, **SLO), engine.stats)
+    return out
+
+
+def machine_info(device) -> dict:
+    """The CPU's name and its vector flags (or the GPU's name): ratios travel between machines, times do not."""
+    info = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "python": platform.python_version()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        name = re.search(r"model name\s*:\s*(.+)", text)
+        flags = re.search(r"flags\s*:\s*(.+)", text)
+        info["cpu"] = name.group(1).strip() if name else platform.processor()
+        wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma", "f16c")
+        info["cpu_flags"] = [f for f in wanted if flags and f in flags.group(1).split()]
+    except OSError:
+        info["cpu"] = platform.processor()
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Measure batching, chunked prefill and prefix caching "
+                                                 "(chapters 05-06) and write a JSON report.")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (steadier with 1)")
+    parser.add_argument("--out", default="data/benchmarks", help="folder for the JSON report")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each policy (the median is reported)")
+    args = parser.parse_args(argv)
+    device = resolve_device(args.device)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    report = {"machine": machine_info(device), "settings": {"workload": DEFAULT_WORKLOAD, "engine": DEFAULT_ENGINE,
+                                                            "slo": SLO, "model": NARROW_LLAMA.__dict__.copy()}}
+    from ..checkpoint import load_random
+
+    smollm = load_random("smollm2-135m", device=device, dtype=torch.float32)
+    sweep = batch_sweep(smollm, [1, 2, 4, 8, 16, 32], repeats=3)
+    report["batch_sweep_smollm2_135m"] = sweep
+    del smollm
+    model = load_random(NARROW_LLAMA, device=device, dtype=torch.float32)
+    workload = make_workload(vocab_size=NARROW_LLAMA.vocab_size, **DEFAULT_WORKLOAD)
+    slo = latency_target(model)
+    report["latency_target"] = slo
+    runs = []
+    for _ in range(args.repeats):
+        runs.append({p: s for p, (_, s) in compare_policies(model, workload, slo=slo).items()})
+        synchronize(device)
+    report["policies"] = runs
+    med = {p: sorted(r[p]["throughput_tok_s"] for r in runs)[len(runs) // 2] for p in runs[0]}
+    ratios = {"continuous_over_sequential": med["continuous"] / med["sequential"],
+              "continuous_over_static": med["continuous"] / med["static"]}
+    report["median_throughput_tok_s"] = med
+    report["ratios"] = ratios
+    report["targets"] = {k: {"target": v, "measured": ratios[k], "met": ratios[k] >= v} for k, v in TARGETS.items()}
+    trade = chunked_prefill_trade(model)
+    report["chunked_prefill"] = {k: {"max_itl_s": v["max_itl_s"], "long_ttft_s": v["long_ttft_s"],
+                                     "itl_p50_s": sorted(v["itl_s"])[len(v["itl_s"]) // 2], "budget": v["budget"]}
+                                 for k, v in trade.items()}
+    prefix = prefix_cache_trade(model)
+    report["prefix_caching"] = {k: {"throughput_tok_s": s["throughput_tok_s"], "ttft_p50_s": s["ttft_p50_s"],
+                                    "ttft_p90_s": s["ttft_p90_s"], "hit_rate": st.prefix_hit_rate}
+                                for k, (_, s, st) in prefix.items()}
+    report["created"] = time.strftime("%Y-%m-%d")
+    name = _slug(report["machine"].get("gpu") or report["machine"].get("cpu") or device.type)
+    path = out_dir / f"engine-{device.type}-{name}.json"
+    path.write_text(json.dumps(report, indent=1, default=float) + "\n")
+    print(f"wrote {path}")
+    for key, row in report["targets"].items():
+        print(f"{key}: {row['measured']:.2f}x (target {row['target']}x, {'met' if row['met'] else 'short'})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
