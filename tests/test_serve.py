@@ -294,11 +294,21 @@ def test_the_openai_client_raises_its_own_errors(client):
 
 def test_a_full_queue_is_refused_with_429(bundled):
     thread, state = make_server(bundled, max_queued_requests=2, engine_kwargs=dict(max_num_seqs=1))
-    body = {"model": MODEL, "prompt": "I love", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "I love", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+            "stream": True}
 
     async def main():
         async with httpx.AsyncClient(timeout=60) as http:
-            return await asyncio.gather(*(http.post(thread.url + "/v1/completions", json=body) for _ in range(8)))
+            async def one():                      # a stream answers 200 as soon as the engine has the request
+                response = await http.send(http.build_request("POST", thread.url + "/v1/completions", json=body),
+                                           stream=True)
+                if response.status_code != 200:
+                    await response.aread()
+                return response
+            responses = await asyncio.gather(*(one() for _ in range(8)))
+            for response in responses:            # hang up: the accepted ones are aborted
+                await response.aclose()
+            return responses
 
     with thread, slow_steps(state):
         responses = asyncio.run(main())
@@ -401,3 +411,14 @@ def test_shutdown_past_the_drain_timeout_ends_streams_cleanly(bundled):
     assert len(out.get("chunks", [])) < 120                   # cut short, not run to the end
     assert state.loop.state == "stopped" and pool_is_empty(state)
     assert not state.engine.has_unfinished()
+
+
+def test_metrics_poller_records_series(server):
+    from llminfer.serve.metrics import MetricsPoller, parse_metrics
+    with MetricsPoller(server[0].url, interval_s=0.02) as poller:
+        time.sleep(0.2)
+    times, steps = poller.series("llminfer_engine_steps_total")
+    assert len(times) >= 3 and times == sorted(times) and poller.errors == 0
+    assert steps[0] == parse_metrics(httpx.get(server[0].url + "/metrics").text)["llminfer_engine_steps_total"]
+    with pytest.raises(ValueError):
+        MetricsPoller(server[0].url, interval_s=0)

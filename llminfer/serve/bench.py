@@ -128,13 +128,17 @@ def _finite(value):
 
 def workload_requests(n: int, vocab_size: int = 1024, seed: int = 0, prompt_median: float = 24,
                       prompt_sigma: float = 0.8, max_prompt: int = 64, output_median: float = 16,
-                      output_sigma: float = 0.8, max_output: int = 64, first_token_id: int = 3) -> list[BenchRequest]:
-    """The chapter 05 workload's prompts (random token ids) and output lengths, as requests. Chapter 11."""
+                      output_sigma: float = 0.8, max_output: int = 64, first_token_id: int = 3,
+                      shared_prefix: list[int] | None = None) -> list[BenchRequest]:
+    """The chapter 05 workload's prompts (random token ids) and output lengths, as requests. Chapter 11.
+
+    shared_prefix goes in front of every prompt (a system prompt, which the prefix cache serves).
+    """
     from ..engine.workload import make_workload
     workload = make_workload(n_requests=n, rate=float("inf"), vocab_size=vocab_size, seed=seed,
                              prompt_median=prompt_median, prompt_sigma=prompt_sigma, max_prompt=max_prompt,
                              output_median=output_median, output_sigma=output_sigma, max_output=max_output,
-                             first_token_id=first_token_id)
+                             first_token_id=first_token_id, shared_prefix=shared_prefix)
     return [BenchRequest(list(r.prompt_ids), r.max_new_tokens) for r in workload.requests]
 
 

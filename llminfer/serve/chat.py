@@ -20,8 +20,8 @@ from pathlib import Path
 
 __all__ = ["PLAIN_TEMPLATE", "ChatTemplate", "load_chat_template", "message_text"]
 
-PLAIN_TEMPLATE = (
-    "{% for message in messages %}{{ message['content'] }}{% if not loop.last %}\n{% endif %}{% endfor %}"
+PLAIN_TEMPLATE = (   # the newline is a Jinja string: trim_blocks would eat a bare one after a block tag
+    "{% for message in messages %}{{ message['content'] }}{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}"
 )
 
 

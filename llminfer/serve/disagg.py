@@ -397,7 +397,10 @@ def _decode_worker(port: int, spec: ModelSpec, engine_kwargs: dict, inbox, outbo
                         del to_router[event.request_id]
                         del to_engine[router_id]
                 if tokens:
-                    outbox.put(("tokens", now, tokens, engine.stats.blocks_used))
+                    record = engine.trace[-1]
+                    prefill_tokens = sum(n for _, kind, n in record.entries if kind == "prefill")
+                    outbox.put(("tokens", now, tokens, engine.stats.blocks_used,
+                                (record.end_s - record.start_s, len(record.entries), prefill_tokens)))
             elif stopping and receiver_done and not ready:
                 break
     except BaseException:
@@ -491,6 +494,7 @@ class DisaggregatedEngine:
         self.clock = time.perf_counter
         self.trace: deque = deque()
         self.transfers: dict[int, TransferRecord] = {}
+        self.decode_steps: list[tuple[float, float, int, int]] = []   # (end time, seconds, sequences, prompt tokens)
         self.blocks_used = 0
         self._tracked: dict[int, _Tracked] = {}
         self._finished: dict[int, _Tracked] = {}
@@ -646,8 +650,9 @@ class DisaggregatedEngine:
                     if record is not None:
                         record.recv_done_s, record.installed_s = recv_time, install_time
             elif kind == "tokens":
-                _, when, tokens, blocks_used = message
+                _, when, tokens, blocks_used, (step_s, n_seqs, prefill_tokens) = message
                 self.blocks_used = blocks_used
+                self.decode_steps.append((when, step_s, n_seqs, prefill_tokens))
                 for request_id, token, finished in tokens:
                     self._record(request_id, [(token, when)], finished, None, events)
             try:

@@ -26,10 +26,13 @@ so several servers in one process (tests, notebooks) do not mix their numbers.
 """
 from __future__ import annotations
 
+import threading
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-__all__ = ["ServerMetrics", "TTFT_BUCKETS", "ITL_BUCKETS", "CONTENT_TYPE"]
+__all__ = ["ServerMetrics", "TTFT_BUCKETS", "ITL_BUCKETS", "CONTENT_TYPE", "parse_metrics", "MetricsPoller"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -113,3 +116,69 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The registry in the Prometheus text exposition format."""
         return generate_latest(self.registry)
+
+
+def parse_metrics(text: str) -> dict:
+    """Prometheus text to {sample name: value} (labelled samples as 'name{key="value",...}')."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+class MetricsPoller:
+    """Scrapes a server's /metrics every interval_s on a background thread; `samples` is [(t, {name: value})]. Chapter 11.
+
+        with MetricsPoller(server.url) as poller:
+            ...                                   # the load
+        times, waiting = poller.series("llminfer_num_requests_waiting")
+    """
+
+    def __init__(self, url: str, interval_s: float = 0.05, timeout_s: float = 2.0):
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0 seconds, got {interval_s!r}")
+        self.url = url.rstrip("/") + "/metrics"
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.samples: list[tuple[float, dict]] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+
+    def _run(self) -> None:
+        import urllib.request
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            try:
+                with urllib.request.urlopen(self.url, timeout=self.timeout_s) as response:
+                    values = parse_metrics(response.read().decode())
+                self.samples.append((started - self._t0, values))
+            except OSError:
+                self.errors += 1
+            self._stop.wait(max(0.0, self.interval_s - (time.perf_counter() - started)))
+
+    def start(self) -> "MetricsPoller":
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="llminfer-metrics-poller", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.timeout_s + 1)
+
+    def __enter__(self) -> "MetricsPoller":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def series(self, name: str) -> tuple[list[float], list[float]]:
+        """(times in s from start, values) of one sample name across the scrapes that had it."""
+        points = [(t, values[name]) for t, values in self.samples if name in values]
+        return [t for t, _ in points], [v for _, v in points]

@@ -378,6 +378,7 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
         """The request as the server and the engine saw it, in seconds from the server's receipt of it."""
         out = last.output
         return {
+            "server_clock_received_s": received,   # the server's perf_counter (CLOCK_MONOTONIC on Linux)
             "server_received_s": 0.0,
             "engine_arrival_s": handle.engine_arrival_s - received,
             "engine_ttft_s": out.ttft_s if out is not None else None,
