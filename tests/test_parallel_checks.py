@@ -29,10 +29,17 @@ def config(**changes):
 
 @pytest.fixture
 def no_processes(monkeypatch):
-    """Fails the test if anything tries to start a process; yields the children that existed before."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a process was about to start")
-    monkeypatch.setattr(launch_module, "_context", refuse)
+    """Fails the test if anything tries to start a process; checks no process was left behind."""
+    real_context = launch_module._context
+
+    class Refusing:
+        def __init__(self, context):
+            self.Queue = context.Queue
+
+        def Process(self, *args, **kwargs):
+            raise AssertionError("a process was about to start")
+
+    monkeypatch.setattr(launch_module, "_context", lambda start_method: Refusing(real_context(start_method)))
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
@@ -120,6 +127,13 @@ def test_workers_must_be_importable_and_arguments_sendable(no_processes):
         parallel.launch(parallel.workers.comm_worker, args=(lambda: 0,))
     with pytest.raises(ValueError, match="world_size must be a positive integer"):
         parallel.launch(parallel.workers.comm_worker, world_size=0)
+
+
+def test_fork_is_refused_as_a_start_method(monkeypatch):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match="'fork' is refused"):
+        parallel.launch(parallel.workers.comm_worker, start_method="fork")
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
 
 # --- the split, by hand -------------------------------------------------------------------------------------

@@ -84,8 +84,8 @@ def _set_loopback_env() -> None:
     """Keeps gloo's (and NCCL's bootstrap) sockets on the loopback interface."""
     interface = loopback_interface()
     if interface:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+        os.environ["NCCL_SOCKET_IFNAME"] = interface
 
 
 def _device_for(backend: str, local_rank: int) -> torch.device:
@@ -146,9 +146,9 @@ def launch(worker, args: tuple = (), world_size: int = 2, backend: str | None = 
     except Exception as exc:
         raise ValueError(f"the worker's arguments cannot be sent to another process ({exc}); pass plain data "
                          "(numbers, strings, lists, tensors) rather than open files, locks or models") from None
+    context = _context(start_method)
     sock = check_port(port)                    # bound to 127.0.0.1 here; refused here if taken
     port = sock.getsockname()[1]
-    context = _context(start_method)
     results = context.Queue()
     processes = []
     store = None
