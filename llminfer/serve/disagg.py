@@ -16,9 +16,10 @@ Three processes, the way DistServe, Splitwise and Mooncake lay a deployment out 
   request's K/V off the wire; between engine steps the loop writes them into blocks of the paged pool
   (`install_prefilled`) and the request joins the running batch as if it had been prefilled there.
 
-K/V travel over torch.distributed point to point: gloo over TCP on 127.0.0.1 here (NCCL between
-GPUs; a production system would use NVLink, RDMA or a library such as NIXL or Mooncake's transfer
-engine). Control messages (requests, tokens, aborts) go over multiprocessing queues. Every timestamp
+K/V travel over torch.distributed point to point: gloo over TCP on 127.0.0.1, with both workers on
+the CPU. (Between GPUs the same sends would go through NCCL on device tensors, with a device per
+worker, which this module does not place; production systems use NVLink or RDMA through libraries
+such as NIXL or Mooncake's transfer engine.) Control messages (requests, tokens, aborts) go over multiprocessing queues. Every timestamp
 is time.perf_counter(), which on Linux reads CLOCK_MONOTONIC and so agrees across processes.
 
 What this buys (chapter 12 measures it): a long prompt's prefill no longer stalls the running decodes,
