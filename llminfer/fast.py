@@ -1,0 +1,244 @@
+"""Decode at the memory-bandwidth limit: fused projections and a compiled one-token step. Chapter 08.
+
+A decode step on a CPU reads every weight once and does little else, so its speed is set by how close
+it streams the weights to the machine's bandwidth. Two changes get it close, without touching the
+model's forward or its checkpoint format:
+
+* `fuse_projections(model)`, a module transform: each layer's q, k and v projections become one
+  (dim → (H + 2·H_kv)·D) matrix and gate and up one (dim → 2·hidden) matrix, made from the loaded weights.
+  Fewer, larger matrix–vector products: one pass over x instead of three, fewer kernel launches. The fused
+  modules call the same cache protocol (`cache.attend`) and give the same numbers as the unfused ones.
+* `compile_decode(model)`: a `FastDecoder` whose one-token step is the model's own forward over a static
+  KV cache (the one CUDA graphs use), compiled by `torch.compile` (inductor). With `freeze=True` inductor
+  takes the weights as constants and prepacks them for its matmul kernels, and the whole step's small
+  element-wise work (norms, RoPE, SwiGLU, the cache write) fuses into a few loops. Compiling takes tens of
+  seconds; inductor's on-disk cache makes a second compile of the same model in a new process faster.
+
+Quantized layers (`llminfer.quant.quantize`) are fused too, and run their packed int8/int4 kernels
+inside the compiled step.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .generate import GenerationResult, TokenTimer, as_token_batch, check_sampling, sample_next
+from .model import MLP, Attention, apply_rope
+
+__all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "FastDecoder", "compile_decode",
+           "COMPILE_OPTIONS"]
+
+# inductor settings of the compiled step: weights frozen as constants (prepacked for the matmul kernels).
+# max_autotune (benchmarking matmul templates per shape) is left off: on a 2-core CPU it multiplies the
+# compile time by several for the same step.
+COMPILE_OPTIONS = {"freezing": True}
+
+
+def _concat_linears(layers: list[nn.Module]) -> nn.Module:
+    """One layer computing the outputs of `layers` side by side (their weights stacked by rows)."""
+    if all(type(layer) is nn.Linear for layer in layers):
+        first = layers[0]
+        has_bias = [layer.bias is not None for layer in layers]
+        fused = nn.Linear(first.in_features, sum(layer.out_features for layer in layers), bias=any(has_bias),
+                          device=first.weight.device, dtype=first.weight.dtype)
+        with torch.no_grad():
+            stacked = torch.cat([layer.weight for layer in layers])                   # (sum of outputs, in)
+            if stacked.shape[0] > stacked.shape[1] and stacked.device.type == "cpu":
+                stacked = stacked.t().contiguous().t()   # wide: stored column-major, as use_decode_layout() does
+            fused.weight = nn.Parameter(stacked, requires_grad=False)
+            if any(has_bias):
+                fused.bias.copy_(torch.cat([layer.bias if layer.bias is not None
+                                            else torch.zeros(layer.out_features, dtype=first.weight.dtype,
+                                                             device=first.weight.device) for layer in layers]))
+        return fused
+    from .quant.linear import QuantizedLinear
+    if all(isinstance(layer, QuantizedLinear) for layer in layers):
+        return QuantizedLinear.concat(layers, kernel=layers[0].kernel_request)
+    kinds = sorted({type(layer).__name__ for layer in layers})
+    raise ValueError(f"cannot fuse projections of different kinds {kinds}; fuse before or after quantizing "
+                     "all of them, not some")
+
+
+class FusedAttention(nn.Module):
+    """Attention with q, k and v computed by one matrix; same cache protocol and numbers. Chapter 08."""
+
+    def __init__(self, attention: Attention):
+        super().__init__()
+        self.layer_idx = attention.layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = attention.n_heads, attention.n_kv_heads, attention.head_dim
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv_heads * self.head_dim
+        self.qkv_proj = _concat_linears([attention.q_proj, attention.k_proj, attention.v_proj])
+        self.o_proj = attention.o_proj
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, backend) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        qkv = self.qkv_proj(x)                                                   # (B, T, (H + 2·H_kv)·D)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
+        k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)   # the cache stores keys *after* RoPE
+        if cache is not None:
+            out = cache.attend(self.layer_idx, q, k, v, backend)  # writes k, v; attends over the whole prefix
+        else:
+            out = backend(q, k, v, causal=True)                   # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.q_size))
+
+
+class FusedMLP(nn.Module):
+    """SwiGLU with gate and up computed by one matrix: down(silu(gate) · up). Chapter 08."""
+
+    def __init__(self, mlp: MLP):
+        super().__init__()
+        self.hidden_dim = mlp.gate_proj.out_features
+        self.gate_up_proj = _concat_linears([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.hidden_dim, dim=-1)      # (B, T, hidden) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+def is_fused(model: nn.Module) -> bool:
+    """Whether fuse_projections has been applied to model. Chapter 08."""
+    return any(isinstance(m, (FusedAttention, FusedMLP)) for m in model.modules())
+
+
+@torch.no_grad()
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Replaces each layer's attention and MLP by fused equivalents, in place; returns model. Chapter 08.
+
+    Applying it twice changes nothing. The parameter names change (qkv_proj, gate_up_proj);
+    `llminfer.quant.save_pretrained` writes them back under the checkpoint's own names.
+    """
+    for layer in getattr(model, "layers", []):
+        if isinstance(layer.self_attn, Attention):
+            layer.self_attn = FusedAttention(layer.self_attn)
+        if isinstance(layer.mlp, MLP):
+            layer.mlp = FusedMLP(layer.mlp)
+    return model
+
+
+class FastDecoder:
+    """Decoding whose one-token steps run the model's forward compiled over a static KV cache. Chapter 08.
+
+    `generate(ids, max_new_tokens)` returns a GenerationResult timed like `llminfer.generate`. The prefill
+    runs eagerly through the same forward; each later token calls the compiled step. `compile_s` is the
+    time the first compiled call took (tracing, code generation, autotuning), or 0.0 uncompiled.
+    """
+
+    def __init__(self, model, batch_size: int = 1, max_seq_len: int | None = None, compile: bool = True,
+                 options: dict | None = None, dynamic: bool = False):
+        max_seq_len = model.config.max_seq_len if max_seq_len is None else max_seq_len
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        self.model = model
+        self.cache = model.new_cache(batch_size, max_seq_len)      # checks the size against free memory
+        self.cache.static = True                                    # fixed shapes: one compiled graph for every step
+        self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=model.device)     # (B, 1)
+        self.position = torch.zeros(1, dtype=torch.long, device=model.device)              # (1,)
+        self.compiled = compile
+        self.options = dict(COMPILE_OPTIONS if options is None else options)
+        self.compile_s = 0.0
+        self.threads = torch.get_num_threads()
+        model.rope_tables(model.config.max_seq_len)                 # grown now, never inside the compiled step
+        self._step = torch.compile(self._forward, options=self.options, dynamic=dynamic, fullgraph=True) \
+            if compile else self._forward
+
+    def _forward(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return self.model(token, positions=position, cache=self.cache)[:, -1]         # (B, vocab)
+
+    @torch.inference_mode()
+    def warmup(self) -> float:
+        """Compiles the step now (if not yet) and returns the seconds it took; the cache is left empty."""
+        if self.compiled and self.compile_s == 0.0:
+            if torch.get_num_threads() != self.threads:
+                raise RuntimeError(f"the decoder was made with {self.threads} threads but torch now uses "
+                                   f"{torch.get_num_threads()}; compiled CPU code keeps its thread count, so "
+                                   "make the decoder under the thread count it will run with")
+            self.position.fill_(0)
+            start = time.perf_counter()
+            self._step(self.token, self.position)
+            self.compile_s = time.perf_counter() - start
+        self.cache.reset()
+        return self.compile_s
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Eager forward over the prompt (B, T) into the empty static cache; returns the last logits (B, vocab)."""
+        self.cache.reset()
+        positions = torch.arange(ids.shape[1], device=self.model.device)
+        logits = self.model(ids, positions=positions, cache=self.cache, last_only=True)[:, -1]
+        self.cache.length = ids.shape[1]
+        return logits
+
+    @torch.inference_mode()
+    def decode(self, token: torch.Tensor) -> torch.Tensor:
+        """Returns logits (B, vocab) for token (B,) at position cache.length: one compiled step."""
+        cache = self.cache
+        if cache.length >= cache.capacity:
+            raise ValueError(f"the decoder's cache is full ({cache.capacity} positions); make a FastDecoder with "
+                             "a larger max_seq_len")
+        self.token.copy_(token.view(-1, 1))
+        self.position.fill_(cache.length)
+        logits = self._step(self.token, self.position)
+        cache.length = cache.length + 1
+        return logits
+
+    @torch.inference_mode()
+    def generate(self, input_ids, max_new_tokens: int = 16, eos_token_id: int | None = None,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None) -> GenerationResult:
+        """Up to max_new_tokens after the prompt, with TTFT/ITL timings; greedy by default. Chapter 08."""
+        check_sampling(max_new_tokens, temperature, top_k, top_p)
+        ids = as_token_batch(input_ids)
+        batch, prompt_len = ids.shape
+        if batch != self.cache.batch_size:
+            raise ValueError(f"the decoder was built for batch_size={self.cache.batch_size}, got {batch} "
+                             "sequences; make a FastDecoder for this batch")
+        if max_new_tokens < 1 or prompt_len + max_new_tokens - 1 > self.cache.capacity:
+            raise ValueError(f"{prompt_len} prompt tokens + {max_new_tokens} new need "
+                             f"{prompt_len + max_new_tokens - 1} cache positions, the decoder's cache holds "
+                             f"{self.cache.capacity}; pass a larger max_seq_len or fewer tokens (at least 1)")
+        self.model.check_token_ids(ids)
+        self.warmup()
+        device = self.model.device
+        generator = None
+        if temperature > 0:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(seed if seed is not None else torch.seed())
+        timer = TokenTimer(device)
+        timer.start()
+        token = sample_next(self.prefill(ids.to(device)), temperature, top_k, top_p, generator)   # (B,)
+        made = [token]
+        finished = token == eos_token_id if eos_token_id is not None else None                     # (B,)
+        timer.token()
+        for _ in range(1, max_new_tokens):
+            if finished is not None and bool(finished.all()):         # a host read, only when stopping on EOS
+                break
+            token = sample_next(self.decode(token), temperature, top_k, top_p, generator)
+            if finished is not None:
+                token = torch.where(finished, torch.full_like(token, eos_token_id), token)
+                finished |= token == eos_token_id
+            made.append(token)
+            timer.token()
+        rows = torch.stack(made, dim=1).tolist()
+        return timer.result(rows[0] if len(rows) == 1 else rows, prompt_len)
+
+
+def compile_decode(model, batch_size: int = 1, max_seq_len: int | None = None, fuse: bool = True,
+                   compile: bool = True, options: dict | None = None, warmup: bool = True) -> FastDecoder:
+    """Fuses the projections (in place) and returns a FastDecoder with its step compiled. Chapter 08.
+
+    warmup=True compiles at once; `decoder.compile_s` says how long it took.
+    """
+    if fuse:
+        fuse_projections(model)
+    decoder = FastDecoder(model, batch_size, max_seq_len, compile=compile, options=options)
+    if warmup:
+        decoder.warmup()
+    return decoder

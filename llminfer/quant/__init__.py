@@ -1,0 +1,15 @@
+"""Quantization: weight-only int8/int4 as a module transform, quantized checkpoints, an int8 KV cache. Chapter 08.
+
+    model = llminfer.quant.quantize(model, "int4", group_size=32)   # nn.Linear -> QuantizedLinear, in place
+    llminfer.quant.save_pretrained(model, "folder")                  # codes + scales in safetensors
+    model, tokenizer = llminfer.quant.load_pretrained("folder")
+    cache = llminfer.quant.Int8KVCache.for_model(model)              # K per channel, V per token
+"""
+from .checkpoint import load_pretrained, save_pretrained
+from .kv_cache import Int8KVCache, int8_kv_bytes_per_token, int8_roundtrip
+from .linear import KERNELS, SCHEMES, QuantizedLinear, has_kernel, quantize, quantized_modules, quantized_weight_bytes
+from .weights import QuantizedTensor, dequantize, qrange, quantize_tensor
+
+__all__ = ["quantize", "QuantizedLinear", "has_kernel", "quantized_modules", "quantized_weight_bytes", "SCHEMES",
+           "KERNELS", "QuantizedTensor", "quantize_tensor", "dequantize", "qrange", "save_pretrained",
+           "load_pretrained", "Int8KVCache", "int8_roundtrip", "int8_kv_bytes_per_token"]

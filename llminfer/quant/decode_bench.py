@@ -1,0 +1,342 @@
+"""`python -m llminfer.quant.decode_bench`: decode at every precision beside llama.cpp, transformers and the
+measured bandwidth, in one interleaved run. Chapter 08.
+
+One random-weight model of a published shape (SmolLM2-135M by default) runs as:
+
+    llminfer fast    fused projections + compiled step (`llminfer.fast`), at fp32, bf16, int8 and int4
+    llminfer fused   the same fused model with its step left eager
+    llminfer eager   `llminfer.generate` as shipped, fp32
+    transformers     `generate` on the same weights, fp32 and bf16
+    llama.cpp        the same weights as GGUF (F32, BF16, Q8_0, Q4_0), if llama-cpp-python is installed
+
+The contenders take turns, one generation each per round; between rounds the matvec-bandwidth probe
+(a matrix the size of the fp32 weights) is sampled, so every tokens/s has a ceiling measured under the
+same load. MBU = (weight + KV bytes read per token) × tokens/s ÷ that bandwidth. Prefill of the prompt is
+set against a float32 matmul (sgemm) probe sampled alongside it (MFU). Results: the terminal,
+data/benchmarks/decode-<machine>.json and a PNG of tokens/s against bytes per token.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .. import costs, timing
+from ..checkpoint import load_random
+from ..config import get_preset
+from ..fast import COMPILE_OPTIONS, compile_decode
+from ..generate import generate, prefill
+from .gguf_export import llama_cpp_available, llama_cpp_generate, load_llama_cpp, write_gguf
+from .linear import quantize, quantized_weight_bytes
+
+__all__ = ["main", "run", "GGUF_BYTES_PER_WEIGHT"]
+
+# bytes per weight of llama.cpp's formats: Q8_0 = 32 int8 + one fp16 scale per block, Q4_0 = 32 nibbles + scale
+GGUF_BYTES_PER_WEIGHT = {"F32": 4.0, "BF16": 2.0, "F16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
+PRECISIONS = {"fp32": ("F32", torch.float32, None), "bf16": ("BF16", torch.bfloat16, None),
+              "int8": ("Q8_0", None, ("int8", None)), "int4": ("Q4_0", None, ("int4", 32))}
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m llminfer.quant.decode_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="smollm2-135m")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", default="auto", help="an integer, or 'auto': the count where llama.cpp is fastest")
+    parser.add_argument("--precisions", default="fp32,bf16,int8,int4")
+    parser.add_argument("--quant-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                        help="activation dtype of the int8/int4 models")
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--no-transformers", dest="transformers", action="store_false")
+    parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
+    parser.add_argument("--out", default="data/benchmarks")
+    args = parser.parse_args(argv)
+    precisions = [p for p in args.precisions.split(",") if p]
+    unknown = [p for p in precisions if p not in PRECISIONS]
+    if unknown:
+        parser.error(f"unknown precision(s) {unknown}; choose from {', '.join(PRECISIONS)}")
+    if args.threads != "auto" and (not args.threads.isdigit() or int(args.threads) < 1):
+        parser.error(f"--threads {args.threads!r} must be a positive integer or 'auto'")
+    if args.prompt_len < 1 or args.new_tokens < 2 or args.repeats < 1:
+        parser.error("--prompt-len >= 1, --new-tokens >= 2 and --repeats >= 1 are needed")
+    args.precisions = precisions
+    return args
+
+
+def _log(message: str) -> None:
+    print(f"[decode_bench] {message}", file=sys.stderr, flush=True)
+
+
+def _tokens_per_s(results) -> float:
+    gaps = [gap for result in results for gap in result.itl_s]
+    return 1.0 / statistics.median(gaps)
+
+
+def _kv_bytes_per_token(cfg, prompt_len: int, new_tokens: int, element: int) -> float:
+    """Mean K/V bytes a decode step reads over a run (positions prompt_len+1 .. prompt_len+new_tokens-1)."""
+    steps = new_tokens - 1
+    return sum((prompt_len + 1 + i) * costs.kv_bytes_per_token(cfg, element) for i in range(steps)) / steps
+
+
+def _choose_threads(llama_f32_path, ids, cfg, new_tokens) -> tuple[int, dict]:
+    """The thread count where llama.cpp F32 decodes fastest (1 .. cores), and what each count gave."""
+    found = {}
+    for threads in range(1, (os.cpu_count() or 1) + 1):
+        llm = load_llama_cpp(llama_f32_path, len(ids) + new_tokens + 8, threads)
+        llama_cpp_generate(llm, ids, 8)
+        found[threads] = _tokens_per_s([llama_cpp_generate(llm, ids, min(new_tokens, 32)) for _ in range(2)])
+        del llm
+    return max(found, key=found.get), found
+
+
+def run(args) -> dict:
+    """Returns the report of one interleaved run (and writes nothing). Chapter 08."""
+    from ..bench.report import load_average, machine, device_slug
+
+    started, load_before = time.perf_counter(), load_average()
+    cfg = get_preset(args.shape)
+    cfg = cfg.replace(max_seq_len=args.prompt_len + args.new_tokens + 8)
+    base = load_random(cfg, dtype=torch.float32, seed=0)
+    ids = torch.randint(0, cfg.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    id_list = ids[0].tolist()
+    workdir = tempfile.TemporaryDirectory(prefix="llminfer-decode-bench-")
+    use_llama = args.llama_cpp and llama_cpp_available()
+    ggufs = {}
+    if use_llama:
+        for name in args.precisions:
+            kind = PRECISIONS[name][0]
+            _log(f"writing GGUF {kind}")
+            ggufs[kind] = write_gguf(base, Path(workdir.name) / f"model-{kind}.gguf", kind)
+    thread_sweep = None
+    if args.threads == "auto":
+        if use_llama and "F32" in ggufs:
+            threads, thread_sweep = _choose_threads(ggufs["F32"], id_list, cfg, args.new_tokens)
+            _log(f"llama.cpp F32 tokens/s by thread count: {thread_sweep}; using {threads}")
+        else:
+            threads = torch.get_num_threads()
+    else:
+        threads = int(args.threads)
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, started, load_before,
+                        machine, device_slug)
+    finally:
+        torch.set_num_threads(saved_threads)
+        workdir.cleanup()
+
+
+def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, started, load_before, machine,
+             device_slug) -> dict:
+    quant_dtype = getattr(torch, args.quant_dtype)
+    contenders, info = {}, {}
+    n_ctx = args.prompt_len + args.new_tokens + 8
+    for name in args.precisions:
+        kind, dtype, scheme = PRECISIONS[name]
+        model = copy.deepcopy(base).to(dtype or quant_dtype)
+        if scheme:
+            quantize(model, scheme[0], scheme[1])
+        weight_bytes = quantized_weight_bytes(model)
+        element = timing.dtype_bytes(dtype or quant_dtype)
+        _log(f"compiling llminfer {name}" if args.compile else f"preparing llminfer {name}")
+        decoder = compile_decode(model, max_seq_len=n_ctx, compile=args.compile)
+        if args.compile:                                  # the same fused model, its step left eager
+            plain = compile_decode(model, max_seq_len=n_ctx, compile=False)
+            label = f"llminfer fused {name}"
+            contenders[label] = lambda d=plain: d.generate(ids, args.new_tokens)
+            info[label] = {"precision": name, "weight_bytes": weight_bytes, "kv_element_bytes": element}
+        label = f"llminfer fast {name}"
+        contenders[label] = lambda d=decoder: d.generate(ids, args.new_tokens)
+        info[label] = {"precision": name, "compile_s": decoder.compile_s, "weight_bytes": weight_bytes,
+                       "kv_element_bytes": element, "decoder": decoder}
+        if use := ggufs.get(kind):
+            llm = load_llama_cpp(use, n_ctx, threads)
+            label = f"llama.cpp {kind}"
+            contenders[label] = lambda l=llm: llama_cpp_generate(l, id_list, args.new_tokens)
+            n_matrix = costs.matmul_params(cfg)
+            norms = cfg.n_layers * 2 * cfg.dim + cfg.dim
+            info[label] = {"precision": name, "weight_bytes": int(n_matrix * GGUF_BYTES_PER_WEIGHT[kind] + 4 * norms),
+                           "kv_element_bytes": 2}        # llama.cpp's default KV cache is f16
+    eager = copy.deepcopy(base)
+    contenders["llminfer eager fp32"] = lambda: generate(eager, ids, args.new_tokens)
+    info["llminfer eager fp32"] = {"precision": "fp32", "weight_bytes": costs.weight_bytes(cfg, 4),
+                                   "kv_element_bytes": 4}
+    hf_note = "skipped"
+    if args.transformers:
+        from ..bench.transformers_contender import generate as hf_generate, load_same_weights
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            if name not in args.precisions:
+                continue
+            hf_model, hf_note = load_same_weights(copy.deepcopy(base).to(dtype))
+            if hf_model is None:
+                break
+            label = f"transformers {name}"
+            contenders[label] = lambda m=hf_model: hf_generate(m, ids, args.new_tokens, use_cache=True)
+            info[label] = {"precision": name, "weight_bytes": costs.weight_bytes(cfg, timing.dtype_bytes(dtype)),
+                           "kv_element_bytes": timing.dtype_bytes(dtype)}
+    probe_bytes = costs.weight_bytes(cfg, 4)
+    matvec = timing.matvec_probe("cpu", torch.float32, probe_bytes)
+    matmul = timing.matmul_probe("cpu", torch.float32)
+    _log("warm-up")
+    tokens = {}
+    for label, runner in contenders.items():
+        tokens[label] = runner().token_ids
+    matvec.sample(2)
+    results = {label: [] for label in contenders}
+    alongside = []
+    for round_index in range(args.repeats):
+        _log(f"round {round_index + 1}/{args.repeats}")
+        for label, runner in contenders.items():
+            results[label].append(runner())
+        alongside += matvec.sample(2)
+    bandwidth = matvec.rate_of(alongside)
+    # prefill of the prompt, fp32 fast path, beside the sgemm probe
+    prefill_times, sgemm_times = [], []
+    fp32 = info.get("llminfer fast fp32", {}).get("decoder")
+    if fp32 is not None:
+        with torch.inference_mode():
+            fp32.prefill(ids)
+            for _ in range(max(3, args.repeats)):
+                prefill_times += timing.time_fn(lambda: fp32.prefill(ids), "cpu", 0, 1).times_s
+                sgemm_times += matmul.sample(1)
+    rows = {}
+    for label, found in results.items():
+        meta = info[label]
+        kv = _kv_bytes_per_token(cfg, args.prompt_len, args.new_tokens, meta["kv_element_bytes"])
+        per_token = meta["weight_bytes"] + kv
+        speed = _tokens_per_s(found)
+        rows[label] = {"precision": meta["precision"], "tokens_per_s": speed,
+                       "round_tokens_per_s": [_tokens_per_s([r]) for r in found],
+                       "ttft_median_s": statistics.median(r.ttft_s for r in found),
+                       "bytes_per_token": per_token, "mbu": per_token * speed / bandwidth,
+                       "compile_s": meta.get("compile_s"), "same_tokens_as_warmup": found[-1].token_ids ==
+                       tokens[label]}
+    ratios = {}
+    for name in args.precisions:
+        mine = rows.get(f"llminfer fast {name}")
+        if mine is None:
+            continue
+        kind = PRECISIONS[name][0]
+        if f"llama.cpp {kind}" in rows:
+            ratios[f"{name} / llama.cpp {kind}"] = mine["tokens_per_s"] / rows[f"llama.cpp {kind}"]["tokens_per_s"]
+        if f"transformers {name}" in rows:
+            ratios[f"{name} / transformers {name}"] = mine["tokens_per_s"] / rows[f"transformers {name}"]["tokens_per_s"]
+    ratios["fast fp32 / eager fp32"] = (rows["llminfer fast fp32"]["tokens_per_s"] /
+                                       rows["llminfer eager fp32"]["tokens_per_s"]) if "llminfer fast fp32" in rows \
+        else None
+    report = {
+        "what": "decode, batch 1, interleaved contenders, chapter 08",
+        "machine": machine(torch.device("cpu")), "cpu_flags": _cpu_flags(), "slug": device_slug(torch.device("cpu")),
+        "settings": {"shape": args.shape, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                     "repeats": args.repeats, "threads": threads, "thread_sweep_llama_cpp_f32": thread_sweep,
+                     "quant_dtype": args.quant_dtype, "compile": args.compile, "compile_options": COMPILE_OPTIONS,
+                     "llama_cpp": _llama_cpp_version() if ggufs else None, "transformers": hf_note},
+        "load_average_before": load_before, "load_average_after": None,
+        "bandwidth": {"matvec_bytes_per_s": bandwidth, "what": matvec.what, "samples": len(alongside)},
+        "contenders": rows, "ratios": ratios,
+    }
+    if prefill_times:
+        flops = costs.prefill_flops(cfg, args.prompt_len)
+        seconds = statistics.median(prefill_times)
+        sgemm = matmul.rate_of(sgemm_times)
+        report["prefill"] = {"prompt_len": args.prompt_len, "median_s": seconds, "flop_per_s": flops / seconds,
+                             "sgemm_flop_per_s_alongside": sgemm, "mfu": flops / seconds / sgemm}
+    from ..bench.report import load_average
+    report["load_average_after"] = load_average()
+    report["elapsed_s"] = time.perf_counter() - started
+    return report
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    keep = ("avx", "fma", "f16c", "amx", "vnni", "bf16", "sse4")
+                    return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(keep))
+    except OSError:
+        pass
+    return []
+
+
+def _llama_cpp_version() -> str | None:
+    try:
+        import llama_cpp
+        return f"llama-cpp-python {llama_cpp.__version__}"
+    except ImportError:
+        return None
+
+
+def table(report: dict) -> str:
+    """The run as a text table. Chapter 08."""
+    lines = [f"{report['machine']['cpu']}, {report['settings']['threads']} thread(s), load "
+             f"{report['load_average_before']} -> {report['load_average_after']}",
+             f"matvec bandwidth {report['bandwidth']['matvec_bytes_per_s'] / 1e9:.1f} GB/s",
+             f"{'contender':<24}{'tokens/s':>10}{'MB/token':>10}{'MBU':>7}{'compile s':>11}"]
+    for label, row in report["contenders"].items():
+        compile_s = f"{row['compile_s']:.0f}" if row.get("compile_s") else "-"
+        lines.append(f"{label:<24}{row['tokens_per_s']:>10.1f}{row['bytes_per_token'] / 1e6:>10.0f}"
+                     f"{row['mbu']:>7.2f}{compile_s:>11}")
+    for name, value in report["ratios"].items():
+        if value is not None:
+            lines.append(f"{name:<40}{value:>6.2f}x")
+    if "prefill" in report:
+        p = report["prefill"]
+        lines.append(f"prefill {p['prompt_len']} tokens: {p['median_s'] * 1e3:.0f} ms, "
+                     f"{p['flop_per_s'] / 1e9:.1f} GFLOP/s, MFU {p['mfu']:.2f} of sgemm")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> Path:
+    """tokens/s against bytes per token for every contender, with the measured bandwidth's line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bandwidth = report["bandwidth"]["matvec_bytes_per_s"]
+    rows = report["contenders"]
+    sizes = [row["bytes_per_token"] for row in rows.values()]
+    xs = torch.linspace(min(sizes) * 0.8, max(sizes) * 1.2, 50)
+    ax.plot(xs / 1e6, bandwidth / xs, color="grey", linestyle="--", label=f"bandwidth limit ({bandwidth / 1e9:.1f} GB/s)")
+    for label, row in rows.items():
+        marker = "o" if label.startswith("llminfer fast") else ("s" if label.startswith("llama.cpp") else "^")
+        ax.scatter(row["bytes_per_token"] / 1e6, row["tokens_per_s"], marker=marker, label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes read per token (MB)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"{report['settings']['shape']}, {report['settings']['threads']} thread(s)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark and writes data/benchmarks/decode-<machine>.json and .png."""
+    args = _parse(argv)
+    report = run(args)
+    for row in report["contenders"].values():
+        row.pop("decoder", None)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"decode-{report['slug']}"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out / f"{stem}.png")
+    print(table(report))
+    print(f"\nwrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,361 @@
+"""Weight-only quantized linear layers and `quantize(model, ...)`, the module transform. Chapter 08.
+
+`quantize` replaces every `nn.Linear` of a model, in place, by a `QuantizedLinear` that holds its weight as
+integer codes with float scales, the way gpt-fast does; the model's forward does not change. Activations
+stay in the model's dtype: only the bytes of the weights shrink, which is what a memory-bound decode step
+reads.
+
+    int8   one scale per output channel, symmetric:          w = q · scale,              q in -127..127
+    int4   one scale and zero point per group of inputs:     w = (q - 8) · scale + zero, q in 0..15
+    int3, int2 the same with 2^b levels (for the accuracy study; dequantized on the fly)
+
+Kernels. int8 runs `torch.ops.aten._weight_int8pack_mm` and int4 `_weight_int4pack_mm_for_cpu` (weights
+packed once, at quantize or load time) where torch has them; elsewhere the weight is dequantized to the
+model's dtype on the fly (`kernel="dequantize"`), which gives the same numbers more slowly.
+`kernel="packed"` insists on the packed kernel and refuses, before any work, a device that lacks it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .weights import check_scheme, qrange, quantize_tensor
+
+__all__ = ["QuantizedLinear", "quantize", "SCHEMES", "KERNELS", "has_kernel", "quantized_modules",
+           "quantized_weight_bytes"]
+
+SCHEMES = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
+KERNELS = ("auto", "packed", "dequantize")
+_INT4_KERNEL_GROUPS = (256, 128, 64, 32)       # the group sizes `_weight_int4pack_mm_for_cpu` takes
+# The packed kernels are matrix-vector products: past a few rows (a prefill) one dequantization and a float
+# matmul is far faster, so longer inputs take that path.
+KERNEL_MAX_TOKENS = 8
+
+
+def has_kernel(bits: int, device: torch.device | str) -> bool:
+    """Whether this torch has a packed low-precision matmul for `bits`-bit weights on device. Chapter 08."""
+    device_type = torch.device(device).type
+    if bits == 8:
+        return device_type in ("cpu", "cuda") and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    if bits == 4:
+        return device_type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    return False
+
+
+def _int4_kernel_group(in_features: int, group_size: int | None) -> int | None:
+    """The group the int4 kernel runs with: group_size, or for one scale per channel the widest group
+    that divides in_features (the scale repeated over each group of the row)."""
+    if group_size is not None:
+        return group_size if group_size in _INT4_KERNEL_GROUPS else None
+    return next((g for g in _INT4_KERNEL_GROUPS if in_features % g == 0), None)
+
+
+def _choose_kernel(bits: int, group_size: int | None, in_features: int, out_features: int, device,
+                   kernel: str) -> str:
+    """'int8pack', 'int4pack' or 'dequantize' for a layer; ValueError if kernel='packed' cannot be had."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
+    available = has_kernel(bits, device)
+    if bits == 4:
+        available = available and _int4_kernel_group(in_features, group_size) is not None \
+            and in_features % 32 == 0 and out_features % 16 == 0
+    if bits == 8:
+        available = available and group_size is None
+    if kernel == "packed" and not available:
+        raise ValueError(f"no packed int{bits} kernel for a ({out_features} x {in_features}) weight on "
+                         f"{torch.device(device)} in this torch {torch.__version__}"
+                         f"{' (the int4 kernel runs on CPU only)' if bits == 4 else ''}; pass kernel='auto' "
+                         "to dequantize on the fly instead, or load on a CPU")
+    if kernel == "dequantize" or not available:
+        return "dequantize"
+    return "int8pack" if bits == 8 else "int4pack"
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes 0..15 -> (N, K/2) uint8: the even column in the low nibble, the odd one in the high."""
+    codes = codes.to(torch.uint8)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) uint8 -> (N, K) codes 0..15 (uint8)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+_PACK_ORDERS: dict[tuple, torch.Tensor] = {}
+
+
+def _int4_pack_order(out_features: int, in_features: int, device) -> torch.Tensor:
+    """For each 4-bit slot of the kernel's packed (N, K/2) layout, the flat index n·K + k it holds.
+
+    The layout is the kernel's own (it differs between CPU instruction sets). Packing the base-16 digits
+    of every weight's own index, one digit at a time, reads it off without knowing it.
+    """
+    key = (out_features, in_features, str(device))
+    if key not in _PACK_ORDERS:
+        total = out_features * in_features
+        index = torch.arange(total, dtype=torch.int64, device=device)
+        order = torch.zeros(total, dtype=torch.int64, device=device)
+        place = 1
+        while place < total:
+            digit = ((index // place) % 16).to(torch.int32).view(out_features, in_features)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(digit, 2)
+            order += _unpack_nibbles(packed).reshape(-1).long() * place
+            place *= 16
+        if not torch.equal(torch.bincount(order, minlength=total), torch.ones(total, dtype=torch.int64,
+                                                                                device=device)):
+            raise RuntimeError("this torch's int4 packing is not a permutation of the codes; save with "
+                               "kernel='dequantize' layers instead")
+        _PACK_ORDERS[key] = order
+    return _PACK_ORDERS[key]
+
+
+class QuantizedLinear(nn.Module):
+    """y = x · Wᵀ (+ bias) with W held as b-bit integer codes and float scales. Chapter 08.
+
+    Held as canonical data (what a checkpoint stores): `codes` (N, K) ints, `scales` (N, n_groups) and, for
+    the asymmetric formats, `zeros` (N, n_groups), all in the model's dtype; w = q·scale for int8 and
+    w = (q - 2^(b-1))·scale + zero below. The kernel keeps them in its own packed layout.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None,
+                 codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 bias: torch.Tensor | None = None, kernel: str = "auto"):
+        super().__init__()
+        check_scheme(bits, group_size, in_features)
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size = bits, group_size
+        self.kernel = _choose_kernel(bits, group_size, in_features, out_features, codes.device, kernel)
+        self.kernel_request = kernel           # what was asked for ('auto', 'packed', 'dequantize')
+        n_groups = 1 if group_size is None else in_features // group_size
+        if tuple(codes.shape) != (out_features, in_features) or tuple(scales.shape) != (out_features, n_groups):
+            raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not fit a "
+                             f"({out_features} x {in_features}) int{bits} weight with {n_groups} group(s) per row")
+        self.dtype = scales.dtype
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        if self.kernel == "int8pack":
+            self.register_buffer("qweight", codes.to(torch.int8).contiguous())             # (N, K) int8
+            self.register_buffer("scales", scales[:, 0].contiguous())                      # (N,)
+        elif self.kernel == "int4pack":
+            kernel_group = _int4_kernel_group(in_features, group_size)
+            repeat = (in_features // kernel_group) // n_groups       # per channel: the scale over every group
+            scale_k = scales.repeat_interleave(repeat, dim=1)        # (N, K / kernel_group)
+            zero_k = zeros.repeat_interleave(repeat, dim=1)
+            self.kernel_group = kernel_group
+            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                codes.to(torch.int32).contiguous(), 2))                                    # opaque packed uint8
+            self.register_buffer("scales_and_zeros", torch.stack((scale_k, zero_k), dim=-1)
+                                 .transpose(0, 1).contiguous())                            # (K / G, N, 2)
+        else:
+            stored = _pack_nibbles(codes) if bits == 4 else codes.to(torch.int8 if bits == 8 else torch.uint8)
+            self.register_buffer("qweight", stored.contiguous())    # (N, K) or (N, K/2) nibbles for int4
+            self.register_buffer("scales", scales.contiguous())     # (N, n_groups)
+            self.register_buffer("zeros", None if zeros is None else zeros.contiguous())
+
+    # --- building ------------------------------------------------------------------------------------
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, bits: int, group_size: int | None = None,
+                    kernel: str = "auto") -> "QuantizedLinear":
+        """Quantizes an nn.Linear's weight (absmax for int8, min–max per group below). Chapter 08."""
+        weight = linear.weight
+        granularity = "channel" if group_size is None else "group"
+        qt = quantize_tensor(weight, bits, granularity, group_size)
+        dtype = weight.dtype
+        if bits == 8:
+            zeros = None
+            scales = qt.scales.to(dtype)
+        else:
+            middle = 2 ** (bits - 1)
+            scales = qt.scales.to(dtype)
+            zeros = (qt.offsets + middle * qt.scales).to(dtype)      # w = (q - middle) · scale + zero
+        return cls(linear.in_features, linear.out_features, bits, group_size, qt.codes, scales, zeros,
+                   linear.bias, kernel)
+
+    @classmethod
+    def from_state(cls, state: dict, bits: int, group_size: int | None, kernel: str = "auto",
+                   device=None) -> "QuantizedLinear":
+        """Rebuilds a layer from `state()` (codes as stored in a checkpoint). Chapter 08."""
+        codes = state["qweight"]
+        if device is not None:
+            state = {name: None if t is None else t.to(device) for name, t in state.items()}
+            codes = state["qweight"]
+        if bits == 4:
+            codes = _unpack_nibbles(codes)
+        out_features, in_features = codes.shape
+        return cls(in_features, out_features, bits, group_size, codes, state["scales"], state.get("zeros"),
+                   state.get("bias"), kernel)
+
+    @staticmethod
+    def concat(layers: list["QuantizedLinear"], kernel: str = "auto") -> "QuantizedLinear":
+        """One layer whose output rows are those of `layers` in turn (fused q/k/v, gate/up). Chapter 08."""
+        first = layers[0]
+        if any((l.bits, l.group_size, l.in_features, l.dtype) != (first.bits, first.group_size, first.in_features,
+                                                                   first.dtype) for l in layers):
+            raise ValueError("only layers of one format, group size, input width and dtype can be fused")
+        states = [l.state() for l in layers]
+        merged = {name: None if states[0][name] is None else torch.cat([s[name] for s in states])
+                  for name in states[0]}
+        if any(s["bias"] is None for s in states):
+            merged["bias"] = None if all(s["bias"] is None for s in states) else torch.cat(
+                [s["bias"] if s["bias"] is not None else torch.zeros(l.out_features, dtype=first.dtype,
+                                                                     device=l.qweight.device)
+                 for s, l in zip(states, layers)])
+        return QuantizedLinear.from_state(merged, first.bits, first.group_size, kernel)
+
+    # --- reading back --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def codes(self) -> torch.Tensor:
+        """The integer codes (N, K): int8 for int8, 0..2^b-1 (uint8) below."""
+        if self.kernel == "int4pack":
+            nibbles = _unpack_nibbles(self.qweight).reshape(-1)          # in the kernel's packed order
+            codes = torch.empty_like(nibbles)
+            codes[_int4_pack_order(self.out_features, self.in_features, self.qweight.device)] = nibbles
+            return codes.view(self.out_features, self.in_features)      # (N, K)
+        if self.bits == 4:
+            return _unpack_nibbles(self.qweight)
+        return self.qweight
+
+    def scales_zeros(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scales, zeros) as (N, n_groups) in the layer's dtype (zeros None for int8)."""
+        if self.kernel == "int8pack":
+            return self.scales[:, None], None
+        if self.kernel == "int4pack":
+            n_groups = 1 if self.group_size is None else self.in_features // self.group_size
+            step = self.scales_and_zeros.shape[0] // n_groups
+            picked = self.scales_and_zeros[::step].transpose(0, 1)    # (N, n_groups, 2)
+            return picked[..., 0].contiguous(), picked[..., 1].contiguous()
+        return self.scales, self.zeros
+
+    def state(self) -> dict:
+        """The canonical tensors a checkpoint stores: qweight (int4 as nibbles), scales, zeros, bias."""
+        codes = self.codes()
+        scales, zeros = self.scales_zeros()
+        return {"qweight": _pack_nibbles(codes) if self.bits == 4 else codes.contiguous(),
+                "scales": scales, "zeros": zeros,
+                "bias": None if self.bias is None else self.bias.detach()}
+
+    @torch.no_grad()
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float weight (N, K) that the codes stand for, in dtype (default: the layer's)."""
+        scales, zeros = self.scales_zeros()
+        n_groups = scales.shape[1]
+        codes = self.codes().float().reshape(self.out_features, n_groups, -1)
+        if zeros is None:
+            w = codes * scales.float()[..., None]
+        else:
+            w = (codes - 2 ** (self.bits - 1)) * scales.float()[..., None] + zeros.float()[..., None]
+        return w.reshape(self.out_features, self.in_features).to(dtype or self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a forward reads: codes at `bits` per weight plus scales, zeros and bias."""
+        n_groups = 1 if self.group_size is None else self.in_features // self.group_size
+        element = torch.empty((), dtype=self.dtype).element_size()
+        per_group = 1 if self.bits == 8 else 2
+        bias = 0 if self.bias is None else self.bias.numel() * element
+        return self.out_features * self.in_features * self.bits // 8 + \
+            self.out_features * n_groups * per_group * element + bias
+
+    # --- the product ---------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)                                            # (tokens, K)
+        few = x2.shape[0] <= KERNEL_MAX_TOKENS        # decode: the packed matrix-vector kernels
+        if self.kernel == "int8pack" and few:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)         # (tokens, N)
+        elif self.kernel == "int4pack" and few:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.kernel_group,
+                                                           self.scales_and_zeros)        # (tokens, N)
+        elif self.kernel != "dequantize":              # prefill: dequantize once, then one float matmul
+            y = F.linear(x2, self.dequantized_weight(x2.dtype))
+        elif self.bits == 8:
+            y = F.linear(x2, self.qweight.to(x2.dtype)) * self.scales[:, 0]              # scale per output
+        else:
+            y = F.linear(x2, self._dequantize_fallback(x2.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _dequantize_fallback(self, dtype: torch.dtype) -> torch.Tensor:
+        codes = _unpack_nibbles(self.qweight) if self.bits == 4 else self.qweight
+        n_groups = self.scales.shape[1]
+        codes = codes.float().reshape(self.out_features, n_groups, -1)                  # (N, groups, group)
+        w = (codes - 2 ** (self.bits - 1)) * self.scales.float()[..., None] + self.zeros.float()[..., None]
+        return w.reshape(self.out_features, self.in_features).to(dtype)
+
+    def extra_repr(self) -> str:
+        group = "per channel" if self.group_size is None else f"group_size={self.group_size}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, {group}, "
+                f"kernel={self.kernel}, dtype={str(self.dtype).removeprefix('torch.')}")
+
+
+def quantized_modules(model: nn.Module) -> dict[str, QuantizedLinear]:
+    """name -> QuantizedLinear for every quantized layer of model. Chapter 08."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def quantized_weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: quantized layers at their bits, float matrices in full, one
+    embedding row (an untied table is only gathered). Chapter 08."""
+    total = sum(m.nbytes for m in quantized_modules(model).values())
+    seen = set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):                   # one row gathered per token
+            total += module.weight.shape[1] * module.weight.element_size()
+    for module in model.modules():
+        if isinstance(module, (nn.Embedding, QuantizedLinear)):
+            continue
+        for param in module.parameters(recurse=False):     # a tied float head is read in full, once
+            if id(param) not in seen:
+                seen.add(id(param))
+                total += param.numel() * param.element_size()
+    return total
+
+
+def _parse_scheme(scheme) -> int:
+    if isinstance(scheme, str) and scheme.lower() in SCHEMES:
+        return SCHEMES[scheme.lower()]
+    raise ValueError(f"scheme={scheme!r} is not supported; choose one of {', '.join(SCHEMES)} "
+                     "(int8 per channel; int4, int3, int2 per group or per channel)")
+
+
+@torch.no_grad()
+def quantize(model: nn.Module, scheme: str = "int8", group_size: int | None = None, kernel: str = "auto",
+             include_head: bool = True) -> nn.Module:
+    """Replaces each nn.Linear of model in place by a QuantizedLinear; returns the model. Chapter 08.
+
+    scheme: 'int8' (one scale per output channel), 'int4', 'int3' or 'int2' (group-wise scales and zero
+    points with group_size 32, 64, 128 or 256, or one per channel with None). include_head=False keeps the
+    output head in floating point. Everything is checked before any layer is touched.
+    """
+    bits = _parse_scheme(scheme)
+    if bits == 8 and group_size is not None:
+        raise ValueError(f"int8 uses one scale per output channel; got group_size={group_size}. "
+                         "Pass group_size=None, or choose int4 for group-wise scales")
+    check_scheme(bits, group_size)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
+    already = quantized_modules(model)
+    if already or getattr(model, "quantization", None):
+        first = next(iter(already), "the model")
+        raise ValueError(f"the model is already quantized ({first} is a QuantizedLinear); quantizing twice would "
+                         "round rounded weights again. Load or build the float model and quantize it once")
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and (include_head or name != "lm_head")]
+    for name, module in targets:                                   # every check before the first change
+        check_scheme(bits, group_size, module.in_features)
+        if module.weight.device.type == "meta":
+            raise ValueError(f"{name} has no weights yet (meta device); load the model first")
+        _choose_kernel(bits, group_size, module.in_features, module.out_features, module.weight.device, kernel)
+    for name, module in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, QuantizedLinear.from_linear(module, bits, group_size, kernel))
+    model.quantization = {"scheme": f"int{bits}", "bits": bits, "group_size": group_size,
+                          "include_head": include_head}
+    return model
