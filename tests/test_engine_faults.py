@@ -28,7 +28,7 @@ def assert_pool_empty(engine) -> None:
     assert engine.stats.blocks_used == 0 and not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("seed", range(8))
 def test_random_workload_with_aborts_keeps_the_pool_consistent(micro, seed):
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
@@ -40,7 +40,7 @@ def test_random_workload_with_aborts_keeps_the_pool_consistent(micro, seed):
                        enable_prefix_caching=rng.random() < 0.7, chunked_prefill=True)
     shared = [rng.randrange(1, MICRO.vocab_size) for _ in range(24)]
     requests, aborted = {}, set()
-    for _ in range(40):
+    for _ in range(32):
         action = rng.random()
         if action < 0.35:
             n = rng.randint(1, 30)
@@ -70,12 +70,12 @@ def test_random_workload_with_aborts_keeps_the_pool_consistent(micro, seed):
 
 
 def test_a_tight_pool_preempts_and_recovers(micro):
-    engine = LLMEngine(micro, block_size=2, num_blocks=24, max_model_len=48, max_num_seqs=8, max_num_batched_tokens=64)
+    engine = LLMEngine(micro, block_size=2, num_blocks=16, max_model_len=32, max_num_seqs=8, max_num_batched_tokens=64)
     rng = random.Random(0)
-    prompts = [[rng.randrange(1, 61) for _ in range(rng.randint(4, 12))] for _ in range(10)]
-    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=20))
+    prompts = [[rng.randrange(1, 61) for _ in range(rng.randint(4, 12))] for _ in range(8)]
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=16))
     assert engine.stats.preemptions >= 3
-    assert [o.token_ids for o in outputs] == [llminfer.generate(micro, p, max_new_tokens=20).token_ids for p in prompts]
+    assert [o.token_ids for o in outputs] == [llminfer.generate(micro, p, max_new_tokens=16).token_ids for p in prompts]
     assert_pool_empty(engine)
 
 

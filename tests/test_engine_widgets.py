@@ -51,7 +51,12 @@ def test_segments_of_a_real_run_cover_every_token(model):
     assert schedule.chart_png(segments, len(workload))[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_schedule_widget_runs_the_engine(model):
+MICRO = llminfer.ModelConfig(vocab_size=61, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32,
+                             max_seq_len=96)
+
+
+def test_schedule_widget_runs_the_engine():
+    model = random_model(MICRO)
     def workload(rate):
         return make_workload(n_requests=6, rate=rate, vocab_size=model.config.vocab_size, seed=3, prompt_median=8,
                              max_prompt=24, output_median=4, max_output=8)

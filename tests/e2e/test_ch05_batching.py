@@ -39,6 +39,7 @@ def test_run_button_reruns_the_engine_with_the_chosen_policy(lab, widget_output_
     lab.widget("llminfer-schedule-policy").locator("select").select_option("continuous")
     lab.widget("llminfer-schedule-run").click()
     expect(summary).to_have_text(re.compile(r"^continuous · 16 requests · "), timeout=240_000)
+    expect(lab.widget("llminfer-schedule-run")).to_have_text("Run")     # the run, and its chart, are done
     steps = int(re.search(r"(\d+) steps", summary.inner_text()).group(1))
     assert steps < widget_output_tokens                 # a batch makes several tokens per step
     lab.screenshot("ch05-schedule", locator=lab.output_of(summary))
