@@ -132,7 +132,7 @@ class FastDecoder:
     """
 
     def __init__(self, model, batch_size: int = 1, max_seq_len: int | None = None, compile: bool = True,
-                 options: dict | None = None, dynamic: bool = False):
+                 options: dict | None = None, dynamic: bool = False, backend: str = "inductor"):
         max_seq_len = model.config.max_seq_len if max_seq_len is None else max_seq_len
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -142,12 +142,12 @@ class FastDecoder:
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=model.device)     # (B, 1)
         self.position = torch.zeros(1, dtype=torch.long, device=model.device)              # (1,)
         self.compiled = compile
-        self.options = dict(COMPILE_OPTIONS if options is None else options)
+        self.options = dict(COMPILE_OPTIONS if options is None else options) if backend == "inductor" else None
         self.compile_s = 0.0
         self.threads = torch.get_num_threads()
         model.rope_tables(model.config.max_seq_len)                 # grown now, never inside the compiled step
-        self._step = torch.compile(self._forward, options=self.options, dynamic=dynamic, fullgraph=True) \
-            if compile else self._forward
+        self._step = torch.compile(self._forward, backend=backend, options=self.options, dynamic=dynamic,
+                                   fullgraph=True) if compile else self._forward
 
     def _forward(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         return self.model(token, positions=position, cache=self.cache)[:, -1]         # (B, vocab)
@@ -231,14 +231,16 @@ class FastDecoder:
 
 
 def compile_decode(model, batch_size: int = 1, max_seq_len: int | None = None, fuse: bool = True,
-                   compile: bool = True, options: dict | None = None, warmup: bool = True) -> FastDecoder:
+                   compile: bool = True, options: dict | None = None, warmup: bool = True,
+                   backend: str = "inductor") -> FastDecoder:
     """Fuses the projections (in place) and returns a FastDecoder with its step compiled. Chapter 08.
 
-    warmup=True compiles at once; `decoder.compile_s` says how long it took.
+    warmup=True compiles at once; `decoder.compile_s` says how long it took (a second compile of the same
+    model in a new process reads inductor's on-disk cache and is faster).
     """
     if fuse:
         fuse_projections(model)
-    decoder = FastDecoder(model, batch_size, max_seq_len, compile=compile, options=options)
+    decoder = FastDecoder(model, batch_size, max_seq_len, compile=compile, options=options, backend=backend)
     if warmup:
         decoder.warmup()
     return decoder
