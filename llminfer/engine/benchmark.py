@@ -4,6 +4,7 @@
     compare_policies(model, workload)         sequential, static, continuous on one workload
     chunked_prefill_trade(model)              running decodes' ITL when a long prompt arrives, chunked or not
     prefix_cache_trade(model)                 TTFT and throughput with a shared system prompt, cached or not
+    memory_accounting(model, workload)        KV positions used vs reserved (preallocated, per request, paged)
 
 The command runs them on the chapters' default settings and writes a JSON report (machine, settings,
 figures, whether the targets were met) to data/benchmarks/engine-<machine>.json.
@@ -26,8 +27,9 @@ from .llm_engine import LLMEngine
 from .sampling_params import SamplingParams
 from .workload import make_workload, replay, summarize
 
-__all__ = ["NARROW_LLAMA", "DEFAULT_WORKLOAD", "DEFAULT_ENGINE", "SLO", "TARGETS", "batch_sweep",
-           "compare_policies", "chunked_prefill_trade", "prefix_cache_trade", "machine_info", "main"]
+__all__ = ["NARROW_LLAMA", "DEFAULT_WORKLOAD", "DEFAULT_ENGINE", "SLO", "TARGETS", "batch_sweep", "latency_target",
+           "compare_policies", "chunked_prefill_trade", "prefix_cache_trade", "memory_accounting", "machine_info",
+           "main"]
 
 # The model the workloads run on: a Llama of SmolLM2's family, narrowed (6.8M parameters) so that the slowest
 # policy finishes in seconds on a CPU. Its weights are random: speed, not text, is measured.
@@ -156,6 +158,34 @@ def prefix_cache_trade(model, system_prompt_len: int = 96, n_requests: int = 24,
     return out
 
 
+def memory_accounting(model, workload, max_seq_len: int = 512, block_size: int = 16, **settings) -> dict:
+    """KV positions used against what three ways of storing them reserve, after every step of a run. Chapter 06.
+
+    All requests arrive at once. Per step and running request: the positions it holds; `reserve_max` sets
+    aside max_seq_len (chapter 04's preallocation), `reserve_request` its prompt + max_new_tokens, `paged`
+    its whole blocks. `waste` lists each running sequence's unused positions in its last block, every step.
+    """
+    settings = {**DEFAULT_ENGINE, **settings, "block_size": block_size}
+    engine = LLMEngine(model, max_model_len=max_seq_len, **settings)
+    for r in workload.requests:
+        engine.add_request(list(r.prompt_ids), SamplingParams(max_new_tokens=r.max_new_tokens))
+    rows = []
+    while engine.has_unfinished():
+        engine.step()
+        running = [s for s in engine.scheduler.running if s.block_table]
+        rows.append(dict(
+            used=sum(s.num_computed_tokens for s in running), seqs=len(running),
+            reserve_max=max_seq_len * len(running),
+            reserve_request=sum(s.num_prompt_tokens + s.params.max_new_tokens for s in running),
+            paged=block_size * sum(len(s.block_table) for s in running),
+            waste=[block_size * len(s.block_table) - s.num_computed_tokens for s in running]))
+    totals = {k: sum(r[k] for r in rows) for k in ("used", "reserve_max", "reserve_request", "paged")}
+    waste = [w for r in rows for w in r["waste"]]
+    return {"rows": rows, "totals": totals, "waste": waste, "block_size": block_size, "max_seq_len": max_seq_len,
+            "used_fraction": {k: totals["used"] / totals[k] for k in ("reserve_max", "reserve_request", "paged")},
+            "mean_waste": sum(waste) / len(waste), "max_seqs": max(r["seqs"] for r in rows)}
+
+
 def machine_info(device) -> dict:
     """The CPU's name and its vector flags (or the GPU's name): ratios travel between machines, times do not."""
     info = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -223,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     report["prefix_caching"] = {k: {"throughput_tok_s": s["throughput_tok_s"], "ttft_p50_s": s["ttft_p50_s"],
                                     "ttft_p90_s": s["ttft_p90_s"], "hit_rate": st.prefix_hit_rate}
                                 for k, (_, s, st) in prefix.items()}
+    memory = memory_accounting(model, make_workload(vocab_size=NARROW_LLAMA.vocab_size,
+                                                    **dict(DEFAULT_WORKLOAD, rate=float("inf"))))
+    report["memory"] = {k: memory[k] for k in ("totals", "used_fraction", "mean_waste", "block_size", "max_seq_len",
+                                               "max_seqs")}
     report["created"] = time.strftime("%Y-%m-%d")
     name = _slug(report["machine"].get("gpu") or report["machine"].get("cpu") or device.type)
     path = out_dir / f"engine-{device.type}-{name}.json"

@@ -68,6 +68,7 @@ class PagedKVCache:
         self._rows: list[Sequence] = []
         self._length = 0
         self._new = 0
+        self._standalone_step = False            # the forward in flight was booked by the cache itself
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, kernel: str | None = None) -> "PagedKVCache":
@@ -210,7 +211,7 @@ class PagedKVCache:
 
     def end(self) -> None:
         """Standalone: the positions written become part of every sequence. Engine steps advance elsewhere."""
-        if getattr(self, "_standalone_step", False):
+        if self._standalone_step:
             for row in self._rows:
                 row.num_computed_tokens += self._new
             self._length += self._new
