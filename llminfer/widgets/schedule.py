@@ -97,9 +97,10 @@ def plot_gantt(ax, segments: list[Segment], n_requests: int, title: str = "") ->
     ax.set_ylim(n_requests - 0.5, -0.5)
     ax.set_xlabel("time since the first arrival (s)")
     ax.set_ylabel("request")
-    ax.set_title(title)
     ax.legend(handles=[Patch(color=COLOURS[k], label=LABELS[k]) for k in (WAITING, PREFILL, DECODE, PREEMPTED)],
-              loc="upper right", fontsize=8, ncol=2)
+              loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=8, ncol=4, frameon=False)
+    if title:
+        ax.set_title(title, pad=22)
 
 
 def chart_png(segments: list[Segment], n_requests: int, title: str = "", width: float = 7.5) -> bytes:
