@@ -73,7 +73,7 @@ def test_paged_logits_equal_contiguous(model, block_size, kernel):
         torch.testing.assert_close(logits[0], expected(1), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(logits[1], expected(2), rtol=1e-5, atol=1e-5)
         # steps 3-5: every sequence decodes one token (a new block now and then), all three at once
-        for step in range(3):
+        for step in range(3 if kernel == "gather" else 1):     # (unfused FlexAttention is slow on a CPU)
             for seq, t in zip(seqs, tokens):
                 seq.token_ids.append(t[len(seq.token_ids)])
                 assert manager.allocate(seq, 1)
