@@ -22,7 +22,8 @@ from .device import check_fits, dtype_bytes, resolve_device
 from .model import Transformer
 from .tokenizer import Tokenizer
 
-__all__ = ["load_pretrained", "save_pretrained", "load_random", "resolve_device", "bundled_models", "HUB_TIMEOUT_S"]
+__all__ = ["load_pretrained", "save_pretrained", "load_random", "resolve_device", "bundled_models", "model_folder",
+           "HUB_TIMEOUT_S"]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _SINGLE = "model.safetensors"
@@ -257,6 +258,11 @@ def _fetch_from_hub(repo_id: str) -> Path:
         raise OSError(f"could not fetch {repo_id!r} from the Hugging Face hub ({type(hub_error).__name__}: "
                       f"{hub_error}) and it is not in the local cache. Without a network, download the model "
                       "elsewhere and pass its local folder: llminfer.load_pretrained('/path/to/folder')") from None
+
+
+def model_folder(path_or_name: str | Path) -> Path:
+    """Returns the local folder of a model: a folder as given, a bundled model by name, or a hub id (fetched). Chapter 00."""
+    return _locate(path_or_name)
 
 
 def _locate(path_or_name: str | Path) -> Path:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .. import costs, timing
-from ..checkpoint import bundled_models, load_random, _models_dir
+from ..checkpoint import bundled_models, load_random, model_folder
 from ..config import ModelConfig, get_preset
 from ..device import check_fits, dtype_bytes, resolve_device
 from ..generate import decode_step, generate, prefill
@@ -111,7 +111,7 @@ def estimate_bytes(cfg, dtype: torch.dtype, settings: Settings, device=torch.dev
 def shape_config(shape: str) -> ModelConfig:
     """Returns the config of a published shape (PRESETS) or of a bundled model, by name."""
     if shape in bundled_models():
-        return ModelConfig.from_hf(json.loads((_models_dir() / shape / "config.json").read_text()))
+        return ModelConfig.from_hf(json.loads((model_folder(shape) / "config.json").read_text()))
     return get_preset(shape)                                 # an unknown shape: ValueError naming the known ones
 
 

@@ -56,14 +56,14 @@ def build_server(args: argparse.Namespace):
     import torch
 
     import llminfer
-    from llminfer.checkpoint import _locate
+    from llminfer.checkpoint import model_folder
 
     from .server import ServeConfig, build_app
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     model, tokenizer = llminfer.load_pretrained(args.model, device=args.device)
-    folder = _locate(args.model)
+    folder = model_folder(args.model)
     add_bos = False
     try:
         import json

@@ -488,9 +488,9 @@ class DisaggregatedEngine:
         if spec.config is not None:
             self.config = ModelConfig(**spec.config)
         else:
-            from ..checkpoint import _locate
+            from ..checkpoint import model_folder
             import json
-            self.config = ModelConfig.from_hf(json.loads((_locate(spec.name) / "config.json").read_text()))
+            self.config = ModelConfig.from_hf(json.loads((model_folder(spec.name) / "config.json").read_text()))
         self.max_model_len = self.decode_engine_kwargs.get("max_model_len") or self.config.max_seq_len
         self.clock = time.perf_counter
         self.trace: deque = deque()
