@@ -30,7 +30,7 @@ def config(**changes):
 @pytest.fixture
 def no_processes(monkeypatch):
     """Fails the test if anything tries to start a process; checks no process was left behind."""
-    real_context = launch_module._context
+    real_context = launch_module.process_context
 
     class Refusing:
         def __init__(self, context):
@@ -39,7 +39,7 @@ def no_processes(monkeypatch):
         def Process(self, *args, **kwargs):
             raise AssertionError("a process was about to start")
 
-    monkeypatch.setattr(launch_module, "_context", lambda start_method: Refusing(real_context(start_method)))
+    monkeypatch.setattr(launch_module, "process_context", lambda start_method: Refusing(real_context(start_method)))
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before

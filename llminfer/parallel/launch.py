@@ -146,7 +146,7 @@ def launch(worker, args: tuple = (), world_size: int = 2, backend: str | None = 
     except Exception as exc:
         raise ValueError(f"the worker's arguments cannot be sent to another process ({exc}); pass plain data "
                          "(numbers, strings, lists, tensors) rather than open files, locks or models") from None
-    context = _context(start_method)
+    context = process_context(start_method)
     sock = check_port(port)                    # bound to 127.0.0.1 here; refused here if taken
     port = sock.getsockname()[1]
     results = context.Queue()
@@ -167,15 +167,16 @@ def launch(worker, args: tuple = (), world_size: int = 2, backend: str | None = 
         finished = True
         return results_by_rank
     finally:
-        _end(processes, grace_s=5.0 if finished else 0.5)   # after a failure, nothing is worth waiting for
+        end_processes(processes, grace_s=5.0 if finished else 0.5)   # after a failure, nothing is worth waiting for
         if store is None:
             sock.close()
         del store
         results.close()
 
 
-def _context(start_method: str | None):
-    """The multiprocessing context: forkserver (torch preloaded) where available, else spawn."""
+def process_context(start_method: str | None, preload: tuple[str, ...] = ("llminfer.parallel.workers",)):
+    """The multiprocessing context: forkserver (torch and `preload` imported once) where available, else spawn;
+    never fork. Chapters 10 and 12."""
     available = mp.get_all_start_methods()
     if start_method is None:
         start_method = "forkserver" if "forkserver" in available else "spawn"
@@ -185,7 +186,7 @@ def _context(start_method: str | None):
                          "a forked copy of a process that already ran torch can deadlock")
     context = mp.get_context(start_method)
     if start_method == "forkserver":
-        context.set_forkserver_preload(["torch", "torch.distributed", "llminfer.parallel.workers"])
+        context.set_forkserver_preload(["torch", "torch.distributed", *preload])
     return context
 
 
@@ -228,7 +229,7 @@ def _collect(processes, results, world_size: int, timeout_s: float) -> list:
     return [done[rank] for rank in range(world_size)]
 
 
-def _end(processes, grace_s: float = 5.0) -> None:
+def end_processes(processes, grace_s: float = 5.0) -> None:
     """Waits up to grace_s in all for the processes to end; terminates, then kills, any still running."""
     deadline = time.monotonic() + grace_s
     for process in processes:

@@ -45,6 +45,7 @@ import torch
 
 from ..engine import LLMEngine, RequestOutput, SamplingParams
 from ..engine.sequence import SequenceStatus, StepOutput
+from ..parallel.launch import end_processes, process_context
 
 __all__ = ["ModelSpec", "ShippingCache", "install_prefilled", "DisaggregatedEngine", "TransferRecord",
            "WorkerError", "kv_transfer_bytes"]
@@ -440,31 +441,7 @@ def _end_processes(processes, inboxes) -> None:
             box.put(("stop",))
         except Exception:
             pass
-    for process in processes:
-        process.join(timeout=10)
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-            process.join(timeout=3)
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=3)
-
-
-def _context(start_method: str | None):
-    """forkserver (torch imported once, each worker forked from it) where available, else spawn; never fork."""
-    import multiprocessing as mp
-    available = mp.get_all_start_methods()
-    if start_method is None:
-        start_method = "forkserver" if "forkserver" in available else "spawn"
-    if start_method not in ("spawn", "forkserver") or start_method not in available:
-        raise ValueError(f"start_method must be 'spawn' or 'forkserver' (available here: "
-                         f"{[m for m in available if m != 'fork']}), got {start_method!r}; 'fork' is refused: a "
-                         "forked copy of a process that already ran torch can deadlock")
-    context = mp.get_context(start_method)
-    if start_method == "forkserver":
-        context.set_forkserver_preload(["torch", "torch.distributed", "llminfer.serve.disagg"])
-    return context
+    end_processes(processes, grace_s=10.0)
 
 
 class DisaggregatedEngine:
@@ -514,7 +491,7 @@ class DisaggregatedEngine:
         from ..parallel.plan import check_port
         if self.started:
             raise RuntimeError("this DisaggregatedEngine was already started; make a new one")
-        context = _context(self.start_method)
+        context = process_context(self.start_method, preload=("llminfer.serve.disagg",))
         sock = check_port(None)
         port = sock.getsockname()[1]
         self._store = dist.TCPStore(LOOPBACK, port, 2, is_master=True, wait_for_workers=False,
