@@ -46,8 +46,10 @@ def _concat_linears(layers: list[nn.Module]) -> nn.Module:
                           device=first.weight.device, dtype=first.weight.dtype)
         with torch.no_grad():
             stacked = torch.cat([layer.weight for layer in layers])                   # (sum of outputs, in)
-            if stacked.shape[0] > stacked.shape[1] and stacked.device.type == "cpu":
-                stacked = stacked.t().contiguous().t()   # wide: stored column-major, as use_decode_layout() does
+            if stacked.shape[0] > stacked.shape[1] and stacked.device.type == "cpu" and stacked.dtype == torch.float32:
+                # wide float32: stored column-major, as use_decode_layout() does (bfloat16 would pay a
+                # reorder of the whole matrix in every call for it, about 4x slower here)
+                stacked = stacked.t().contiguous().t()
             fused.weight = nn.Parameter(stacked, requires_grad=False)
             if any(has_bias):
                 fused.bias.copy_(torch.cat([layer.bias if layer.bias is not None

@@ -81,7 +81,7 @@ def test_fast_decoder_refuses_bad_requests_before_compute():
         decoder.generate([1, 2], max_new_tokens=2, temperature=-1.0)
 
 
-@pytest.mark.parametrize("scheme", [None, "int8", "int4"])
+@pytest.mark.parametrize("scheme", [None, "int4"])
 def test_compiled_step_traces_as_one_graph_and_matches_eager(scheme):
     # fullgraph=True: the step (the model's own forward over the static cache, the packed kernels included)
     # must trace as one graph. The 'eager' backend runs that graph without code generation, which keeps the
