@@ -43,4 +43,5 @@ def test_run_quantizes_and_draws_the_error_histogram(lab):
     expect(result).to_contain_text("capitals right", timeout=120_000)
     per_channel = shown(result)
     assert per_channel["error"] > grouped["error"], (per_channel, grouped)
+    plot.locator("img").first.wait_for(state="visible", timeout=60_000)     # the new histogram
     lab.screenshot("ch08-quantization", locator=lab.output_of(run))
