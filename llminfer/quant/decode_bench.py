@@ -33,7 +33,7 @@ from .. import costs, timing
 from ..checkpoint import load_random
 from ..config import get_preset
 from ..fast import COMPILE_OPTIONS, compile_decode
-from ..generate import generate, prefill
+from ..generate import generate
 from .gguf_export import llama_cpp_available, llama_cpp_generate, load_llama_cpp, write_gguf
 from .linear import quantize, quantized_weight_bytes
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .weights import check_scheme, qrange, quantize_tensor
+from .weights import check_scheme, quantize_tensor
 
 __all__ = ["QuantizedLinear", "quantize", "SCHEMES", "KERNELS", "has_kernel", "quantized_modules",
            "quantized_weight_bytes"]
