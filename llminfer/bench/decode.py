@@ -1,4 +1,4 @@
-"""`python -m llminfer.quant.decode_bench`: decode at every precision beside llama.cpp, transformers and the
+"""`python -m llminfer.bench.decode`: decode at every precision beside llama.cpp, transformers and the
 measured bandwidth, in one interleaved run. Chapter 08.
 
 One random-weight model of a published shape (SmolLM2-135M by default) runs as:
@@ -34,8 +34,8 @@ from ..checkpoint import load_random
 from ..config import get_preset
 from ..fast import COMPILE_OPTIONS, compile_decode
 from ..generate import generate
-from .gguf_export import llama_cpp_available, llama_cpp_generate, load_llama_cpp, write_gguf
-from .linear import quantize, quantized_weight_bytes
+from ..quant.gguf_export import llama_cpp_available, llama_cpp_generate, load_llama_cpp, write_gguf
+from ..quant.linear import quantize, quantized_weight_bytes
 
 __all__ = ["main", "run", "GGUF_BYTES_PER_WEIGHT"]
 
@@ -46,7 +46,7 @@ PRECISIONS = {"fp32": ("F32", torch.float32, None), "bf16": ("BF16", torch.bfloa
 
 
 def _parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m llminfer.quant.decode_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m llminfer.bench.decode", description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="smollm2-135m")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -73,7 +73,7 @@ def _parse(argv):
 
 
 def _log(message: str) -> None:
-    print(f"[decode_bench] {message}", file=sys.stderr, flush=True)
+    print(f"[bench.decode] {message}", file=sys.stderr, flush=True)
 
 
 def _tokens_per_s(results) -> float:
@@ -100,7 +100,7 @@ def _choose_threads(llama_f32_path, ids, cfg, new_tokens) -> tuple[int, dict]:
 
 def run(args) -> dict:
     """Returns the report of one interleaved run (and writes nothing). Chapter 08."""
-    from ..bench.report import load_average, machine, device_slug
+    from .report import load_average, machine, device_slug
 
     started, load_before = time.perf_counter(), load_average()
     cfg = get_preset(args.shape)
@@ -172,7 +172,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
                                    "kv_element_bytes": 4}
     hf_note = "skipped"
     if args.transformers:
-        from ..bench.transformers_contender import generate as hf_generate, load_same_weights
+        from .transformers_contender import generate as hf_generate, load_same_weights
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             if name not in args.precisions:
                 continue
@@ -250,7 +250,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
         sgemm = matmul.rate_of(sgemm_times)
         report["prefill"] = {"prompt_len": args.prompt_len, "median_s": seconds, "flop_per_s": flops / seconds,
                              "sgemm_flop_per_s_alongside": sgemm, "mfu": flops / seconds / sgemm}
-    from ..bench.report import load_average
+    from .report import load_average
     report["load_average_after"] = load_average()
     report["elapsed_s"] = time.perf_counter() - started
     return report
