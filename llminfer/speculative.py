@@ -25,8 +25,8 @@ probabilities through `propose_with_probs`):
 """
 from __future__ import annotations
 
+import abc
 import math
-import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from .device import synchronize
-from .generate import GenerationResult, TokenTimer, _check_eos, as_token_batch, check_sampling
+from .generate import GenerationResult, TokenTimer, _check_eos, _is_int, as_token_batch, check_sampling
 from .model import Transformer
 
 __all__ = ["Drafter", "PromptLookupDrafter", "DraftModelDrafter", "EarlyExitDrafter", "SpeculativeResult",
@@ -52,20 +52,16 @@ TOKEN_KINDS = (TARGET, ACCEPTED, RESAMPLED, BONUS)
 _ROWS_PER_CHUNK = 4096     # acceptance_step samples residuals this many rows at a time (bounded memory)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 # --- the drafters -----------------------------------------------------------------------------------------------
 
-class Drafter:
+class Drafter(abc.ABC):
     """Proposes up to k next tokens for a context; the base of the three drafters. Chapter 09."""
 
     name = "drafter"
 
+    @abc.abstractmethod
     def propose(self, context_ids: list[int], k: int) -> list[int]:
         """Up to k guessed next tokens after context_ids (fewer, even none, when it has no guess)."""
-        raise NotImplementedError
 
     def propose_with_probs(self, context_ids: list[int], k: int, temperature: float = 0.0,
                            generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:

@@ -102,20 +102,19 @@ def float32_folder(_saving):
     return folder
 
 
-def _needs_proc():
-    if not (os.path.exists("/proc/self/status") and os.access("/proc/self/clear_refs", os.W_OK)):
-        pytest.skip("measuring peak RSS needs Linux's /proc/self/clear_refs")
+_needs_proc = pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
+                                 reason="measuring peak RSS needs Linux's /proc/self/clear_refs")
 
 
+@_needs_proc
 def test_load_random_peak_memory_is_the_weights_in_their_dtype():
-    _needs_proc()
     result = _measure("random", "cpu")
     assert result["peak"] <= LIMIT * result["weights"]
     assert result["after"] >= 0.9 * result["weights"]   # the measurement sees the weights themselves
 
 
+@_needs_proc
 def test_load_pretrained_float32_file_into_bfloat16_peak_memory(float32_folder):
-    _needs_proc()
     assert (float32_folder / "model.safetensors").stat().st_size > 2 * 256 * 2**20   # float32 on disk
     result = _measure("pretrained", "cpu", float32_folder)
     assert result["peak"] <= LIMIT * result["weights"]
