@@ -13,7 +13,8 @@ help:
 	@echo "make test       unit tests + every notebook under nbval (strict)"
 	@echo "make test-e2e   the widgets in JupyterLab, driven in headless Chromium"
 	@echo "make notebooks  re-execute and normalise the chapters (commits their outputs)"
-	@echo "make bench      the side-by-side benchmark (writes data/benchmarks/)"
+	@echo "make bench      the side-by-side benchmarks: prefill/decode/ceilings, then decode by precision"
+	@echo "                beside llama.cpp when llama_cpp is installed (writes data/benchmarks/)"
 	@echo "make serve      the OpenAI-compatible server on the bundled model (127.0.0.1:8000, Ctrl-C stops it)"
 	@echo "make model      rebuild the bundled models in data/models (tiny-capitals, then its draft)"
 	@echo "make clean      remove .venv and caches"
@@ -46,6 +47,7 @@ notebooks: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m llminfer.bench
+	$(PY) -m llminfer.bench.decode
 
 serve: $(STAMP)
 	$(PY) -m llminfer.serve --model tiny-capitals --port 8000
