@@ -14,7 +14,21 @@ import torch
 
 from .generate import GenerationResult, TokenTimer, as_token_batch, prefill
 
-__all__ = ["GraphedDecoder"]
+__all__ = ["GraphedDecoder", "static_decode"]
+
+
+def static_decode(cache, token_buffer: torch.Tensor, position_buffer: torch.Tensor, token: torch.Tensor,
+                  run) -> torch.Tensor:
+    """One token (B,) at position cache.length through fixed input buffers: fills them, calls run() (a graph
+    replay or a compiled step of the model's forward) for the logits (B, vocab), then advances the cache. Chapter 04."""
+    if cache.length >= cache.capacity:
+        raise ValueError(f"the decoder's cache is full ({cache.capacity} positions); make the decoder with a "
+                         "larger max_seq_len")
+    token_buffer.copy_(token.view(-1, 1))
+    position_buffer.fill_(cache.length)
+    logits = run()
+    cache.length = cache.length + 1          # the step wrote one position; the cache's length follows
+    return logits
 
 
 class GraphedDecoder:
@@ -56,21 +70,15 @@ class GraphedDecoder:
 
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         """Returns logits (B, vocab) for token (B,) at position cache.length: a graph replay on CUDA, else eager."""
-        cache = self.cache
-        if cache.length >= cache.capacity:
-            raise ValueError(f"the graph's cache is full ({cache.capacity} positions); make a GraphedDecoder with a "
-                             "larger max_seq_len")
-        self.token.copy_(token.view(-1, 1))
-        self.position.fill_(cache.length)
+        if self.model.device.type == "cuda" and self.graph is None:
+            raise RuntimeError("capture() the graph before the prefill: its warm-up overwrites position 0")
+        return static_decode(self.cache, self.token, self.position, token, self._replay)
+
+    def _replay(self) -> torch.Tensor:
         if self.model.device.type == "cuda":
-            if self.graph is None:
-                raise RuntimeError("capture() the graph before the prefill: its warm-up overwrites position 0")
             self.graph.replay()
-            logits = self.logits
-        else:
-            logits = self.step(self.token, self.position)
-        cache.length = cache.length + 1          # the graph wrote one position; the cache's length follows
-        return logits
+            return self.logits
+        return self.step(self.token, self.position)
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int) -> GenerationResult:

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .cuda_graphs import static_decode
 from .generate import GenerationResult, TokenTimer, as_token_batch, check_sampling, sample_next
 from .model import MLP, Attention, apply_rope
 
@@ -181,15 +182,8 @@ class FastDecoder:
     @torch.inference_mode()
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         """Returns logits (B, vocab) for token (B,) at position cache.length: one compiled step."""
-        cache = self.cache
-        if cache.length >= cache.capacity:
-            raise ValueError(f"the decoder's cache is full ({cache.capacity} positions); make a FastDecoder with "
-                             "a larger max_seq_len")
-        self.token.copy_(token.view(-1, 1))
-        self.position.fill_(cache.length)
-        logits = self._step(self.token, self.position)
-        cache.length = cache.length + 1
-        return logits
+        return static_decode(self.cache, self.token, self.position, token,
+                             lambda: self._step(self.token, self.position))
 
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 16, eos_token_id: int | None = None,
