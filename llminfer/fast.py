@@ -27,10 +27,12 @@ import torch.nn.functional as F
 
 from .cuda_graphs import static_decode
 from .generate import GenerationResult, TokenTimer, as_token_batch, check_sampling, sample_next
+from .kernels import cpu as native_cpu
 from .model import MLP, Attention, apply_rope
+from .quant.linear import QuantizedLinear
 
-__all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "FastDecoder", "compile_decode",
-           "COMPILE_OPTIONS"]
+__all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "use_native_kernels",
+           "uses_native_kernels", "optimize_decode", "FastDecoder", "compile_decode", "COMPILE_OPTIONS"]
 
 # inductor settings of the compiled step: weights frozen as constants (prepacked for the matmul kernels).
 # max_autotune (benchmarking matmul templates per shape) is left off: on a 2-core CPU it multiplies the
@@ -57,7 +59,6 @@ def _concat_linears(layers: list[nn.Module]) -> nn.Module:
                                             else torch.zeros(layer.out_features, dtype=first.weight.dtype,
                                                              device=first.weight.device) for layer in layers]))
         return fused
-    from .quant.linear import QuantizedLinear
     if all(isinstance(layer, QuantizedLinear) for layer in layers):
         return QuantizedLinear.concat(layers, kernel=layers[0].kernel_request)
     kinds = sorted({type(layer).__name__ for layer in layers})
@@ -126,6 +127,66 @@ def fuse_projections(model: nn.Module) -> nn.Module:
     return model
 
 
+class NativeLinear(nn.Linear):
+    """An nn.Linear whose few-token products run llminfer's native matrix-vector kernel. Chapter 08.
+
+    Same parameters, names and numbers as the nn.Linear it was (the class is swapped in place, so tied
+    weights stay tied). Up to `kernels.cpu.MAX_TOKENS` rows of x on a CPU (a decode step) go to
+    `llminfer.kernels.cpu.gemv`; longer inputs (a prefill), other devices and autograd use F.linear.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.numel() // self.in_features if self.in_features else 0
+        if (x.device.type != "cpu" or tokens == 0 or tokens > native_cpu.MAX_TOKENS or x.dtype != self.weight.dtype
+                or not self.weight.is_contiguous()
+                or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            return F.linear(x, self.weight, self.bias)
+        y = native_cpu.gemv(x.reshape(tokens, self.in_features), self.weight)            # (tokens, out)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def uses_native_kernels(model: nn.Module) -> bool:
+    """Whether any layer of model runs the native CPU kernels (use_native_kernels, or quantized). Chapter 08."""
+    return any(isinstance(m, NativeLinear) or (isinstance(m, QuantizedLinear) and m.kernel == "native")
+               for m in model.modules())
+
+
+@torch.no_grad()
+def use_native_kernels(model: nn.Module, strict: bool = False) -> nn.Module:
+    """Makes every float32/bfloat16 nn.Linear of a CPU model a NativeLinear, and a model on the default 'sdpa'
+    attention backend use 'native' (the decode attention kernel), in place; returns model. Chapter 08.
+
+    The kernels are built on first use (`llminfer.kernels.cpu`); where they cannot be (no C++ compiler,
+    or `LLMINFER_NATIVE_KERNELS=0`) the model is left as it is, or with strict=True a RuntimeError says why.
+    Weights are made row-major (undoing `use_decode_layout`, which serves torch's own matmul).
+    """
+    targets = [m for m in model.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"
+               and m.weight.dtype in (torch.float32, torch.bfloat16)]
+    on_cpu = any(p.device.type == "cpu" for p in model.parameters())
+    if not on_cpu:
+        return model
+    if not native_cpu.available():
+        if strict:
+            raise RuntimeError(f"the native CPU kernels are unavailable ({native_cpu.why_unavailable()}); install a C++ "
+                               "compiler (g++ or clang) or call with strict=False to keep torch's kernels")
+        return model
+    for module in targets:
+        if not module.weight.is_contiguous():
+            module.weight.data = module.weight.data.contiguous()
+        module.__class__ = NativeLinear
+    if getattr(model, "attn_backend", None) == "sdpa":      # decode attention too (a prefill keeps sdpa)
+        model.set_attention_backend("native")
+    return model
+
+
+def optimize_decode(model: nn.Module) -> nn.Module:
+    """The decode transforms that need no compiling, in place: fuse_projections, then use_native_kernels
+    (quantized layers pick the native kernel themselves). Returns model. Chapter 08."""
+    return use_native_kernels(fuse_projections(model))
+
+
 class FastDecoder:
     """Decoding whose one-token steps run the model's forward compiled over a static KV cache. Chapter 08.
 
@@ -185,6 +246,12 @@ class FastDecoder:
         return static_decode(self.cache, self.token, self.position, token,
                              lambda: self._step(self.token, self.position))
 
+    def fits(self, batch: int, prompt_len: int, max_new_tokens: int) -> bool:
+        """Whether a request of this shape can run here (llminfer.generate asks before handing it over)."""
+        return (batch == self.cache.batch_size and max_new_tokens >= 1
+                and prompt_len + max_new_tokens - 1 <= self.cache.capacity
+                and torch.get_num_threads() == self.threads)
+
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 16, eos_token_id: int | None = None,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -223,20 +290,29 @@ class FastDecoder:
             made.append(token)
             timer.token()
         rows = torch.stack(made, dim=1).tolist()
+        if eos_token_id is not None:                 # as llminfer.generate: each row ends at its first EOS
+            rows = [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
         return timer.result(rows[0] if len(rows) == 1 else rows, prompt_len)
 
 
 def compile_decode(model, batch_size: int = 1, max_seq_len: int | None = None, fuse: bool = True,
                    compile: bool = True, options: dict | None = None, warmup: bool = True,
-                   backend: str = "inductor") -> FastDecoder:
-    """Fuses the projections (in place) and returns a FastDecoder with its step compiled. Chapter 08.
+                   backend: str = "inductor", native: bool = True, attach: bool = True) -> FastDecoder:
+    """Fuses the projections and switches to the native CPU kernels (in place), and returns a FastDecoder
+    with its step compiled. Chapter 08.
 
     warmup=True compiles at once; `decoder.compile_s` says how long it took (a second compile of the same
-    model in a new process reads inductor's on-disk cache and is faster).
+    model in a new process reads inductor's on-disk cache and is faster). attach=True sets
+    `model.compiled_decoder`, so `llminfer.generate(model, ...)` decodes through it whenever a request fits
+    (same batch size, within max_seq_len, same thread count); `model.compiled_decoder = None` detaches it.
     """
     if fuse:
         fuse_projections(model)
+    if native:
+        use_native_kernels(model)
     decoder = FastDecoder(model, batch_size, max_seq_len, compile=compile, options=options, backend=backend)
     if warmup:
         decoder.warmup()
+    if attach:
+        model.compiled_decoder = decoder
     return decoder

@@ -244,6 +244,9 @@ def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache:
         )
     model.check_token_ids(ids)                              # the one vocabulary check, before the cache is made
     _check_memory(model, batch, prompt_len, max_new_tokens, use_cache)
+    decoder = getattr(model, "compiled_decoder", None)      # llminfer.fast.compile_decode: the compiled step
+    if decoder is not None and use_cache and not return_logits and decoder.fits(batch, prompt_len, max_new_tokens):
+        return decoder.generate(ids, max_new_tokens, eos_token_id, temperature, top_k, top_p, seed)
     device = model.device
     ids = ids.to(device)
     cache = model.new_cache(batch, max_seq_len=max(prompt_len + max_new_tokens - 1, prompt_len)) if use_cache else None

@@ -132,6 +132,9 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # A compiled one-token step (llminfer.fast.compile_decode attaches it); generate() runs its decode
+        # through it whenever the request fits it. None: the eager forward.
+        self.compiled_decoder = None
         self.set_attention_backend(attn_backend or getattr(config, "attn_backend", "sdpa"))
 
     @property

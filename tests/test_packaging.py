@@ -21,3 +21,5 @@ def test_wheel_ships_the_bundled_model(tmp_path):
     for init in (ROOT / "llminfer").rglob("__init__.py"):
         assert init.relative_to(ROOT).as_posix() in names, f"{init.parent.name} is not packaged"
     assert not any(name.startswith(("tests/", "chapters/")) for name in names)
+    # the native CPU kernels are compiled from their source on the user's machine: it must ship
+    assert "llminfer/kernels/cpu_gemv.cpp" in names

@@ -57,16 +57,23 @@ def test_outlier_ruins_a_per_tensor_scale_but_not_a_per_group_one():
 def test_quantized_linear_kernel_matches_fallback_and_reference(dtype, bits, group):
     torch.manual_seed(0)
     linear = nn.Linear(128, 96, bias=True).to(dtype)
-    packed = QuantizedLinear.from_linear(linear, bits, group, kernel="auto")
+    auto = QuantizedLinear.from_linear(linear, bits, group, kernel="auto")
     fallback = QuantizedLinear.from_linear(linear, bits, group, kernel="dequantize")
-    expected_kernel = {8: "int8pack", 4: "int4pack"}.get(bits, "dequantize")
-    assert packed.kernel == expected_kernel and fallback.kernel == "dequantize"
-    assert torch.equal(packed.codes(), fallback.codes())
+    layers = [auto, fallback]
+    if bits in (8, 4):                               # the native kernel (built here) and torch's packed one
+        assert auto.kernel == "native" and fallback.kernel == "dequantize"
+        packed = QuantizedLinear.from_linear(linear, bits, group, kernel="packed")
+        assert packed.kernel == {8: "int8pack", 4: "int4pack"}[bits]
+        layers.append(packed)
+    else:
+        assert auto.kernel == "dequantize"
+    for layer in layers:
+        assert torch.equal(layer.codes(), fallback.codes())
     for tokens in (1, 3, 20):                                     # decode (kernel) and prefill (dequantized)
         x = torch.randn(2, tokens, 128).to(dtype)
         reference = x.float() @ fallback.dequantized_weight(torch.float32).T + linear.bias.float()
         tolerance = 1e-4 if dtype == torch.float32 else 0.05
-        for layer in (packed, fallback):
+        for layer in layers:
             y = layer(x)
             assert y.shape == (2, tokens, 96) and y.dtype == dtype
             torch.testing.assert_close(y.float(), reference, atol=tolerance, rtol=tolerance)
@@ -127,11 +134,25 @@ def test_quantize_bad_input_is_refused_before_any_change():
 def test_packed_kernel_demanded_where_there_is_none_is_refused(monkeypatch):
     model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
     monkeypatch.setattr(quant_linear, "has_kernel", lambda bits, device: False)
+    monkeypatch.setattr(quant_linear.native_cpu, "available", lambda: False)          # as without a compiler
+    monkeypatch.setattr(quant_linear.native_cpu, "why_unavailable", lambda: "no C++ compiler found")
     with pytest.raises(ValueError, match=r"no packed int4 kernel.*kernel='auto'"):
         quantize(model, "int4", group_size=32, kernel="packed")
+    with pytest.raises(ValueError, match=r"no native kernel.*int4.*unavailable here \(no C\+\+ compiler found\)"
+                                         r".*kernel='auto'"):
+        quantize(model, "int4", group_size=32, kernel="native")
     assert not quant.quantized_modules(model)
     quantize(model, "int4", group_size=32, kernel="auto")        # the fallback runs instead
     assert {m.kernel for m in quant.quantized_modules(model).values()} == {"dequantize"}
+
+
+def test_native_kernel_refuses_what_it_does_not_take():
+    model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
+    with pytest.raises(ValueError, match=r"no native kernel.*int3.*int8 per channel and int4"):
+        quantize(model, "int3", group_size=32, kernel="native")
+    assert not quant.quantized_modules(model)
+    quantize(model, "int8", kernel="native")
+    assert {m.kernel for m in quant.quantized_modules(model).values()} == {"native"}
 
 
 # --- quantized checkpoints ----------------------------------------------------------------------------------
@@ -196,6 +217,7 @@ def test_loading_int4_where_there_is_no_kernel_and_no_fallback_is_refused(tmp_pa
     model = quantize(random_model(SMALL_CONFIGS["llama-gqa-tied"]), "int4", 32)
     quant.save_pretrained(model, tmp_path)
     monkeypatch.setattr(quant_linear, "has_kernel", lambda bits, device: False)
+    monkeypatch.setattr(quant_linear.native_cpu, "available", lambda: False)
     from llminfer.quant import checkpoint as quant_checkpoint
     opened = quant_checkpoint.safe_open
 
@@ -205,6 +227,8 @@ def test_loading_int4_where_there_is_no_kernel_and_no_fallback_is_refused(tmp_pa
     monkeypatch.setattr(quant_checkpoint, "safe_open", must_not_open)
     with pytest.raises(ValueError, match=r"no packed int4 kernel .* kernel='auto'"):
         quant.load_pretrained(tmp_path, kernel="packed")
+    with pytest.raises(ValueError, match=r"no native kernel .* kernel='auto'"):
+        quant.load_pretrained(tmp_path, kernel="native")
     monkeypatch.setattr(quant_checkpoint, "safe_open", opened)
     loaded, _ = quant.load_pretrained(tmp_path, kernel="auto")      # the fallback gives the same numbers
     ids = torch.tensor([[2, 7, 1, 8]])

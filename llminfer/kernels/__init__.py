@@ -1,8 +1,10 @@
-"""FlashAttention from the ground up: online softmax, tiled attention, and a Triton kernel. Chapter 07.
+"""FlashAttention from the ground up: online softmax, tiled attention, and a Triton kernel (chapter 07);
+native CPU decode kernels, `llminfer.kernels.cpu` (chapter 08).
 
 Importing this package registers the Triton kernel as the 'flash' attention backend, so a model runs
-it with `attn_backend='flash'` (or `model.set_attention_backend('flash')`). Triton itself is imported
-only when the kernel first runs: the torch parts work without it.
+it with `attn_backend='flash'` (or `model.set_attention_backend('flash')`), and the CPU decode attention
+kernel as 'native'. Triton itself is imported only when the kernel first runs, and the CPU kernels are
+compiled only when first used: the torch parts work without either.
 """
 from llminfer.attention import register_backend
 
@@ -12,7 +14,10 @@ from .tiled import (HBMTraffic, TiledOutput, TileStep, combine_partials, flash_i
 from .triton_flash import (FlashOutput, default_blocks, flash_attention, flash_backend, flash_decode,
                            flash_tile_counts, interpreted, padded_head_dim, triton_available)
 
+from . import cpu
+
 register_backend("flash", flash_backend)
+register_backend("native", cpu.attention_backend)
 
 __all__ = [
     "online_softmax", "online_softmax_steps", "softmax_state", "merge_states", "OnlineSoftmaxStep",

@@ -153,7 +153,7 @@ def load_pretrained(folder: str | Path, device: str | torch.device | None = None
     dtype = _DTYPES[dtype_name]
     config = ModelConfig.from_hf({k: v for k, v in hf.items() if k != "quantization_config"})
     expected = _expected_quantized(config, bits, group_size, dtype, include_head)
-    if kernel == "packed":                                        # before any weight is read
+    if kernel in ("packed", "native"):                            # before any weight is read
         from .linear import _choose_kernel
         for name, fields in expected.items():
             n, k = fields["scales"][0][0], fields["qweight"][0][1] * (2 if bits == 4 else 1)

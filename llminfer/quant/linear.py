@@ -9,10 +9,13 @@ reads.
     int4   one scale and zero point per group of inputs:     w = (q - 8) · scale + zero, q in 0..15
     int3, int2 the same with 2^b levels (for the accuracy study; dequantized on the fly)
 
-Kernels. int8 runs `torch.ops.aten._weight_int8pack_mm` and int4 `_weight_int4pack_mm_for_cpu` (weights
-packed once, at quantize or load time) where torch has them; elsewhere the weight is dequantized to the
-model's dtype on the fly (`kernel="dequantize"`), which gives the same numbers more slowly.
-`kernel="packed"` insists on the packed kernel and refuses, before any work, a device that lacks it.
+Kernels, for a few tokens (a decode step):
+* `native` (CPU, int8 and int4): llminfer's own matrix-vector loops (`llminfer.kernels.cpu`), which read the
+  canonical codes as they are and widen them in registers. `auto` takes it wherever it builds.
+* `packed`: torch's `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (weights repacked once, at
+  quantize or load time). `kernel="packed"` insists on it and refuses, before any work, a device without it.
+* `dequantize`: the weight is dequantized to the model's dtype on the fly; the same numbers, more slowly.
+Longer inputs (a prefill) dequantize once and run one float matmul.
 """
 from __future__ import annotations
 
@@ -20,17 +23,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels import cpu as native_cpu
 from .weights import check_scheme, quantize_tensor
 
 __all__ = ["QuantizedLinear", "quantize", "SCHEMES", "KERNELS", "has_kernel", "quantized_modules",
            "quantized_weight_bytes"]
 
 SCHEMES = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
-KERNELS = ("auto", "packed", "dequantize")
+KERNELS = ("auto", "native", "packed", "dequantize")
 _INT4_KERNEL_GROUPS = (256, 128, 64, 32)       # the group sizes `_weight_int4pack_mm_for_cpu` takes
-# The packed kernels are matrix-vector products: past a few rows (a prefill) one dequantization and a float
-# matmul is far faster, so longer inputs take that path.
-KERNEL_MAX_TOKENS = 8
+# The packed and native kernels are matrix-vector products: past a few rows (a prefill) one dequantization
+# and a float matmul is far faster, so longer inputs take that path.
+KERNEL_MAX_TOKENS = native_cpu.MAX_TOKENS
 
 
 def has_kernel(bits: int, device: torch.device | str) -> bool:
@@ -51,11 +55,29 @@ def _int4_kernel_group(in_features: int, group_size: int | None) -> int | None:
     return next((g for g in _INT4_KERNEL_GROUPS if in_features % g == 0), None)
 
 
+def _native_fits(bits: int, group_size: int | None, in_features: int, device) -> bool:
+    """Whether llminfer's native CPU kernel takes this layer (building the kernels if need be)."""
+    if torch.device(device).type != "cpu":
+        return False
+    shape_ok = group_size is None if bits == 8 else bits == 4 and in_features % 32 == 0
+    return shape_ok and native_cpu.available()
+
+
 def _choose_kernel(bits: int, group_size: int | None, in_features: int, out_features: int, device,
                    kernel: str) -> str:
-    """'int8pack', 'int4pack' or 'dequantize' for a layer; ValueError if kernel='packed' cannot be had."""
+    """'native', 'int8pack', 'int4pack' or 'dequantize' for a layer; ValueError if kernel='packed' or
+    'native' cannot be had."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
+    if kernel in ("auto", "native") and bits in (8, 4) and _native_fits(bits, group_size, in_features, device):
+        return "native"
+    if kernel == "native":
+        why = (f"it is unavailable here ({native_cpu.why_unavailable()})" if torch.device(device).type == "cpu"
+               and bits in (8, 4) and native_cpu.why_unavailable() else
+               "it takes int8 per channel and int4 with in_features a multiple of 32, on a CPU")
+        raise ValueError(f"no native kernel for a ({out_features} x {in_features}) int{bits} weight"
+                         f"{'' if group_size is None else f' in groups of {group_size}'} on {torch.device(device)}: "
+                         f"{why}; pass kernel='auto' to use torch's kernels or dequantize on the fly")
     available = has_kernel(bits, device)
     if bits == 4:
         available = available and _int4_kernel_group(in_features, group_size) is not None \
@@ -152,6 +174,14 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", stored.contiguous())    # (N, K) or (N, K/2) nibbles for int4
             self.register_buffer("scales", scales.contiguous())     # (N, n_groups)
             self.register_buffer("zeros", None if zeros is None else zeros.contiguous())
+        if self.kernel == "native":
+            # the kernel's float32 terms: w = q·scale (int8) or q·scale + offset, offset = zero - 8·scale (int4)
+            scale32 = scales.float()
+            self.kernel_group = in_features if group_size is None else group_size
+            self.register_buffer("kernel_scale", (scale32[:, 0] if bits == 8 else scale32).contiguous(),
+                                 persistent=False)
+            self.register_buffer("kernel_offset", None if bits == 8 else
+                                 (zeros.float() - 2 ** (bits - 1) * scale32).contiguous(), persistent=False)
 
     # --- building ------------------------------------------------------------------------------------
 
@@ -265,8 +295,10 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)                                            # (tokens, K)
-        few = x2.shape[0] <= KERNEL_MAX_TOKENS        # decode: the packed matrix-vector kernels
-        if self.kernel == "int8pack" and few:
+        few = x2.shape[0] <= KERNEL_MAX_TOKENS        # decode: the matrix-vector kernels
+        if self.kernel == "native" and few and x2.device.type == "cpu":
+            y = native_cpu.gemv(x2, self.qweight, self.kernel_scale, self.kernel_offset, self.kernel_group)
+        elif self.kernel == "int8pack" and few:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)         # (tokens, N)
         elif self.kernel == "int4pack" and few:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.kernel_group,

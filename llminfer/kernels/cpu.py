@@ -1,0 +1,142 @@
+"""Native matrix-vector kernels for decode on a CPU (float32, bfloat16, int8, int4 weights). Chapter 08.
+
+A decode step is one activation row times every weight matrix. torch's own kernels for that shape leave
+bandwidth unused on many CPUs: its bfloat16 path converts the whole matrix, and its packed int8/int4
+kernels are written for other shapes. `cpu_gemv.cpp`, beside this file, streams each weight row once,
+widens it to float32 in registers and multiply-adds it (AVX2 and FMA where the CPU has them, portable
+loops elsewhere), reading the checkpoint's own layout.
+
+The source is compiled the first time it is needed (about 15 s with a C++ compiler; torch's extension
+builder) and kept in `LLMINFER_KERNEL_CACHE` (default `~/.cache/llminfer/kernels`). Without a compiler
+`available()` is False, `why_unavailable()` says why, and the callers keep torch's kernels.
+`LLMINFER_NATIVE_KERNELS=0` turns them off.
+
+The ops are `torch.ops.llminfer.gemv_f32(x, w)`, `gemv_bf16(x, w)`, `gemv_int8(x, codes, scale)` and
+`gemv_int4(x, nibbles, scale, offset, group)`: x (tokens, K) float32 or bfloat16, the weight (N, K) row-major
+(int4: (N, K/2) bytes, the even input in the low nibble), the result (tokens, N) in x's dtype. Beside them,
+`decode_attention(q, k, v, mask, scale)`: a few queries against the K/V cache read in place (grouped-query
+heads shared, masked positions skipped), registered as the attention backend 'native'. They carry fake
+implementations, so `torch.compile` traces through them.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from llminfer.attention import fast_attention
+
+__all__ = ["available", "why_unavailable", "load", "isa", "gemv", "decode_attention", "attention_backend",
+           "MAX_TOKENS", "SOURCE", "cache_dir"]
+
+SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+# Matrix-vector kernels: past a few rows of x (a prefill) a blocked matmul reuses each weight many times
+# and wins, so the callers send only up to this many rows here.
+MAX_TOKENS = 8
+
+_lock = threading.Lock()
+_state: dict = {"loaded": False, "error": None}
+
+
+def cache_dir() -> Path:
+    """Where the compiled kernels are kept: $LLMINFER_KERNEL_CACHE, else ~/.cache/llminfer/kernels."""
+    return Path(os.environ.get("LLMINFER_KERNEL_CACHE", Path.home() / ".cache" / "llminfer" / "kernels"))
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
+    name = f"llminfer_cpu_gemv_{digest}"
+    build = cache_dir() / name
+    build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob("*.so")):
+        print(f"llminfer: compiling the CPU decode kernels once into {build} (about 15 s)", file=sys.stderr)
+    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-std=c++17"],
+                       build_directory=str(build), is_python_module=False, verbose=False)
+    _register_fakes()
+
+
+def _register_fakes() -> None:
+    def dense(x, w, *rest):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+    for op in ("gemv_f32", "gemv_bf16", "gemv_int8", "gemv_int4"):
+        torch.library.register_fake(f"llminfer::{op}", dense)
+    torch.library.register_fake("llminfer::decode_attention",
+                                lambda q, k, v, mask, scale: q.new_empty(q.shape))
+
+
+def load() -> bool:
+    """Builds (once) and loads the kernels; True when `torch.ops.llminfer.gemv_*` can be called."""
+    with _lock:
+        if _state["loaded"] or _state["error"] is not None:
+            return _state["loaded"]
+        if os.environ.get("LLMINFER_NATIVE_KERNELS", "1") == "0":
+            _state["error"] = "turned off by LLMINFER_NATIVE_KERNELS=0"
+            return False
+        try:
+            _build()
+        except Exception as error:            # no compiler, no ninja, a failed build: torch's kernels remain
+            _state["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+            return False
+        _state["loaded"] = True
+        return True
+
+
+def available() -> bool:
+    """Whether the native CPU kernels are built and loaded (building them now if need be)."""
+    return load()
+
+
+def why_unavailable() -> str | None:
+    """None when the kernels load; otherwise the reason (no compiler, turned off, ...)."""
+    load()
+    return _state["error"]
+
+
+def isa() -> str:
+    """'avx2+fma' when the vector loops run, 'portable' otherwise (or 'unavailable')."""
+    return str(torch.ops.llminfer.cpu_kernel_isa()) if load() else "unavailable"
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+         offset: torch.Tensor | None = None, group: int | None = None) -> torch.Tensor:
+    """x (tokens, K) times the weight's transpose, by the kernel for the weight's dtype. Chapter 08.
+
+    float32 and bfloat16 weights (N, K); int8 codes (N, K) with `scale` (N,); int4 nibbles (N, K/2) uint8
+    with `scale` and `offset` (N, K/group) float32, where w = q·scale + offset.
+    """
+    if weight.dtype == torch.float32:
+        return torch.ops.llminfer.gemv_f32(x, weight)
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.llminfer.gemv_bf16(x, weight)
+    if weight.dtype == torch.int8:
+        return torch.ops.llminfer.gemv_int8(x, weight, scale)
+    if weight.dtype == torch.uint8:
+        return torch.ops.llminfer.gemv_int4(x, weight, scale, offset, group)
+    raise ValueError(f"no native kernel for {weight.dtype} weights; float32, bfloat16, int8 and int4 (uint8 "
+                     "nibbles) have one")
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                     scale: float | None = None) -> torch.Tensor:
+    """softmax(q·kᵀ·scale, masked)·v for q (B, H, T_q, D) against k, v (B, H_kv, T_k, D); causal without a
+    mask (query i sees keys up to T_k - T_q + i). The native kernel; float32 or bfloat16. Chapter 08."""
+    return torch.ops.llminfer.decode_attention(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+def attention_backend(q, k, v, causal: bool = True, mask: torch.Tensor | None = None, scale: float | None = None):
+    """The 'native' attention backend: the decode_attention kernel for a few queries on a CPU (a decode
+    step), F.scaled_dot_product_attention for everything else (a prefill, a GPU, autograd)."""
+    if (q.device.type == "cpu" and q.dim() == 4 and q.shape[-2] <= MAX_TOKENS and q.dtype == k.dtype == v.dtype
+            and q.dtype in (torch.float32, torch.bfloat16) and (mask is not None or causal)
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            and (_state["loaded"] or load())):       # (a dict read, not the lock, inside a compiled step)
+        return decode_attention(q, k, v, mask, scale)
+    return fast_attention(q, k, v, causal=causal, scale=scale, mask=mask)

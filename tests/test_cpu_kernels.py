@@ -1,0 +1,287 @@
+"""The native CPU matrix-vector kernels (llminfer.kernels.cpu) against plain float matmuls, and the module
+transform that puts them under a model (llminfer.fast.use_native_kernels)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+import llminfer
+from llminfer import fast
+from llminfer.kernels import cpu
+from llminfer.quant.linear import QuantizedLinear
+
+from small_models import SMALL_CONFIGS, random_model
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler to build the native kernels")
+
+
+def _int4_case(n: int, k: int, group: int, generator):
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    scale = torch.rand(n, k // group, generator=generator) * 0.1
+    offset = torch.randn(n, k // group, generator=generator) * 0.1
+    weight = (codes.float().view(n, k // group, group) * scale[..., None] + offset[..., None]).view(n, k)
+    return packed, scale, offset, weight
+
+
+# shapes with odd row counts (the 4-row blocks' tail) and, for the dense formats, K off the 16-wide step
+DENSE_SHAPES = [(1, 960, 576), (3, 13, 64), (8, 7, 40), (2, 1, 17)]
+
+
+@pytest.mark.parametrize("tokens,n,k", DENSE_SHAPES)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_dense_kernels_match_a_float64_reference(tokens, n, k, x_dtype):
+    g = torch.Generator().manual_seed(n * k + tokens)
+    x = torch.randn(tokens, k, generator=g).to(x_dtype)
+    w = torch.randn(n, k, generator=g)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s = torch.rand(n, generator=g) * 0.01
+    cases = {"f32": (cpu.gemv(x, w), w.double()),
+             "bf16": (cpu.gemv(x, w.bfloat16()), w.bfloat16().double()),
+             "int8": (cpu.gemv(x, q, s), q.double() * s.double()[:, None])}
+    for name, (got, weight) in cases.items():
+        reference = x.double() @ weight.T
+        assert got.shape == (tokens, n) and got.dtype == x_dtype, name
+        # float32 accumulation; a bfloat16 result is rounded once more (8 bits of mantissa)
+        tolerance = 2e-5 * (k ** 0.5) * float(reference.abs().max()) if x_dtype == torch.float32 else \
+            float(reference.abs().max()) / 128
+        assert float((got.double() - reference).abs().max()) <= tolerance + 1e-6, name
+
+
+@pytest.mark.parametrize("tokens,n,k,group", [(1, 96, 128, 32), (3, 13, 576, 64), (8, 5, 256, 256), (2, 9, 96, 96)])
+def test_int4_kernel_matches_a_float64_reference(tokens, n, k, group):
+    g = torch.Generator().manual_seed(k + n)
+    packed, scale, offset, weight = _int4_case(n, k, group, g)
+    x = torch.randn(tokens, k, generator=g)
+    got = cpu.gemv(x, packed, scale, offset, group)
+    reference = x.double() @ weight.double().T
+    assert got.shape == (tokens, n)
+    assert float((got.double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max()) + 1e-5
+    # a wrong nibble order would move it far: swapping the halves of every byte is caught
+    swapped = ((packed >> 4) | (packed << 4)).contiguous()
+    assert float((cpu.gemv(x, swapped, scale, offset, group).double() - reference).abs().max()) > \
+        1e-2 * float(reference.abs().max())
+
+
+def test_the_portable_loops_give_the_same_numbers_as_the_vector_ones():
+    """LLMINFER_CPU_KERNELS_PORTABLE=1 runs the loops other CPUs (ARM) get; they must agree."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 576, generator=g)
+    w = torch.randn(37, 576, generator=g)
+    q = torch.randint(-127, 128, (37, 576), dtype=torch.int8, generator=g)
+    s = torch.rand(37, generator=g)
+    packed, scale, offset, _ = _int4_case(37, 576, 64, g)
+    here = {"f32": cpu.gemv(x, w), "bf16": cpu.gemv(x, w.bfloat16()), "int8": cpu.gemv(x, q, s),
+            "int4": cpu.gemv(x, packed, scale, offset, 64)}
+    script = textwrap.dedent("""
+        import json, sys, torch
+        from llminfer.kernels import cpu
+        x, w, q, s, packed, scale, offset = torch.load(sys.argv[1])
+        out = {"isa": cpu.isa(), "f32": cpu.gemv(x, w).tolist(), "bf16": cpu.gemv(x, w.bfloat16()).tolist(),
+               "int8": cpu.gemv(x, q, s).tolist(), "int4": cpu.gemv(x, packed, scale, offset, 64).tolist()}
+        print(json.dumps(out))
+    """)
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "case.pt")
+        torch.save((x, w, q, s, packed, scale, offset), path)
+        env = dict(os.environ, LLMINFER_CPU_KERNELS_PORTABLE="1")
+        done = subprocess.run([sys.executable, "-c", script, path], env=env, capture_output=True, text=True,
+                              timeout=300)
+    assert done.returncode == 0, done.stderr
+    there = json.loads(done.stdout.strip().splitlines()[-1])
+    assert there["isa"] == "portable"
+    for name, value in here.items():
+        torch.testing.assert_close(torch.tensor(there[name]), value, atol=1e-3, rtol=1e-4, msg=name)
+
+
+def test_bad_inputs_are_refused_with_the_sizes_named():
+    w = torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match=r"x has 32 inputs, the weight 64"):
+        cpu.gemv(torch.randn(1, 32), w)
+    with pytest.raises(RuntimeError, match=r"x must be float32 or bfloat16"):
+        cpu.gemv(torch.randn(1, 64).half(), w)
+    with pytest.raises(RuntimeError, match=r"contiguous \(N, K\)"):
+        cpu.gemv(torch.randn(1, 8), w.t())
+    with pytest.raises(RuntimeError, match=r"one entry per output row \(8\)"):
+        cpu.gemv(torch.randn(1, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(7))
+    packed = torch.zeros(8, 48, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=r"group 48 must be a multiple of 32 that divides 96"):
+        cpu.gemv(torch.randn(1, 96), packed, torch.ones(8, 2), torch.ones(8, 2), 48)
+    with pytest.raises(ValueError, match=r"no native kernel for torch.float16 weights"):
+        cpu.gemv(torch.randn(1, 64), w.half())
+
+
+def test_the_ops_trace_under_torch_compile():
+    w = torch.randn(40, 64)
+    x = torch.randn(1, 64)
+    compiled = torch.compile(lambda a: torch.relu(cpu.gemv(a, w)) * 2, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), torch.relu(x @ w.T) * 2, atol=1e-5, rtol=1e-5)
+
+
+# --- under a model -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-bias-gqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_model_decodes_the_same_tokens(name, dtype):
+    model = random_model(SMALL_CONFIGS[name]).to(dtype)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    expected_logits = model(ids)
+    expected = llminfer.generate(model, ids, max_new_tokens=10)
+    keys = list(model.state_dict())
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    fast.use_native_kernels(model)
+    assert fast.uses_native_kernels(model)
+    assert all(type(m) is not nn.Linear for m in model.modules())
+    assert list(model.state_dict()) == keys                       # same names: checkpoints are unchanged
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tied
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(model(ids), expected_logits, atol=tolerance, rtol=tolerance)   # prefill: F.linear
+    got = llminfer.generate(model, ids, max_new_tokens=10)                                    # decode: native
+    if dtype == torch.float32:
+        assert got.token_ids == expected.token_ids
+    # one decode step, native against F.linear
+    cache = model.new_cache(1, 16)
+    with torch.inference_mode():
+        model(ids, cache=cache)
+        step = model(ids[:, -1:], cache=cache)
+    cache = model.new_cache(1, 16)
+    reference_model = random_model(SMALL_CONFIGS[name]).to(dtype)
+    with torch.inference_mode():
+        reference_model(ids, cache=cache)
+        reference = reference_model(ids[:, -1:], cache=cache)
+    torch.testing.assert_close(step, reference, atol=tolerance, rtol=tolerance)
+
+
+def test_native_linear_leaves_autograd_and_long_inputs_to_torch(monkeypatch):
+    layer = nn.Linear(64, 24)
+    fast.use_native_kernels(layer)                      # a bare module is a model too
+    assert type(layer) is fast.NativeLinear
+    calls = []
+    real = cpu.gemv
+    monkeypatch.setattr(cpu, "gemv", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    x = torch.randn(2, 64, requires_grad=True)
+    layer(x).sum().backward()                           # autograd: F.linear, which has a backward
+    assert x.grad is not None and calls == []
+    with torch.no_grad():
+        layer(torch.randn(1, 20, 64))                   # 20 tokens: a prefill, torch's blocked matmul
+        assert calls == []
+        y = layer(torch.randn(1, 3, 64))
+    assert calls == [(3, 64)] and y.shape == (1, 3, 24)
+
+
+def test_fused_quantized_model_runs_the_native_kernels_in_the_compiled_step():
+    model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
+    reference = random_model(SMALL_CONFIGS["llama-gqa-tied"])
+    llminfer.quant.quantize(model, "int8")
+    llminfer.quant.quantize(reference, "int8", kernel="dequantize")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    decoder = fast.compile_decode(model, max_seq_len=32, backend="eager")
+    assert fast.uses_native_kernels(model)
+    assert {m.kernel for m in llminfer.quant.quantized_modules(model).values()} == {"native"}
+    got = decoder.generate(ids, max_new_tokens=8).token_ids
+    assert got == llminfer.generate(reference, ids, max_new_tokens=8).token_ids
+
+
+def test_without_the_kernels_the_model_keeps_torchs(monkeypatch):
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    monkeypatch.setattr(cpu, "why_unavailable", lambda: "turned off by LLMINFER_NATIVE_KERNELS=0")
+    model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
+    assert fast.use_native_kernels(model) is model and not fast.uses_native_kernels(model)
+    with pytest.raises(RuntimeError, match=r"unavailable \(turned off by LLMINFER_NATIVE_KERNELS=0\).*strict=False"):
+        fast.use_native_kernels(model, strict=True)
+
+
+def test_turned_off_by_the_environment():
+    script = "from llminfer.kernels import cpu; print(cpu.available(), cpu.why_unavailable(), cpu.isa())"
+    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, LLMINFER_NATIVE_KERNELS="0"),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "turned", "off", "by", "LLMINFER_NATIVE_KERNELS=0", "unavailable"]
+
+
+# --- decode attention ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,heads,kv_heads,t_q,t_k,head_dim", [(1, 9, 3, 1, 200, 64), (2, 4, 2, 3, 17, 8),
+                                                                   (1, 2, 2, 2, 5, 12)])
+def test_decode_attention_matches_the_explicit_attention(dtype, batch, heads, kv_heads, t_q, t_k, head_dim):
+    from llminfer.attention import attention
+    g = torch.Generator().manual_seed(t_k)
+    q = torch.randn(batch, heads, t_q, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, kv_heads, t_k, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, t_k, head_dim, generator=g).to(dtype)
+    mask = torch.rand(batch, 1, t_q, t_k, generator=g) > 0.4
+    mask[..., 0] = True
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for kwargs, reference in (({"mask": mask}, attention(q.float(), k.float(), v.float(), mask=mask)[0]),
+                              ({}, attention(q.float(), k.float(), v.float(), causal=True)[0]),
+                              ({"scale": 0.3}, attention(q.float(), k.float(), v.float(), causal=True, scale=0.3)[0])):
+        got = cpu.decode_attention(q, k, v, **kwargs)
+        assert got.shape == q.shape and got.dtype == dtype
+        torch.testing.assert_close(got.float(), reference, atol=tolerance, rtol=tolerance)
+    # strided inputs (q as a view of a wider tensor) are read as they are
+    wide = torch.randn(batch, heads, t_q, head_dim * 2, generator=g).to(dtype)
+    view = wide[..., :head_dim]
+    torch.testing.assert_close(cpu.decode_attention(view, k, v).float(),
+                               attention(view.float(), k.float(), v.float(), causal=True)[0],
+                               atol=tolerance, rtol=tolerance)
+
+
+def test_decode_attention_with_nothing_visible_gives_nan_and_bad_shapes_are_refused():
+    q, k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
+    hidden = torch.zeros(1, 1, 1, 4, dtype=torch.bool)
+    assert torch.isnan(cpu.decode_attention(q, k, v, hidden)).all()       # as softmax over nothing
+    with pytest.raises(RuntimeError, match=r"H a multiple of H_kv"):
+        cpu.decode_attention(torch.randn(1, 3, 1, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
+    with pytest.raises(RuntimeError, match=r"one dtype, float32 or bfloat16"):
+        cpu.decode_attention(q.double(), k.double(), v.double())
+    with pytest.raises(RuntimeError, match=r"boolean"):
+        cpu.decode_attention(q, k, v, hidden.float())
+
+
+def test_the_native_backend_sends_long_inputs_to_sdpa(monkeypatch):
+    from llminfer.attention import get_backend
+    backend = get_backend("native")
+    calls = []
+    real = cpu.decode_attention
+    monkeypatch.setattr(cpu, "decode_attention", lambda *a, **k: calls.append(a[0].shape[-2]) or real(*a, **k))
+    q, k, v = torch.randn(1, 4, 20, 8), torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+    full = backend(q, k, v, causal=True)                          # a prefill: sdpa
+    step = backend(q[:, :, -1:], k, v, causal=True)               # a decode step: the kernel
+    assert calls == [1]
+    torch.testing.assert_close(step, full[:, :, -1:], atol=1e-5, rtol=1e-5)
+
+
+# --- generate runs the attached compiled step ---------------------------------------------------------
+
+def test_generate_runs_the_compiled_decoder_when_the_request_fits(monkeypatch):
+    model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
+    reference = random_model(SMALL_CONFIGS["llama-gqa-tied"])
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(4))
+    decoder = fast.compile_decode(model, max_seq_len=24, backend="eager")
+    assert model.compiled_decoder is decoder and model.attn_backend == "native"
+    steps = []
+    real = decoder.decode
+    monkeypatch.setattr(decoder, "decode", lambda token: steps.append(1) or real(token))
+    expected = llminfer.generate(reference, ids, max_new_tokens=9)
+    got = llminfer.generate(model, ids, max_new_tokens=9)
+    assert got.token_ids == expected.token_ids and len(steps) == 8 and got.num_prompt_tokens == 7
+    # EOS ends the row there, as in the eager loop
+    eos = expected.token_ids[3]
+    assert llminfer.generate(model, ids, max_new_tokens=9, eos_token_id=eos).token_ids == \
+        llminfer.generate(reference, ids, max_new_tokens=9, eos_token_id=eos).token_ids
+    # a request that does not fit (longer than the decoder's cache, or another batch) runs eagerly
+    steps.clear()
+    long = llminfer.generate(model, ids, max_new_tokens=20)
+    assert steps == [] and long.token_ids == llminfer.generate(reference, ids, max_new_tokens=20).token_ids
+    model.compiled_decoder = None
+    llminfer.generate(model, ids, max_new_tokens=4)
+    assert steps == []
