@@ -20,6 +20,7 @@ inside the compiled step.
 from __future__ import annotations
 
 import time
+import types
 
 import torch
 import torch.nn as nn
@@ -34,10 +35,11 @@ from .quant.linear import QuantizedLinear
 __all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "use_native_kernels",
            "uses_native_kernels", "optimize_decode", "FastDecoder", "compile_decode", "COMPILE_OPTIONS"]
 
-# inductor settings of the compiled step: weights frozen as constants (prepacked for the matmul kernels).
-# max_autotune (benchmarking matmul templates per shape) is left off: on a 2-core CPU it multiplies the
-# compile time by several for the same step.
-COMPILE_OPTIONS = {"freezing": True}
+# inductor settings of the compiled step: weights frozen as constants (prepacked for the matmul kernels),
+# and no size assertions in the generated wrapper (the shapes are static; each assertion is Python work in
+# every step). max_autotune (benchmarking matmul templates per shape) is left off: on a 2-core CPU it
+# multiplies the compile time by several for the same step.
+COMPILE_OPTIONS = {"freezing": True, "size_asserts": False}
 
 
 def _concat_linears(layers: list[nn.Module]) -> nn.Module:
@@ -193,10 +195,13 @@ class FastDecoder:
     `generate(ids, max_new_tokens)` returns a GenerationResult timed like `llminfer.generate`. The prefill
     runs eagerly through the same forward; each later token calls the compiled step. `compile_s` is the
     time the first compiled call took (tracing, code generation, autotuning), or 0.0 uncompiled.
+    specialize=True (inductor only) drops the guards on the model's modules: the step is then tied to the
+    model as it was compiled, and a changed model needs a new decoder.
     """
 
     def __init__(self, model, batch_size: int = 1, max_seq_len: int | None = None, compile: bool = True,
-                 options: dict | None = None, dynamic: bool = False, backend: str = "inductor"):
+                 options: dict | None = None, dynamic: bool = False, backend: str = "inductor",
+                 specialize: bool = True):
         max_seq_len = model.config.max_seq_len if max_seq_len is None else max_seq_len
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -210,7 +215,20 @@ class FastDecoder:
         self.compile_s = 0.0
         self.threads = torch.get_num_threads()
         model.rope_tables(model.config.max_seq_len)                 # grown now, never inside the compiled step
-        self._step = torch.compile(self._forward, backend=backend, options=self.options, dynamic=dynamic,
+        options = self.options
+        if options is not None and specialize:
+            # no guards on the model's modules: checking them before every step costs more than a millisecond
+            # for a 30-layer model. The step is specialised to the model as it is now; changing the model
+            # (its weights' identity, its attention backend) afterwards needs a new decoder.
+            options = dict(options, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)
+        # Each decoder compiles its own copy of the step's code: torch.compile keeps its compiled graphs (and
+        # their guards) per code object, and without module guards two decoders sharing one code object
+        # could run each other's graphs.
+        step = types.FunctionType(FastDecoder._forward.__code__.replace(
+            co_name=f"decode_step_{id(self):x}", co_qualname=f"FastDecoder.decode_step_{id(self):x}"),
+            FastDecoder._forward.__globals__)
+        step = types.MethodType(step, self)
+        self._step = torch.compile(step, backend=backend, options=options, dynamic=dynamic,
                                    fullgraph=True) if compile else self._forward
 
     def _forward(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:

@@ -285,3 +285,26 @@ def test_generate_runs_the_compiled_decoder_when_the_request_fits(monkeypatch):
     model.compiled_decoder = None
     llminfer.generate(model, ids, max_new_tokens=4)
     assert steps == []
+
+
+def test_two_compiled_decoders_keep_their_own_models():
+    """The compiled step has no guards on the model's modules; each decoder must still run its own model."""
+    first = random_model(SMALL_CONFIGS["llama-gqa-tied"], seed=0)
+    second = random_model(SMALL_CONFIGS["llama-gqa-tied"], seed=5)
+    ids = torch.randint(0, first.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(6))
+    expected = [llminfer.generate(m, ids, max_new_tokens=6).token_ids for m in (first, second)]
+    assert expected[0] != expected[1]
+    decoders = [fast.compile_decode(m, max_seq_len=16, attach=False) for m in (first, second)]
+    assert [d.generate(ids, 6).token_ids for d in decoders] == expected
+    assert [d.generate(ids, 6).token_ids for d in reversed(decoders)] == expected[::-1]
+
+
+def test_a_venvs_own_ninja_is_found_without_activating_it(monkeypatch):
+    import shutil
+
+    import ninja
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert shutil.which("ninja") is None
+    cpu._ninja_on_path()
+    assert shutil.which("ninja") is not None
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(ninja.BIN_DIR)

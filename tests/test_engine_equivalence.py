@@ -126,3 +126,18 @@ def test_bfloat16_engine_stays_close_to_generate():
     engine = LLMEngine(model, block_size=16, max_num_seqs=4)
     assert [o.token_ids for o in engine.generate(prompts, SamplingParams(max_new_tokens=1))] == refs
     assert engine.cache.k[0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("model_name", ["bundled", "gqa"])
+def test_the_optimized_engine_gives_the_same_tokens(cases, model_name):
+    """optimize=True (fused projections, native CPU decode kernels) changes the speed, not the answers."""
+    import copy
+
+    from llminfer import fast
+    model, prompts, params, refs = cases[model_name]
+    optimized = copy.deepcopy(model)
+    engine = LLMEngine(optimized, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, optimize=True)
+    assert fast.is_fused(optimized) and fast.uses_native_kernels(optimized) == llminfer.kernels.cpu.available()
+    assert [o.token_ids for o in engine.generate(prompts, params)] == refs
+    with pytest.raises(ValueError, match=r"optimize must be True or False, got 'yes'"):
+        LLMEngine(model, block_size=16, optimize="yes")

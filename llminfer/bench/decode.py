@@ -53,7 +53,7 @@ def _parse(argv):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", default="auto", help="an integer, or 'auto': the count where llama.cpp is fastest")
     parser.add_argument("--precisions", default="fp32,bf16,int8,int4")
-    parser.add_argument("--quant-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+    parser.add_argument("--quant-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="activation dtype of the int8/int4 models")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--no-transformers", dest="transformers", action="store_false")
@@ -148,9 +148,9 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
         weight_bytes = quantized_weight_bytes(model)
         element = timing.dtype_bytes(dtype or quant_dtype)
         _log(f"compiling llminfer {name}" if args.compile else f"preparing llminfer {name}")
-        decoder = compile_decode(model, max_seq_len=n_ctx, compile=args.compile)
+        decoder = compile_decode(model, max_seq_len=n_ctx, compile=args.compile, attach=False)
         if args.compile:                                  # the same fused model, its step left eager
-            plain = compile_decode(model, max_seq_len=n_ctx, compile=False)
+            plain = compile_decode(model, max_seq_len=n_ctx, compile=False, attach=False)
             label = f"llminfer fused {name}"
             contenders[label] = lambda d=plain: d.generate(ids, args.new_tokens)
             info[label] = {"precision": name, "weight_bytes": weight_bytes, "kv_element_bytes": element}

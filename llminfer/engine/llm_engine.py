@@ -92,13 +92,16 @@ def _is_int(value) -> bool:
 
 
 class LLMEngine:
-    """Continuous batching over a paged KV cache with prefix caching, driven one step at a time. Chapter 05."""
+    """Continuous batching over a paged KV cache with prefix caching, driven one step at a time. Chapter 05.
+
+    optimize=True applies `llminfer.fast.optimize_decode` to the model first (in place): fused projections
+    and, on a CPU, the native decode kernels (chapter 08)."""
 
     def __init__(self, model, block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, policy: str = "continuous", enable_prefix_caching: bool = True,
                  chunked_prefill: bool = True, max_model_len: int | None = None,
                  kv_memory_fraction: float = KV_MEMORY_FRACTION, kernel: str | None = None,
-                 clock=time.perf_counter, trace_limit: int = 100_000):
+                 clock=time.perf_counter, trace_limit: int = 100_000, optimize: bool = False):
         cfg = model.config
         if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a positive power of two (1, 2, 4, 8, 16, ...), got {block_size!r}; "
@@ -140,6 +143,13 @@ class LLMEngine:
                                  f"positions is too small for one request of max_model_len={max_model_len}; pass "
                                  f"num_blocks >= {one_request}, or max_model_len <= {num_blocks * block_size}")
             self.pool_sizing = f"{num_blocks} blocks (given)"
+        if optimize is not False and optimize is not True:
+            raise ValueError(f"optimize must be True or False, got {optimize!r}")
+        if optimize:
+            # chapter 08's decode path, in place: fused q/k/v and gate/up, and on a CPU the native kernels
+            # for the small decode batches (larger ones keep torch's matmul)
+            from ..fast import optimize_decode
+            optimize_decode(model)
         self.model = model
         self.config = cfg
         self.max_model_len = max_model_len

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -47,9 +48,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LLMINFER_KERNEL_CACHE", Path.home() / ".cache" / "llminfer" / "kernels"))
 
 
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; a venv's own (the `ninja` package) is not on it unless the venv
+    is activated, so it is put there."""
+    if shutil.which("ninja"):
+        return
+    places = [str(Path(sys.executable).parent)]
+    try:
+        import ninja
+        places.insert(0, str(ninja.BIN_DIR))
+    except ImportError:
+        pass
+    os.environ["PATH"] = os.pathsep.join(places + [os.environ.get("PATH", "")])
+
+
 def _build() -> None:
     from torch.utils import cpp_extension
 
+    _ninja_on_path()
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
     name = f"llminfer_cpu_gemv_{digest}"

@@ -125,43 +125,53 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// One weight row against the rows of x: four accumulators, 32 inputs a step, and a software prefetch
-// kPrefetch bytes ahead in the weight stream (which runs on into the next row). One row at a time keeps
-// the reads one sequential stream; the prefetch covers the start of each short row (the hardware
-// prefetcher alone ramps up too slowly on rows of a few KB).
-constexpr int64_t kPrefetch = 256;
-
 template <WKind kind>
 constexpr int64_t wbytes() { return kind == WKind::F32 ? 4 : kind == WKind::BF16 ? 2 : 1; }
 
-template <WKind kind>
-__attribute__((target("avx2,fma"))) inline float dot_row_avx2(const float* x, int64_t K, const void* w,
-                                                               int64_t row_start) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-  const char* bytes = static_cast<const char*>(w) + row_start * wbytes<kind>();
+// While R rows are read, the next R rows (contiguous after them, `ahead`) are prefetched at the same
+// pace, one block ahead: the hardware prefetcher alone ramps up too slowly on rows a few KB long.
+template <WKind kind, int R>
+__attribute__((target("avx2,fma"))) void dot_rows_avx2(const float* x, int64_t K, const void* w, int64_t n,
+                                                        float* out, const char* ahead) {
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  constexpr int64_t step_bytes = 16 * wbytes<kind>() * R;        // bytes of the block read per step
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    const char* here = bytes + k * wbytes<kind>();
-    for (int64_t line = 0; line < 32 * wbytes<kind>(); line += 64) _mm_prefetch(here + kPrefetch + line, _MM_HINT_T0);
-    a0 = _mm256_fmadd_ps(wload8<kind>(w, row_start + k), load8(x + k), a0);
-    a1 = _mm256_fmadd_ps(wload8<kind>(w, row_start + k + 8), load8(x + k + 8), a1);
-    a2 = _mm256_fmadd_ps(wload8<kind>(w, row_start + k + 16), load8(x + k + 16), a2);
-    a3 = _mm256_fmadd_ps(wload8<kind>(w, row_start + k + 24), load8(x + k + 24), a3);
+  for (; k + 16 <= K; k += 16) {
+    if (ahead) {
+      for (int64_t line = 0; line < step_bytes; line += 64)
+        _mm_prefetch(ahead + k * wbytes<kind>() * R + line, _MM_HINT_T0);
+    }
+    __m256 x0 = load8(x + k), x1 = load8(x + k + 8);
+    for (int r = 0; r < R; ++r) {
+      a0[r] = _mm256_fmadd_ps(wload8<kind>(w, (n + r) * K + k), x0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(wload8<kind>(w, (n + r) * K + k + 8), x1, a1[r]);
+    }
   }
-  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(wload8<kind>(w, row_start + k), load8(x + k), a0);
-  float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  for (; k < K; ++k) s += x[k] * weight_at<kind>(w, row_start + k);
-  return s;
+  for (int r = 0; r < R; ++r) {
+    float s = hsum(_mm256_add_ps(a0[r], a1[r]));
+    for (int64_t j = k; j < K; ++j) s += x[j] * weight_at<kind>(w, (n + r) * K + j);
+    out[r] = s;
+  }
 }
 
 template <WKind kind>
 __attribute__((target("avx2,fma"))) void rows_avx2(const float* x, int64_t M, int64_t K, const void* w,
                                                     const float* scale, float* y, int64_t N, int64_t n0,
                                                     int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t m = 0; m < M; ++m) {          // the row stays in L1 for the other rows of x
-      float s = dot_row_avx2<kind>(x + m * K, K, w, n * K);
-      y[m * N + n] = scale ? s * scale[n] : s;
+  float out[4];
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const char* ahead = n + 8 <= n1 ? static_cast<const char*>(w) + (n + 4) * K * wbytes<kind>() : nullptr;
+    for (int64_t m = 0; m < M; ++m) {
+      dot_rows_avx2<kind, 4>(x + m * K, K, w, n, out, m == 0 ? ahead : nullptr);
+      for (int r = 0; r < 4; ++r) y[m * N + n + r] = scale ? out[r] * scale[n + r] : out[r];
+    }
+  }
+  for (; n < n1; ++n) {
+    for (int64_t m = 0; m < M; ++m) {
+      dot_rows_avx2<kind, 1>(x + m * K, K, w, n, out, nullptr);
+      y[m * N + n] = scale ? out[0] * scale[n] : out[0];
     }
   }
 }
