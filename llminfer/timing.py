@@ -161,6 +161,19 @@ def matvec_probe(device, dtype=torch.float32, nbytes: int | None = None) -> Ceil
                         f"({rows} x {cols}) matrix times a vector, {_name(dtype)}", device)
 
 
+def read_probe(device, dtype=torch.float32, nbytes: int | None = None) -> CeilingProbe:
+    """Returns a probe summing a tensor of nbytes: a pure streaming read, on every thread. Chapter 08.
+
+    torch's matrix-vector product does not always use every thread for one vector (it did not on a 2-core
+    CPU here), so as a bandwidth ceiling it can sit below what a decode kernel streams; a reduction does."""
+    device = _device(device)
+    numel = max(1, (nbytes or 2 * _default_bytes(device)) // dtype_bytes(dtype))
+    check_fits(numel * dtype_bytes(dtype), device, "the read-bandwidth test")
+    data = torch.ones(numel, dtype=dtype, device=device)
+    return CeilingProbe(lambda: data.sum(), numel * dtype_bytes(dtype),
+                        f"sum of {numel * dtype_bytes(dtype) / 2**20:.0f} MiB {_name(dtype)}", device)
+
+
 def matmul_probe(device, dtype=torch.float32, n: int | None = None) -> CeilingProbe:
     """Returns a probe multiplying two n x n matrices (2 n^3 FLOPs). Chapter 04."""
     device = _device(device)

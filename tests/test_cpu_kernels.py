@@ -308,3 +308,17 @@ def test_a_venvs_own_ninja_is_found_without_activating_it(monkeypatch):
     cpu._ninja_on_path()
     assert shutil.which("ninja") is not None
     assert os.environ["PATH"].split(os.pathsep)[0] == str(ninja.BIN_DIR)
+
+
+def test_a_quantized_model_cast_afterwards_still_runs_its_native_kernel():
+    model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
+    llminfer.quant.quantize(model, "int4", group_size=32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(7))
+    model.to(torch.bfloat16)                          # casts the float32 kernel scales too
+    layer = next(iter(llminfer.quant.quantized_modules(model).values()))
+    assert layer.kernel == "native" and layer.kernel_scale.dtype == torch.bfloat16
+    with torch.inference_mode():
+        cache = model.new_cache(1, 8)
+        model(ids, cache=cache)
+        step = model(ids[:, -1:], cache=cache)        # one token: the native kernel
+    assert step.shape == (1, 1, model.config.vocab_size) and torch.isfinite(step).all()

@@ -67,13 +67,15 @@ def _build() -> None:
 
     _ninja_on_path()
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
+    # OpenMP: at::parallel_for splits the rows over torch's threads only in code compiled with it
+    cflags, ldflags = ["-O3", "-std=c++17", "-fopenmp"], ["-fopenmp"]
+    digest = hashlib.sha256(source + torch.__version__.encode() + " ".join(cflags + ldflags).encode()).hexdigest()[:12]
     name = f"llminfer_cpu_gemv_{digest}"
     build = cache_dir() / name
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         print(f"llminfer: compiling the CPU decode kernels once into {build} (about 15 s)", file=sys.stderr)
-    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-std=c++17"],
+    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=ldflags,
                        build_directory=str(build), is_python_module=False, verbose=False)
     _register_fakes()
 

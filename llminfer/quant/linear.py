@@ -297,7 +297,9 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)                                            # (tokens, K)
         few = x2.shape[0] <= KERNEL_MAX_TOKENS        # decode: the matrix-vector kernels
         if self.kernel == "native" and few and x2.device.type == "cpu":
-            y = native_cpu.gemv(x2, self.qweight, self.kernel_scale, self.kernel_offset, self.kernel_group)
+            offset = None if self.kernel_offset is None else self.kernel_offset.float()
+            # (.float(): a no-op unless the model was cast after quantizing, which casts these buffers too)
+            y = native_cpu.gemv(x2, self.qweight, self.kernel_scale.float(), offset, self.kernel_group)
         elif self.kernel == "int8pack" and few:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)         # (tokens, N)
         elif self.kernel == "int4pack" and few:
