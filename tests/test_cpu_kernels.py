@@ -19,7 +19,12 @@ from llminfer.quant.linear import QuantizedLinear
 
 from small_models import SMALL_CONFIGS, random_model
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler to build the native kernels")
+
+
+def test_the_kernels_build_here():
+    """`make test` needs a C++ compiler (g++ or clang): the fast decode path is built from source."""
+    assert cpu.available(), f"the native CPU kernels did not build: {cpu.why_unavailable()}"
+    assert cpu.isa() in ("avx2+fma", "portable")
 
 
 def _int4_case(n: int, k: int, group: int, generator):
@@ -322,3 +327,16 @@ def test_a_quantized_model_cast_afterwards_still_runs_its_native_kernel():
         model(ids, cache=cache)
         step = model(ids[:, -1:], cache=cache)        # one token: the native kernel
     assert step.shape == (1, 1, model.config.vocab_size) and torch.isfinite(step).all()
+
+
+def test_a_cold_build_into_an_empty_cache(tmp_path):
+    """What a new user's first use does: compile the source into an empty kernel cache, then use it."""
+    script = ("import torch; from llminfer.kernels import cpu; "
+              "w = torch.randn(5, 40); x = torch.randn(2, 40); "
+              "print(cpu.available(), cpu.why_unavailable(), bool(torch.allclose(cpu.gemv(x, w), x @ w.T, atol=1e-5)))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, LLMINFER_KERNEL_CACHE=str(tmp_path)))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "None", "True"], done.stderr
+    assert "compiling the CPU decode kernels once" in done.stderr
+    assert list(tmp_path.glob("llminfer_cpu_gemv_*/*.so"))
