@@ -340,3 +340,17 @@ def test_a_cold_build_into_an_empty_cache(tmp_path):
     assert done.stdout.split() == ["True", "None", "True"], done.stderr
     assert "compiling the CPU decode kernels once" in done.stderr
     assert list(tmp_path.glob("llminfer_cpu_gemv_*/*.so"))
+
+
+def test_a_failed_build_says_why_and_leaves_torchs_kernels(tmp_path):
+    """No working compiler: the first use reports it once, and a model keeps torch's kernels."""
+    script = ("import torch, llminfer; from llminfer import fast; from llminfer.kernels import cpu; "
+              "m = llminfer.Transformer(llminfer.get_preset('smollm2-135m').replace(n_layers=1, dim=64, n_heads=2, "
+              "n_kv_heads=1, hidden_dim=128, vocab_size=100)); fast.use_native_kernels(m); "
+              "print(cpu.available(), fast.uses_native_kernels(m), m.attn_backend)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, LLMINFER_KERNEL_CACHE=str(tmp_path), CXX="/nonexistent/c++"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False", "sdpa"]
+    assert done.stderr.count("the native CPU decode kernels did not build") == 1
+    assert "torch's kernels run instead" in done.stderr

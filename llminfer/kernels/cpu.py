@@ -102,6 +102,8 @@ def load() -> bool:
             _build()
         except Exception as error:            # no compiler, no ninja, a failed build: torch's kernels remain
             _state["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+            print(f"llminfer: the native CPU decode kernels did not build ({_state['error']}); torch's kernels run "
+                  "instead. A C++ compiler (g++ or clang) and ninja build them.", file=sys.stderr)
             return False
         _state["loaded"] = True
         return True
