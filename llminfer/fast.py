@@ -16,6 +16,14 @@ model's forward or its checkpoint format:
 
 Quantized layers (`llminfer.quant.quantize`) are fused too, and run their packed int8/int4 kernels
 inside the compiled step.
+
+On a CPU, `use_native_kernels(model)` (which `compile_decode` and `optimize_decode` apply) goes further, in
+three module swaps that keep every parameter name: each float linear becomes a `NativeLinear` (llminfer's
+own matrix-vector kernels), each decoder layer a `NativeDecoderLayer` (norms, products, RoPE, the cache
+write, attention and SwiGLU in one native call) and the layer stack a `NativeDecoderStack` (every layer in
+one call). A decode step then leaves Python once for the whole stack instead of a dozen times a layer;
+anything the one call cannot take (a prefill, autograd, another cache or attention backend) runs the
+modules, so the model's forward stays the one forward.
 """
 from __future__ import annotations
 
@@ -29,10 +37,11 @@ import torch.nn.functional as F
 from .cuda_graphs import static_decode
 from .generate import GenerationResult, TokenTimer, as_token_batch, check_sampling, sample_next
 from .kernels import cpu as native_cpu
-from .model import MLP, Attention, apply_rope
+from .model import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, apply_rope
 from .quant.linear import QuantizedLinear
 
-__all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "use_native_kernels",
+__all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "NativeDecoderLayer",
+           "NativeDecoderStack",           "use_native_kernels",
            "uses_native_kernels", "optimize_decode", "FastDecoder", "compile_decode", "COMPILE_OPTIONS"]
 
 # inductor settings of the compiled step: weights frozen as constants (prepacked for the matmul kernels),
@@ -149,10 +158,103 @@ class NativeLinear(nn.Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+def _native_parts(linear: nn.Module, dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """A linear as the native kernels take it: [weight], [int8 codes, scale] or [int4 nibbles, scale, offset];
+    None when it has no native kernel for activations of `dtype`."""
+    if isinstance(linear, NativeLinear):
+        weight = linear.weight
+        return [weight] if weight.dtype == dtype and weight.is_contiguous() else None
+    if isinstance(linear, QuantizedLinear) and linear.kernel == "native" and linear.kernel_scale.dtype == torch.float32:
+        parts = [linear.qweight, linear.kernel_scale]
+        return parts if linear.bits == 8 else parts + [linear.kernel_offset]
+    return None
+
+
+class NativeDecoderLayer(DecoderLayer):
+    """A DecoderLayer whose decode steps run as one native call. Chapter 08.
+
+    Same modules, parameter names and numbers as the DecoderLayer it was (the class is swapped in place by
+    `use_native_kernels`). When the layer is fused (`fuse_projections`), its linears have native kernels,
+    the model attends through the 'native' backend and the cache hands over its buffers (`cache.slots`),
+    a step of up to `kernels.cpu.MAX_TOKENS` tokens on a CPU runs `torch.ops.llminfer.decode_layer`: both
+    norms, the four products, RoPE, the cache write, attention, SwiGLU and both residuals in one call, so a
+    step makes one call per layer instead of a dozen. Anything else (a prefill, autograd, another cache,
+    backend or device) runs the modules, as DecoderLayer does.
+    """
+
+    def forward(self, x, cos, sin, cache, backend):
+        call = self._native_args(x, cos, sin, cache, backend)
+        if call is None:
+            return super().forward(x, cos, sin, cache, backend)
+        return torch.ops.llminfer.decode_layer(*call)
+
+    def _native_args(self, x, cos, sin, cache, backend) -> tuple | None:
+        attn, mlp = self.self_attn, self.mlp
+        if (backend is not native_cpu.attention_backend or not native_cpu.loaded() or x.device.type != "cpu"
+                or x.dim() != 3 or x.shape[0] * x.shape[1] > native_cpu.MAX_TOKENS
+                or x.dtype not in (torch.float32, torch.bfloat16) or cos.dim() != 2
+                or not isinstance(attn, FusedAttention) or not isinstance(mlp, FusedMLP)):
+            return None
+        slots = getattr(cache, "slots", None)
+        slots = slots(attn.layer_idx) if slots is not None else None
+        if slots is None:
+            return None
+        keys, values, positions = slots
+        if keys.dtype != x.dtype or positions.dim() != 1 or keys.device.type != "cpu":
+            return None
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if any(type(n) is not RMSNorm or n.weight.dtype != x.dtype for n in norms):
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return None                                     # autograd needs the modules
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        parts = [_native_parts(linear, x.dtype) for linear in linears]
+        bias = attn.qkv_proj.bias
+        if (any(p is None for p in parts) or any(linear.bias is not None for linear in linears[1:])
+                or (bias is not None and bias.dtype != x.dtype)):
+            return None
+        return (x, norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps, parts[0], bias, parts[1],
+                parts[2], parts[3], cos, sin, keys, values, positions, attn.n_heads, attn.head_dim ** -0.5)
+
+
+class NativeDecoderStack(DecoderStack):
+    """A DecoderStack whose decode steps run every layer in one native call. Chapter 08.
+
+    Same layers and names as the DecoderStack it was (the class is swapped in place by
+    `use_native_kernels`). When every layer can take its one-call path (NativeDecoderLayer), a step runs
+    `torch.ops.llminfer.decode_layers`: the whole stack, layer after layer, without returning to Python in
+    between. Otherwise the layers run one by one, each taking its own fast path where it can.
+    """
+
+    def forward(self, x, cos, sin, cache, backend):
+        call = self._native_args(x, cos, sin, cache, backend)
+        if call is None:
+            return super().forward(x, cos, sin, cache, backend)
+        return torch.ops.llminfer.decode_layers(*call)
+
+    def _native_args(self, x, cos, sin, cache, backend) -> tuple | None:
+        tensors, layout, eps, keys, values = [], [], [], [], []
+        call = None
+        for layer in self:
+            call = layer._native_args(x, cos, sin, cache, backend) if isinstance(layer, NativeDecoderLayer) else None
+            if call is None:
+                return None
+            (_, norm1, eps1, norm2, eps2, qkv, bias, o, gate_up, down, _, _, k, v, _, _, _) = call
+            tensors += [norm1, norm2, *qkv, *([] if bias is None else [bias]), *o, *gate_up, *down]
+            layout += [len(qkv), int(bias is not None), len(o), len(gate_up), len(down)]
+            eps += [eps1, eps2]
+            keys.append(k)
+            values.append(v)
+        if call is None:
+            return None
+        positions, n_heads, scale = call[14], call[15], call[16]
+        return (x, tensors, layout, eps, cos, sin, keys, values, positions, n_heads, scale)
+
+
 def uses_native_kernels(model: nn.Module) -> bool:
     """Whether any layer of model runs the native CPU kernels (use_native_kernels, or quantized). Chapter 08."""
-    return any(isinstance(m, NativeLinear) or (isinstance(m, QuantizedLinear) and m.kernel == "native")
-               for m in model.modules())
+    return any(isinstance(m, (NativeLinear, NativeDecoderLayer, NativeDecoderStack))
+               or (isinstance(m, QuantizedLinear) and m.kernel == "native") for m in model.modules())
 
 
 @torch.no_grad()
@@ -178,6 +280,11 @@ def use_native_kernels(model: nn.Module, strict: bool = False) -> nn.Module:
         if not module.weight.is_contiguous():
             module.weight.data = module.weight.data.contiguous()
         module.__class__ = NativeLinear
+    for layer in getattr(model, "layers", []):     # whole layers in one call where they qualify (decode)
+        if type(layer) is DecoderLayer:
+            layer.__class__ = NativeDecoderLayer
+    if type(getattr(model, "layers", None)) is DecoderStack:       # and the whole stack in one call
+        model.layers.__class__ = NativeDecoderStack
     if getattr(model, "attn_backend", None) == "sdpa":      # decode attention too (a prefill keeps sdpa)
         model.set_attention_backend("native")
     return model

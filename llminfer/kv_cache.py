@@ -186,6 +186,15 @@ class KVCache:
         values[:, :, self._start:end] = v
         return keys[:, :, :end], values[:, :, :end]             # (B, n_kv_heads, end, head_dim)
 
+    def slots(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For a kernel that writes K/V and attends in one call (chapter 08's native decode layer): this
+        layer's K and V buffers (B, n_kv_heads, max_seq_len, head_dim) and the positions (T,) the forward
+        in flight writes; the token at positions[t] is written to that slot and sees slots 0..positions[t].
+        None outside a forward. Optional in the protocol: a cache without it is written through `attend`."""
+        if self._positions is None:
+            return None
+        return self.k[layer_idx], self.v[layer_idx], self._positions
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                backend: Callable) -> torch.Tensor:
         """Writes this layer's new k, v and returns backend attention of q over the cached prefix (B, H, T, D)."""

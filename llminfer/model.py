@@ -16,7 +16,7 @@ from .attention import get_backend
 from .config import ModelConfig
 from .kv_cache import Cache, KVCache
 
-__all__ = ["Transformer", "RMSNorm", "rope_frequencies", "apply_rope"]
+__all__ = ["Transformer", "DecoderStack", "RMSNorm", "rope_frequencies", "apply_rope"]
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -119,6 +119,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class DecoderStack(nn.ModuleList):
+    """The decoder layers, run in order. Chapter 01.
+
+    A ModuleList (so parameter names stay `layers.0. ...`), with one forward: x through every layer. It is
+    the seam a module transform replaces to run a whole stack in one call (chapter 08's native decode).
+    """
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache | None,
+                backend) -> torch.Tensor:
+        for layer in self:
+            x = layer(x, cos, sin, cache, backend)                      # (B, T, dim)
+        return x
+
+
 class Transformer(nn.Module):
     """A Llama-family decoder; `forward(input_ids, positions=None, cache=None)` returns logits. Chapter 01."""
 
@@ -126,7 +140,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
+        self.layers = DecoderStack(DecoderLayer(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -234,8 +248,7 @@ class Transformer(nn.Module):
         if positions.dim() == 2:
             cos, sin = cos[:, None], sin[:, None]                       # (B, 1, T, head_dim): one angle per row
         x = self.embed_tokens(input_ids)                                # (B, T, dim)
-        for layer in self.layers:
-            x = layer(x, cos, sin, cache, self._backend)                # (B, T, dim)
+        x = self.layers(x, cos, sin, cache, self._backend)              # (B, T, dim), layer by layer
         if cache is not None:
             cache.end()
         if last_only:

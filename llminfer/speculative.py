@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn as nn
 
 from .device import synchronize
 from .generate import GenerationResult, TokenTimer, _check_eos, _is_int, as_token_batch, check_sampling
@@ -197,7 +196,7 @@ def _shallow_copy(model: Transformer, n_layers: int) -> Transformer:
     with torch.device("meta"):                                  # nothing allocated: every module is replaced
         shallow = Transformer(model.config.replace(n_layers=n_layers), attn_backend=model.attn_backend)
     shallow.embed_tokens = model.embed_tokens
-    shallow.layers = nn.ModuleList(list(model.layers[:n_layers]))
+    shallow.layers = model.layers[:n_layers]                    # the same stack class, its first layers
     shallow.norm = model.norm
     shallow.lm_head = model.lm_head
     return shallow.eval()

@@ -15,8 +15,10 @@ The ops are `torch.ops.llminfer.gemv_f32(x, w)`, `gemv_bf16(x, w)`, `gemv_int8(x
 `gemv_int4(x, nibbles, scale, offset, group)`: x (tokens, K) float32 or bfloat16, the weight (N, K) row-major
 (int4: (N, K/2) bytes, the even input in the low nibble), the result (tokens, N) in x's dtype. Beside them,
 `decode_attention(q, k, v, mask, scale)`: a few queries against the K/V cache read in place (grouped-query
-heads shared, masked positions skipped), registered as the attention backend 'native'. They carry fake
-implementations, so `torch.compile` traces through them.
+heads shared, masked positions skipped), registered as the attention backend 'native'. And
+`decode_layer(...)`: a whole decoder layer for a few tokens in one call (norms, the four products, RoPE,
+the cache write, attention, SwiGLU, the residuals), which `llminfer.fast.NativeDecoderLayer` calls. They
+carry fake implementations, so `torch.compile` traces through them.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import torch
 
 from llminfer.attention import fast_attention
 
-__all__ = ["available", "why_unavailable", "load", "isa", "gemv", "decode_attention", "attention_backend",
+__all__ = ["available", "why_unavailable", "load", "isa", "gemv", "decode_attention", "attention_backend", "loaded",
            "MAX_TOKENS", "SOURCE", "cache_dir"]
 
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
@@ -88,6 +90,8 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"llminfer::{op}", dense)
     torch.library.register_fake("llminfer::decode_attention",
                                 lambda q, k, v, mask, scale: q.new_empty(q.shape))
+    torch.library.register_fake("llminfer::decode_layer", lambda x, *rest: x.new_empty(x.shape))
+    torch.library.register_fake("llminfer::decode_layers", lambda x, *rest: x.new_empty(x.shape))
 
 
 def load() -> bool:
@@ -109,6 +113,11 @@ def load() -> bool:
         return True
 
 
+def loaded() -> bool:
+    """Whether the kernels are loaded already (a dict read: cheap enough for every forward)."""
+    return _state["loaded"]
+
+
 def available() -> bool:
     """Whether the native CPU kernels are built and loaded (building them now if need be)."""
     return load()
@@ -118,6 +127,12 @@ def why_unavailable() -> str | None:
     """None when the kernels load; otherwise the reason (no compiler, turned off, ...)."""
     load()
     return _state["error"]
+
+
+def _require() -> None:
+    if not (_state["loaded"] or load()):
+        raise RuntimeError(f"the native CPU kernels are unavailable ({_state['error']}); install a C++ compiler "
+                           "(g++ or clang), or use torch's kernels")
 
 
 def isa() -> str:
@@ -132,6 +147,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     float32 and bfloat16 weights (N, K); int8 codes (N, K) with `scale` (N,); int4 nibbles (N, K/2) uint8
     with `scale` and `offset` (N, K/group) float32, where w = q·scale + offset.
     """
+    _require()
     if weight.dtype == torch.float32:
         return torch.ops.llminfer.gemv_f32(x, weight)
     if weight.dtype == torch.bfloat16:
@@ -148,6 +164,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                      scale: float | None = None) -> torch.Tensor:
     """softmax(q·kᵀ·scale, masked)·v for q (B, H, T_q, D) against k, v (B, H_kv, T_k, D); causal without a
     mask (query i sees keys up to T_k - T_q + i). The native kernel; float32 or bfloat16. Chapter 08."""
+    _require()
     return torch.ops.llminfer.decode_attention(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale)
 
 

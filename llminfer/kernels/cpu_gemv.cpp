@@ -245,16 +245,56 @@ bool has_avx2() { return false; }
 
 
 #ifdef LLMINFER_X86
+// scores[j] = scale · (q · k_j) for n keys whose rows lie `stride` bytes apart, four keys at a time
 template <WKind kind>
-__attribute__((target("avx2,fma"))) float kv_dot_avx2(const float* q, const void* k, int64_t D) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    a0 = _mm256_fmadd_ps(wload8<kind>(k, d), load8(q + d), a0);
-    a1 = _mm256_fmadd_ps(wload8<kind>(k, d + 8), load8(q + d + 8), a1);
+__attribute__((target("avx2,fma"))) void key_scores_avx2(const float* q, const char* k, int64_t stride, int64_t n,
+                                                          int64_t D, float scale, float* scores) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    const char* r = k + j * stride;
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qv = load8(q + d);
+      a0 = _mm256_fmadd_ps(wload8<kind>(r, d), qv, a0);
+      a1 = _mm256_fmadd_ps(wload8<kind>(r + stride, d), qv, a1);
+      a2 = _mm256_fmadd_ps(wload8<kind>(r + 2 * stride, d), qv, a2);
+      a3 = _mm256_fmadd_ps(wload8<kind>(r + 3 * stride, d), qv, a3);
+    }
+    scores[j] = hsum(a0) * scale, scores[j + 1] = hsum(a1) * scale;
+    scores[j + 2] = hsum(a2) * scale, scores[j + 3] = hsum(a3) * scale;
   }
-  for (; d < D; d += 8) a0 = _mm256_fmadd_ps(wload8<kind>(k, d), load8(q + d), a0);
-  return hsum(_mm256_add_ps(a0, a1));
+  for (; j < n; ++j) {
+    __m256 a0 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(wload8<kind>(k + j * stride, d), load8(q + d), a0);
+    scores[j] = hsum(a0) * scale;
+  }
+}
+
+// acc[d] += Σ_j p[j] · v_j[d] over n value rows `stride` bytes apart, 32 columns of acc in registers at a time
+template <WKind kind>
+__attribute__((target("avx2,fma"))) void weighted_values_avx2(const float* p, const char* v, int64_t stride,
+                                                               int64_t n, int64_t D, float* acc) {
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    __m256 a0 = load8(acc + d), a1 = load8(acc + d + 8), a2 = load8(acc + d + 16), a3 = load8(acc + d + 24);
+    for (int64_t j = 0; j < n; ++j) {
+      if (p[j] == 0.f) continue;
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const char* r = v + j * stride;
+      a0 = _mm256_fmadd_ps(wload8<kind>(r, d), pj, a0);
+      a1 = _mm256_fmadd_ps(wload8<kind>(r, d + 8), pj, a1);
+      a2 = _mm256_fmadd_ps(wload8<kind>(r, d + 16), pj, a2);
+      a3 = _mm256_fmadd_ps(wload8<kind>(r, d + 24), pj, a3);
+    }
+    _mm256_storeu_ps(acc + d, a0), _mm256_storeu_ps(acc + d + 8, a1);
+    _mm256_storeu_ps(acc + d + 16, a2), _mm256_storeu_ps(acc + d + 24, a3);
+  }
+  for (; d < D; d += 8) {
+    __m256 a0 = load8(acc + d);
+    for (int64_t j = 0; j < n; ++j)
+      if (p[j] != 0.f) a0 = _mm256_fmadd_ps(wload8<kind>(v + j * stride, d), _mm256_set1_ps(p[j]), a0);
+    _mm256_storeu_ps(acc + d, a0);
+  }
 }
 
 // exp(x) for 8 floats: the Cephes polynomial (relative error about 1e-7)
@@ -292,18 +332,122 @@ __attribute__((target("avx2,fma"))) float exp_shifted_avx2(float* s, int64_t n, 
   return total;
 }
 
-template <WKind kind>
-__attribute__((target("avx2,fma"))) void kv_axpy_avx2(float p, const void* v, float* out, int64_t D) {
-  const __m256 pp = _mm256_set1_ps(p);
-  for (int64_t d = 0; d < D; d += 8)
-    _mm256_storeu_ps(out + d, _mm256_fmadd_ps(wload8<kind>(v, d), pp, _mm256_loadu_ps(out + d)));
-}
 #endif
 
 // ---------------------------------------------------------------------------------------------------
-// the ops
+// one weight matrix in any of the four formats, and its product with a few float32 rows
 
 constexpr int64_t kGrain = 64;   // output rows a thread takes at least
+
+struct Weight {
+  enum Format { F32, BF16, I8, I4 } format;
+  const void* w;
+  const float* scale = nullptr;    // int8: (N,); int4: (N, K / group)
+  const float* offset = nullptr;   // int4: (N, K / group)
+  int64_t N = 0, K = 0, group = 0;
+};
+
+Weight dense_weight(const at::Tensor& w, const char* op) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), op, ": the weight must be a contiguous (N, K) matrix, got ",
+              w.sizes());
+  TORCH_CHECK(w.device().is_cpu(), op, ": the weight must be on the CPU, got ", w.device());
+  Weight W{w.scalar_type() == at::kFloat ? Weight::F32 : w.scalar_type() == at::kBFloat16 ? Weight::BF16 : Weight::I8,
+           w.data_ptr()};
+  W.N = w.size(0);
+  W.K = w.size(1);
+  return W;
+}
+
+Weight int8_weight(const at::Tensor& w, const at::Tensor& scale, const char* op) {
+  TORCH_CHECK(w.scalar_type() == at::kChar, op, ": the codes must be int8, got ", w.scalar_type());
+  Weight W = dense_weight(w, op);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == W.N, op,
+              ": scale must be float32 with one entry per output row (", W.N, ")");
+  W.scale = scale.data_ptr<float>();
+  return W;
+}
+
+Weight int4_weight(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset, int64_t group,
+                   const char* op) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), op,
+              ": the codes must be contiguous (N, K/2) uint8 on the CPU");
+  const int64_t N = w.size(0), K = w.size(1) * 2;
+  TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, op, ": group ", group,
+              " must be a multiple of 32 that divides ", K);
+  for (const at::Tensor* t : {&scale, &offset})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N * (K / group), op,
+                ": scale and offset must be contiguous float32 (", N, ", ", K / group, ")");
+  Weight W{Weight::I4, w.data_ptr()};
+  W.scale = scale.data_ptr<float>();
+  W.offset = offset.data_ptr<float>();
+  W.N = N;
+  W.K = K;
+  W.group = group;
+  return W;
+}
+
+// A linear given as its parts: [weight] (float32 or bfloat16), [codes, scale] (int8) or [nibbles, scale,
+// offset] (int4, the group size read from the scale's shape).
+Weight weight_from_parts(at::TensorList parts, const char* op) {
+  TORCH_CHECK(!parts.empty() && parts.size() <= 3, op, ": a linear is [weight], [codes, scale] or "
+              "[nibbles, scale, offset], got ", parts.size(), " tensors");
+  const at::Tensor& w = parts[0];
+  if (parts.size() == 1) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, op,
+                ": a one-tensor linear must be float32 or bfloat16, got ", w.scalar_type());
+    return dense_weight(w, op);
+  }
+  if (parts.size() == 2) return int8_weight(w, parts[1], op);
+  TORCH_CHECK(parts[1].dim() == 2 && parts[1].size(1) > 0, op, ": int4 scales must be (N, groups)");
+  return int4_weight(w, parts[1], parts[2], w.size(1) * 2 / parts[1].size(1), op);
+}
+
+// y (M, N) = x (M, K) · Wᵀ, all float32 and contiguous; rows of W split over torch's threads
+void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
+  const int64_t N = W.N, K = W.K;
+  const bool avx2 = has_avx2();
+  if (W.format == Weight::I4) {
+    // x with each block of 32 inputs as its 16 even then 16 odd entries, and the group sums of x
+    const int64_t G = K / W.group;
+    std::vector<float> xp(M * K), xsum(M * G, 0.f);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t b = 0; b < K; b += 32) {
+        for (int j = 0; j < 16; ++j) {
+          xp[m * K + b + j] = x[m * K + b + 2 * j];
+          xp[m * K + b + 16 + j] = x[m * K + b + 2 * j + 1];
+        }
+      }
+      for (int64_t k = 0; k < K; ++k) xsum[m * G + k / W.group] += x[m * K + k];
+    }
+    const uint8_t* wp = static_cast<const uint8_t*>(W.w);
+    at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+#ifdef LLMINFER_X86
+      if (avx2) rows_int4_avx2(xp.data(), xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, n0, n1);
+      else
+#endif
+      rows_int4_portable(xp.data(), xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, n0, n1);
+    });
+    return;
+  }
+  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+    if (avx2) {
+#ifdef LLMINFER_X86
+      if (W.format == Weight::F32) rows_avx2<WKind::F32>(x, M, K, W.w, W.scale, y, N, n0, n1);
+      else if (W.format == Weight::BF16) rows_avx2<WKind::BF16>(x, M, K, W.w, W.scale, y, N, n0, n1);
+      else rows_avx2<WKind::I8>(x, M, K, W.w, W.scale, y, N, n0, n1);
+#endif
+    } else if (W.format == Weight::F32) {
+      rows_portable<WKind::F32>(x, M, K, W.w, W.scale, y, N, n0, n1);
+    } else if (W.format == Weight::BF16) {
+      rows_portable<WKind::BF16>(x, M, K, W.w, W.scale, y, N, n0, n1);
+    } else {
+      rows_portable<WKind::I8>(x, M, K, W.w, W.scale, y, N, n0, n1);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------
+// the matrix-vector ops
 
 void check_x(const at::Tensor& x, int64_t K, const char* op) {
   TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device());
@@ -313,7 +457,7 @@ void check_x(const at::Tensor& x, int64_t K, const char* op) {
               ": x must be float32 or bfloat16, got ", x.scalar_type());
 }
 
-// x as contiguous float32 (M, K)
+// x as contiguous float32
 std::vector<float> x_as_float(const at::Tensor& x) {
   at::Tensor xc = x.contiguous();
   std::vector<float> out(xc.numel());
@@ -326,113 +470,73 @@ std::vector<float> x_as_float(const at::Tensor& x) {
   return out;
 }
 
-// y (M, N) float32 -> a tensor in x's dtype
-at::Tensor result(const std::vector<float>& y, int64_t M, int64_t N, const at::Tensor& x) {
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (x.scalar_type() == at::kFloat) {
-    std::memcpy(out.data_ptr<float>(), y.data(), y.size() * sizeof(float));
+// float32 values -> a new tensor of `sizes` in `like`'s dtype (float32 or bfloat16)
+at::Tensor result(const float* y, at::IntArrayRef sizes, const at::Tensor& like) {
+  at::Tensor out = at::empty(sizes, like.options());
+  const int64_t n = out.numel();
+  if (like.scalar_type() == at::kFloat) {
+    std::memcpy(out.data_ptr<float>(), y, n * sizeof(float));
   } else {
     c10::BFloat16* p = out.data_ptr<c10::BFloat16>();
-    for (size_t i = 0; i < y.size(); ++i) p[i] = c10::BFloat16(y[i]);
+    for (int64_t i = 0; i < n; ++i) p[i] = c10::BFloat16(y[i]);
   }
   return out;
 }
 
-template <WKind kind>
-at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& w, const float* scale, const char* op) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), op, ": the weight must be a contiguous (N, K) matrix");
-  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
-  check_x(x, K, op);
-  std::vector<float> xf = x_as_float(x), y(M * N);
-  const void* wp = w.data_ptr();
-  const bool avx2 = has_avx2();
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-#ifdef LLMINFER_X86
-    if (avx2) return rows_avx2<kind>(xf.data(), M, K, wp, scale, y.data(), N, n0, n1);
-#endif
-    rows_portable<kind>(xf.data(), M, K, wp, scale, y.data(), N, n0, n1);
-  });
-  (void)avx2;
-  return result(y, M, N, x);
+at::Tensor gemv(const at::Tensor& x, const Weight& W, const char* op) {
+  check_x(x, W.K, op);
+  const int64_t M = x.size(0);
+  std::vector<float> xf = x_as_float(x), y(M * W.N);
+  linear_rows(W, xf.data(), M, y.data());
+  return result(y.data(), {M, W.N}, x);
 }
 
 at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kFloat, "gemv_f32: the weight must be float32, got ", w.scalar_type());
-  return dense_gemv<WKind::F32>(x, w, nullptr, "gemv_f32");
+  return gemv(x, dense_weight(w, "gemv_f32"), "gemv_f32");
 }
 
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "gemv_bf16: the weight must be bfloat16, got ", w.scalar_type());
-  return dense_gemv<WKind::BF16>(x, w, nullptr, "gemv_bf16");
+  return gemv(x, dense_weight(w, "gemv_bf16"), "gemv_bf16");
 }
 
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-  TORCH_CHECK(w.scalar_type() == at::kChar, "gemv_int8: the codes must be int8, got ", w.scalar_type());
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == w.size(0),
-              "gemv_int8: scale must be float32 with one entry per output row (", w.size(0), ")");
-  return dense_gemv<WKind::I8>(x, w, scale.data_ptr<float>(), "gemv_int8");
+  return gemv(x, int8_weight(w, scale, "gemv_int8"), "gemv_int8");
 }
 
 at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset,
                      int64_t group) {
-  const char* op = "gemv_int4";
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op,
-              ": the codes must be contiguous (N, K/2) uint8");
-  const int64_t N = w.size(0), K = w.size(1) * 2, M = x.size(0);
-  check_x(x, K, op);
-  TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, op, ": group ", group,
-              " must be a multiple of 32 that divides ", K);
-  const int64_t G = K / group;
-  for (const at::Tensor* t : {&scale, &offset})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N * G, op,
-                ": scale and offset must be contiguous float32 (", N, ", ", G, ")");
-  std::vector<float> xf = x_as_float(x), xp(M * K), xsum(M * G, 0.f), y(M * N);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < K; b += 32) {
-      for (int j = 0; j < 16; ++j) {
-        xp[m * K + b + j] = xf[m * K + b + 2 * j];
-        xp[m * K + b + 16 + j] = xf[m * K + b + 2 * j + 1];
-      }
-    }
-    for (int64_t k = 0; k < K; ++k) xsum[m * G + k / group] += xf[m * K + k];
-  }
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float *sp = scale.data_ptr<float>(), *op_ = offset.data_ptr<float>();
-  const bool avx2 = has_avx2();
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-#ifdef LLMINFER_X86
-    if (avx2) return rows_int4_avx2(xp.data(), xsum.data(), M, K, wp, sp, op_, group, y.data(), N, n0, n1);
-#endif
-    rows_int4_portable(xp.data(), xsum.data(), M, K, wp, sp, op_, group, y.data(), N, n0, n1);
-  });
-  (void)avx2;
-  return result(y, M, N, x);
+  return gemv(x, int4_weight(w, scale, offset, group, "gemv_int4"), "gemv_int4");
 }
 
 
 // ---------------------------------------------------------------------------------------------------
-// decode attention: a few queries against a K/V cache, read in place. q (B, H, Tq, D); k, v (B, Hkv, Tk, D)
-// with unit stride along D; an optional boolean mask broadcastable to (B, H, Tq, Tk) (True = may attend),
-// else the causal rule (query i sees keys 0 .. Tk - Tq + i). Scores, softmax and the weighted sum of V are
-// computed in float32, positions a mask hides are skipped. A row with no visible key gives NaN, as softmax
-// over nothing does.
+// decode attention: a few queries against a K/V cache, read in place. Scores, softmax and the weighted
+// sum of V are computed in float32, and positions a query may not see are skipped. A query with no
+// visible key gives NaN, as softmax over nothing does.
 
 template <WKind kind>
-inline float kv_dot(const float* q, const char* k, int64_t D, bool avx2) {
+void key_scores(const float* q, const char* k, int64_t stride, int64_t n, int64_t D, float scale, float* scores,
+                bool avx2) {
 #ifdef LLMINFER_X86
-  if (avx2) return kv_dot_avx2<kind>(q, k, D);
+  if (avx2) return key_scores_avx2<kind>(q, k, stride, n, D, scale, scores);
 #endif
-  float s = 0.f;
-  for (int64_t d = 0; d < D; ++d) s += q[d] * weight_at<kind>(k, d);
-  return s;
+  for (int64_t j = 0; j < n; ++j) {
+    float s = 0.f;
+    for (int64_t d = 0; d < D; ++d) s += q[d] * weight_at<kind>(k + j * stride, d);
+    scores[j] = s * scale;
+  }
 }
 
 template <WKind kind>
-inline void kv_axpy(float p, const char* v, float* out, int64_t D, bool avx2) {
+void weighted_values(const float* p, const char* v, int64_t stride, int64_t n, int64_t D, float* acc, bool avx2) {
 #ifdef LLMINFER_X86
-  if (avx2) return kv_axpy_avx2<kind>(p, v, out, D);
+  if (avx2) return weighted_values_avx2<kind>(p, v, stride, n, D, acc);
 #endif
-  for (int64_t d = 0; d < D; ++d) out[d] += p * weight_at<kind>(v, d);
+  for (int64_t j = 0; j < n; ++j)
+    if (p[j] != 0.f)
+      for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * weight_at<kind>(v + j * stride, d);
 }
 
 // scores[j] <- exp(scores[j] - best), 0 where scores[j] is -inf; returns their sum
@@ -448,67 +552,100 @@ inline float softmax_numerators(float* scores, int64_t n, float best, bool avx2)
   return total;
 }
 
-// One (batch, K/V head, query position): the `group` query heads that share the K/V head, together, so
-// each key and value row is read once for all of them.
+// Where the queries and the cache live. q and out are float32 (b, h, t, d) with the strides given (unit
+// along d); k and v are (b, h_kv, slot, d) of `kind`, unit stride along d. Query (b, h, t) sees the slots
+// j < n_keys with mask[b, h, t, j] true, or (without a mask) j <= last[t].
+struct AttentionProblem {
+  int64_t B, H, Hkv, Tq, D, n_keys;
+  const float* q;
+  int64_t qs0, qs1, qs2;
+  const char *k, *v;
+  int64_t ks0, ks1, ks2, vs0, vs1, vs2;
+  const bool* mask = nullptr;
+  int64_t ms0 = 0, ms1 = 0, ms2 = 0, ms3 = 0;
+  const int64_t* last = nullptr;
+  float scale;
+  float* out;
+  int64_t os0, os1, os2;
+};
+
+// The work is split into tasks of (batch, K/V head, query position, block of keys): the query heads that
+// share the K/V head are done together, so each key and value row is read once for all of them, and the
+// keys are split into blocks so that both a long cache and a few heads spread over every thread. Each task
+// keeps its block's running maximum, sum of exponentials and unnormalised weighted sum of V; the blocks of
+// one query are then merged by rescaling to a common maximum (the online softmax of chapter 07).
 template <WKind kind>
-void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
-                 const int64_t* mstride, double scale, at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), Tk = k.size(2), group = H / Hkv;
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), qs3 = q.stride(3);
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  const char* kp = static_cast<const char*>(k.data_ptr());
-  const char* vp = static_cast<const char*>(v.data_ptr());
-  const void* qp = q.data_ptr();
-  void* op = out.data_ptr();
-  const int64_t esize = wbytes<kind>();
+void attend(const AttentionProblem& P) {
+  const int64_t group = P.H / P.Hkv, D = P.D, Tk = P.n_keys, esize = wbytes<kind>();
   const bool avx2 = has_avx2() && D % 8 == 0;
-  const float fscale = static_cast<float>(scale), neg_inf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, B * Hkv * Tq, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> qf(group * D), acc(group * D), scores(group * Tk), best(group), total(group);
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / (Hkv * Tq), hk = (r / Tq) % Hkv, t = r % Tq;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = weight_at<kind>(qp, b * qs0 + (hk * group + g) * qs1 + t * qs2 + d * qs3);
-      std::fill(best.begin(), best.end(), neg_inf);
-      for (int64_t j = 0; j < Tk; ++j) {
-        const char* krow = kp + (b * ks0 + hk * ks1 + j * ks2) * esize;
-        for (int64_t g = 0; g < group; ++g) {
-          const bool visible = mask ? mask[b * mstride[0] + (hk * group + g) * mstride[1] + t * mstride[2] +
-                                           j * mstride[3]]
-                                    : j <= Tk - Tq + t;
-          float sc = neg_inf;
-          if (visible) {
-            sc = kv_dot<kind>(qf.data() + g * D, krow, D, avx2) * fscale;
-            best[g] = std::max(best[g], sc);
-          }
-          scores[g * Tk + j] = sc;
-        }
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t g = 0; g < group; ++g)
-        total[g] = best[g] == neg_inf ? 0.f : softmax_numerators(scores.data() + g * Tk, Tk, best[g], avx2);
-      for (int64_t j = 0; j < Tk; ++j) {
-        const char* vrow = vp + (b * vs0 + hk * vs1 + j * vs2) * esize;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * Tk + j];
-          if (p != 0.f) kv_axpy<kind>(p, vrow, acc.data() + g * D, D, avx2);
-        }
-      }
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t rows = P.B * P.Hkv * P.Tq;
+  // about four tasks a thread, blocks of at least 64 keys
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((4 * at::get_num_threads() + rows - 1) / rows,
+                                                                  (Tk + 63) / 64));
+  const int64_t block = (Tk + blocks - 1) / blocks;
+  std::vector<float> part_best(rows * blocks * group), part_total(rows * blocks * group),
+      part_acc(rows * blocks * group * D);
+  at::parallel_for(0, rows * blocks, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scores(group * block);
+    for (int64_t task = r0; task < r1; ++task) {
+      const int64_t r = task / blocks, c = task % blocks;
+      const int64_t b = r / (P.Hkv * P.Tq), hk = (r / P.Tq) % P.Hkv, t = r % P.Tq;
+      const float* qrow[64];
+      for (int64_t g = 0; g < group; ++g) qrow[g] = P.q + b * P.qs0 + (hk * group + g) * P.qs1 + t * P.qs2;
+      float* best = part_best.data() + task * group;
+      float* total = part_total.data() + task * group;
+      float* acc = part_acc.data() + task * group * D;
+      std::fill(best, best + group, neg_inf);
+      std::fill(total, total + group, 0.f);
+      std::fill(acc, acc + group * D, 0.f);
+      const int64_t begin = c * block;
+      const int64_t end = std::min<int64_t>(std::min<int64_t>(Tk, begin + block), P.mask ? Tk : P.last[t] + 1);
+      if (end <= begin) continue;
+      const int64_t n = end - begin;
+      const char* krows = P.k + (b * P.ks0 + hk * P.ks1 + begin * P.ks2) * esize;
+      const char* vrows = P.v + (b * P.vs0 + hk * P.vs1 + begin * P.vs2) * esize;
       for (int64_t g = 0; g < group; ++g) {
-        const float inv = total[g] > 0.f ? 1.f / total[g] : std::numeric_limits<float>::quiet_NaN();
-        const int64_t base = ((b * H + hk * group + g) * Tq + t) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          if constexpr (kind == WKind::F32) static_cast<float*>(op)[base + d] = acc[g * D + d] * inv;
-          else static_cast<c10::BFloat16*>(op)[base + d] = c10::BFloat16(acc[g * D + d] * inv);
+        float* sc = scores.data() + g * block;
+        key_scores<kind>(qrow[g], krows, P.ks2 * esize, n, D, P.scale, sc, avx2);
+        if (P.mask) {
+          const bool* m = P.mask + b * P.ms0 + (hk * group + g) * P.ms1 + t * P.ms2;
+          for (int64_t j = 0; j < n; ++j)
+            if (!m[(begin + j) * P.ms3]) sc[j] = neg_inf;
         }
+        for (int64_t j = 0; j < n; ++j) best[g] = std::max(best[g], sc[j]);
+        if (best[g] == neg_inf) continue;
+        total[g] = softmax_numerators(sc, n, best[g], avx2);
+        weighted_values<kind>(sc, vrows, P.vs2 * esize, n, D, acc + g * D, avx2);
       }
     }
   });
+  for (int64_t r = 0; r < rows; ++r) {                       // merge the blocks of each query
+    const int64_t b = r / (P.Hkv * P.Tq), hk = (r / P.Tq) % P.Hkv, t = r % P.Tq;
+    for (int64_t g = 0; g < group; ++g) {
+      float top = neg_inf;
+      for (int64_t c = 0; c < blocks; ++c) top = std::max(top, part_best[(r * blocks + c) * group + g]);
+      float* o = P.out + b * P.os0 + (hk * group + g) * P.os1 + t * P.os2;
+      std::fill(o, o + D, 0.f);
+      float sum = 0.f;
+      if (top != neg_inf) {
+        for (int64_t c = 0; c < blocks; ++c) {
+          const int64_t idx = (r * blocks + c) * group + g;
+          if (part_best[idx] == neg_inf) continue;
+          const float w = std::exp(part_best[idx] - top);
+          sum += w * part_total[idx];
+          const float* acc = part_acc.data() + idx * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * acc[d];
+        }
+      }
+      const float inv = sum > 0.f ? 1.f / sum : std::numeric_limits<float>::quiet_NaN();
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  }
 }
 
+// q (B, H, Tq, D); k, v (B, Hkv, Tk, D) with unit stride along D; an optional boolean mask broadcastable to
+// (B, H, Tq, Tk) (True = may attend), else the causal rule (query i sees keys 0 .. Tk - Tq + i).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
                             const c10::optional<at::Tensor>& mask_in, double scale) {
   const char* op = "decode_attention";
@@ -519,22 +656,282 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_in, const a
               ": q, k and v must share one dtype, float32 or bfloat16");
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
   TORCH_CHECK(k_in.size(0) == B && v_in.sizes() == k_in.sizes() && k_in.size(3) == D && k_in.size(1) > 0 &&
-              H % k_in.size(1) == 0 && k_in.size(2) >= Tq, op, ": shapes q ", q.sizes(), ", k ", k_in.sizes(),
-              ", v ", v_in.sizes(), " do not fit (B, H, Tq, D) against (B, H_kv, Tk >= Tq, D) with H a multiple of H_kv");
+              H % k_in.size(1) == 0 && H / k_in.size(1) <= 64 && k_in.size(2) >= Tq, op, ": shapes q ", q.sizes(),
+              ", k ", k_in.sizes(), ", v ", v_in.sizes(), " do not fit (B, H, Tq, D) against (B, H_kv, Tk >= Tq, D) "
+              "with H a multiple of H_kv (at most 64 query heads per K/V head)");
   const at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
   const at::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
+  const int64_t Tk = k.size(2);
+  std::vector<float> qf = x_as_float(q), out(B * H * Tq * D);
+  std::vector<int64_t> last(Tq);
+  for (int64_t t = 0; t < Tq; ++t) last[t] = Tk - Tq + t;
+  AttentionProblem P{B, H, k.size(1), Tq, D, Tk, qf.data(), H * Tq * D, Tq * D, D,
+                     static_cast<const char*>(k.data_ptr()), static_cast<const char*>(v.data_ptr()),
+                     k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)};
   at::Tensor mask;
-  int64_t mstride[4] = {0, 0, 0, 0};
   if (mask_in.has_value()) {
     TORCH_CHECK(mask_in->scalar_type() == at::kBool, op, ": the mask must be boolean (True = may attend)");
-    mask = mask_in->expand({B, H, Tq, k.size(2)});
-    for (int i = 0; i < 4; ++i) mstride[i] = mask.stride(i);
+    mask = mask_in->expand({B, H, Tq, Tk});
+    P.mask = mask.data_ptr<bool>();
+    P.ms0 = mask.stride(0), P.ms1 = mask.stride(1), P.ms2 = mask.stride(2), P.ms3 = mask.stride(3);
   }
-  at::Tensor out = at::empty({B, H, Tq, D}, q.options());
-  const bool* mp = mask_in.has_value() ? mask.data_ptr<bool>() : nullptr;
-  if (q.scalar_type() == at::kFloat) attend_rows<WKind::F32>(q, k, v, mp, mstride, scale, out);
-  else attend_rows<WKind::BF16>(q, k, v, mp, mstride, scale, out);
-  return out;
+  P.last = last.data();
+  P.scale = static_cast<float>(scale);
+  P.out = out.data();
+  P.os0 = H * Tq * D, P.os1 = Tq * D, P.os2 = D;
+  if (q.scalar_type() == at::kFloat) attend<WKind::F32>(P);
+  else attend<WKind::BF16>(P);
+  return result(out.data(), q.sizes(), q);
+}
+
+
+// ---------------------------------------------------------------------------------------------------
+// one decoder layer for a few tokens, in one call:
+//   h = rmsnorm(x); q, k, v = h · W_qkvᵀ (+ bias); RoPE on q and k; k, v written into the cache at their
+//   positions; attention of q over the slots up to each token's position; x += attention · W_oᵀ;
+//   h = rmsnorm(x); x += (silu(gate) · up) · W_downᵀ with gate, up = h · W_gate_upᵀ.
+// The same arithmetic as the layer's modules, in float32, rounded to the model's dtype where the modules
+// round (each product, the norm, RoPE, the attention output, each sum), so bfloat16 matches them to
+// within a rounding step.
+
+inline float round_to(float v, bool bf16) { return bf16 ? static_cast<float>(c10::BFloat16(v)) : v; }
+
+template <typename T>
+inline const T* ptr_as(const at::Tensor& t) { return static_cast<const T*>(t.data_ptr()); }
+
+inline float element(const at::Tensor& t, int64_t i) {
+  return t.scalar_type() == at::kFloat ? ptr_as<float>(t)[i] : static_cast<float>(ptr_as<c10::BFloat16>(t)[i]);
+}
+
+#ifdef LLMINFER_X86
+__attribute__((target("avx2,fma"))) void silu_avx2(const float* g, int64_t n, float* out) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(g + i);
+    _mm256_storeu_ps(out + i, _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v)))));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(std::min(-g[i], 88.f)));
+}
+#endif
+
+// out = g · sigmoid(g); exp's argument is capped (glibc's exp is slow on overflow, and g/inf is 0 anyway)
+void silu(const float* g, int64_t n, float* out) {
+#ifdef LLMINFER_X86
+  if (has_avx2()) return silu_avx2(g, n, out);
+#endif
+  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + std::exp(std::min(-g[i], 88.f)));
+}
+
+// rows of x (M, dim) -> weight · (x / rms(x)), each rounded as RMSNorm rounds
+void rms_norm(const float* x, int64_t M, int64_t dim, const at::Tensor& weight, double eps, bool bf16, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(x[m * dim + i]) * x[m * dim + i];
+    const float inv = 1.f / std::sqrt(static_cast<float>(ss / dim) + static_cast<float>(eps));
+    for (int64_t i = 0; i < dim; ++i)
+      out[m * dim + i] = round_to(element(weight, i) * round_to(x[m * dim + i] * inv, bf16), bf16);
+  }
+}
+
+// One layer's weights and cache, checked against the step's shapes.
+struct Layer {
+  const at::Tensor* input_norm;
+  const at::Tensor* post_norm;
+  double eps1, eps2;
+  Weight qkv, o, gate_up, down;
+  std::vector<float> bias;              // the qkv bias, or empty
+  at::Tensor* k_cache;
+  at::Tensor* v_cache;
+};
+
+// The step's shapes: x (B, T, dim) in `dtype`, H query heads, positions (T,) and cos, sin (T, D).
+struct Step {
+  int64_t B, T, dim, H, Hkv = 0, S = 0, D = 0, last_pos = 0;
+  at::ScalarType dtype;
+  const int64_t* pos;
+  std::vector<float> cos, sin;
+  float scale;
+};
+
+Step check_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                const at::Tensor& k_cache, int64_t n_heads, double scale, const char* op) {
+  TORCH_CHECK(x.dim() == 3 && x.device().is_cpu(), op, ": x must be a (B, T, dim) CPU tensor, got ", x.sizes());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": x must be float32 or bfloat16, got ", dtype);
+  Step st{x.size(0), x.size(1), x.size(2), n_heads};
+  st.dtype = dtype;
+  TORCH_CHECK(k_cache.dim() == 4, op, ": a cache must be (B, H_kv, slots, D), got ", k_cache.sizes());
+  st.Hkv = k_cache.size(1), st.S = k_cache.size(2), st.D = k_cache.size(3);
+  TORCH_CHECK(st.H > 0 && st.Hkv > 0 && st.H % st.Hkv == 0 && st.H / st.Hkv <= 64 && st.D % 2 == 0, op, ": ", st.H,
+              " query heads do not share ", st.Hkv, " K/V heads of size ", st.D);
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == st.T && positions.scalar_type() == at::kLong &&
+              positions.is_contiguous() && positions.device().is_cpu(), op, ": positions must be (T=", st.T,
+              ",) int64 on the CPU, got ", positions.sizes(), " ", positions.scalar_type());
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == st.T && cos.size(1) == st.D && sin.sizes() == cos.sizes() &&
+              cos.scalar_type() == dtype && sin.scalar_type() == dtype, op, ": cos and sin must be (T, D) in x's dtype");
+  st.pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < st.T; ++t) {
+    TORCH_CHECK(st.pos[t] >= 0 && st.pos[t] < st.S, op, ": position ", st.pos[t], " is outside the cache's 0..",
+                st.S - 1);
+    st.last_pos = std::max(st.last_pos, st.pos[t]);
+  }
+  st.cos = x_as_float(cos);
+  st.sin = x_as_float(sin);
+  st.scale = static_cast<float>(scale);
+  return st;
+}
+
+Layer check_layer(const Step& st, const at::Tensor& input_norm, double eps1, const at::Tensor& post_norm,
+                  double eps2, at::TensorList qkv, const at::Tensor* qkv_bias, at::TensorList o,
+                  at::TensorList gate_up, at::TensorList down, at::Tensor& k_cache, at::Tensor& v_cache,
+                  const char* op) {
+  const bool bf16 = st.dtype == at::kBFloat16;
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->dim() == 4 && c->size(0) == st.B && c->size(1) == st.Hkv && c->size(2) == st.S &&
+                c->size(3) == st.D && c->is_contiguous() && c->scalar_type() == st.dtype && c->device().is_cpu(), op,
+                ": the caches must be contiguous (B=", st.B, ", H_kv=", st.Hkv, ", slots=", st.S, ", D=", st.D,
+                ") CPU tensors of x's dtype, got ", c->sizes(), " ", c->scalar_type());
+  for (const at::Tensor* n : {&input_norm, &post_norm})
+    TORCH_CHECK(n->numel() == st.dim && n->is_contiguous() && n->scalar_type() == st.dtype, op,
+                ": the norm weights must be contiguous (", st.dim, ",) in x's dtype");
+  Layer L{&input_norm, &post_norm, eps1, eps2, weight_from_parts(qkv, op), weight_from_parts(o, op),
+          weight_from_parts(gate_up, op), weight_from_parts(down, op), {}, &k_cache, &v_cache};
+  for (const Weight* W : {&L.qkv, &L.o, &L.gate_up, &L.down})
+    TORCH_CHECK(W->format == Weight::I8 || W->format == Weight::I4 || (W->format == Weight::BF16) == bf16, op,
+                ": a float weight must have x's dtype");
+  const int64_t qsize = st.H * st.D, kvsize = st.Hkv * st.D;
+  TORCH_CHECK(L.qkv.K == st.dim && L.qkv.N == qsize + 2 * kvsize && L.o.K == qsize && L.o.N == st.dim &&
+              L.gate_up.K == st.dim && L.gate_up.N % 2 == 0 && L.down.K == L.gate_up.N / 2 && L.down.N == st.dim,
+              op, ": the weights (qkv ", L.qkv.N, "x", L.qkv.K, ", o ", L.o.N, "x", L.o.K, ", gate_up ", L.gate_up.N,
+              "x", L.gate_up.K, ", down ", L.down.N, "x", L.down.K, ") do not fit dim ", st.dim, " with ", st.H,
+              " + 2x", st.Hkv, " heads of ", st.D);
+  if (qkv_bias) {
+    TORCH_CHECK(qkv_bias->numel() == L.qkv.N && qkv_bias->scalar_type() == st.dtype, op,
+                ": the qkv bias must be (", L.qkv.N, ",) in x's dtype");
+    L.bias = x_as_float(*qkv_bias);
+  }
+  return L;
+}
+
+// x (B·T, dim) float32, rounded to the model's dtype, through one layer in place
+void run_layer(const Step& st, const Layer& L, std::vector<float>& x) {
+  const bool bf16 = st.dtype == at::kBFloat16;
+  const int64_t B = st.B, T = st.T, M = B * T, dim = st.dim, H = st.H, Hkv = st.Hkv, S = st.S, D = st.D;
+  const int64_t qsize = H * D, kvsize = Hkv * D, N = L.qkv.N, hidden = L.gate_up.N / 2;
+  std::vector<float> h(M * dim), qkv(M * N), att(M * qsize), proj(M * dim), gu(M * L.gate_up.N), act(M * hidden);
+  // attention
+  rms_norm(x.data(), M, dim, *L.input_norm, L.eps1, bf16, h.data());
+  linear_rows(L.qkv, h.data(), M, qkv.data());
+  const int64_t half = D / 2;
+  std::vector<float> rotated(D);
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = qkv.data() + m * N;
+    const float *c = st.cos.data() + (m % T) * D, *s = st.sin.data() + (m % T) * D;
+    for (int64_t i = 0; i < N; ++i) {
+      if (!L.bias.empty()) row[i] = round_to(row[i], bf16) + L.bias[i];
+      row[i] = round_to(row[i], bf16);
+    }
+    for (int64_t head = 0; head < H + Hkv; ++head) {        // the q heads, then the k heads
+      float* v = row + head * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float other = d < half ? -v[d + half] : v[d - half];
+        rotated[d] = round_to(round_to(v[d] * c[d], bf16) + round_to(other * s[d], bf16), bf16);
+      }
+      std::copy(rotated.begin(), rotated.end(), v);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {                          // k, v into the cache at their positions
+    const int64_t b = m / T, t = m % T;
+    const float* row = qkv.data() + m * N;
+    for (int64_t hk = 0; hk < Hkv; ++hk) {
+      const int64_t slot = ((b * Hkv + hk) * S + st.pos[t]) * D;
+      const float *kr = row + qsize + hk * D, *vr = row + qsize + kvsize + hk * D;
+      if (bf16) {
+        c10::BFloat16 *kd = L.k_cache->data_ptr<c10::BFloat16>() + slot;
+        c10::BFloat16 *vd = L.v_cache->data_ptr<c10::BFloat16>() + slot;
+        for (int64_t d = 0; d < D; ++d) kd[d] = c10::BFloat16(kr[d]), vd[d] = c10::BFloat16(vr[d]);
+      } else {
+        std::memcpy(L.k_cache->data_ptr<float>() + slot, kr, D * sizeof(float));
+        std::memcpy(L.v_cache->data_ptr<float>() + slot, vr, D * sizeof(float));
+      }
+    }
+  }
+  AttentionProblem P{B, H, Hkv, T, D, st.last_pos + 1, qkv.data(), T * N, D, N,
+                     static_cast<const char*>(L.k_cache->data_ptr()), static_cast<const char*>(L.v_cache->data_ptr()),
+                     Hkv * S * D, S * D, D, Hkv * S * D, S * D, D};
+  P.last = st.pos;
+  P.scale = st.scale;
+  P.out = att.data();
+  P.os0 = T * qsize, P.os1 = D, P.os2 = qsize;
+  if (bf16) attend<WKind::BF16>(P);
+  else attend<WKind::F32>(P);
+  for (float& a : att) a = round_to(a, bf16);
+  linear_rows(L.o, att.data(), M, proj.data());
+  for (int64_t i = 0; i < M * dim; ++i) x[i] = round_to(x[i] + round_to(proj[i], bf16), bf16);
+  // MLP
+  rms_norm(x.data(), M, dim, *L.post_norm, L.eps2, bf16, h.data());
+  linear_rows(L.gate_up, h.data(), M, gu.data());
+  for (int64_t m = 0; m < M; ++m) {
+    const float *g = gu.data() + m * L.gate_up.N, *u = g + hidden;
+    float* a = act.data() + m * hidden;
+    silu(g, hidden, a);
+    for (int64_t i = 0; i < hidden; ++i) a[i] = round_to(round_to(a[i], bf16) * round_to(u[i], bf16), bf16);
+  }
+  linear_rows(L.down, act.data(), M, proj.data());
+  for (int64_t i = 0; i < M * dim; ++i) x[i] = round_to(x[i] + round_to(proj[i], bf16), bf16);
+}
+
+at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, double eps1,
+                        const at::Tensor& post_norm, double eps2, at::TensorList qkv,
+                        const c10::optional<at::Tensor>& qkv_bias, at::TensorList o_parts,
+                        at::TensorList gate_up_parts, at::TensorList down_parts, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                        const at::Tensor& positions, int64_t n_heads, double scale) {
+  const char* op = "decode_layer";
+  const Step st = check_step(x_in, cos, sin, positions, k_cache, n_heads, scale, op);
+  const Layer L = check_layer(st, input_norm, eps1, post_norm, eps2, qkv, qkv_bias ? &*qkv_bias : nullptr, o_parts,
+                              gate_up_parts, down_parts, k_cache, v_cache, op);
+  std::vector<float> x = x_as_float(x_in);
+  run_layer(st, L, x);
+  return result(x.data(), x_in.sizes(), x_in);
+}
+
+// Every layer of a stack in one call. `tensors` holds, layer after layer: the two norm weights, then the
+// parts of qkv, [the qkv bias], o, gate_up and down; `layout` holds five counts a layer (qkv parts, 1 if a
+// bias follows else 0, o parts, gate_up parts, down parts) and `eps` the two norms' epsilons.
+at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList tensors, at::IntArrayRef layout,
+                         at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
+                         int64_t n_heads, double scale) {
+  const char* op = "decode_layers";
+  const int64_t n_layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(n_layers > 0 && static_cast<int64_t>(v_caches.size()) == n_layers &&
+              static_cast<int64_t>(layout.size()) == 5 * n_layers && static_cast<int64_t>(eps.size()) == 2 * n_layers,
+              op, ": ", n_layers, " K caches, ", v_caches.size(), " V caches, ", layout.size(), " layout entries and ",
+              eps.size(), " epsilons do not describe the same number of layers (5 layout entries and 2 epsilons each)");
+  const Step st = check_step(x_in, cos, sin, positions, k_caches[0], n_heads, scale, op);
+  std::vector<Layer> layers;
+  size_t next = 0;
+  auto take = [&](int64_t n) {
+    TORCH_CHECK(n >= 0 && next + n <= tensors.size(), op, ": the layout asks for more tensors than the ",
+                tensors.size(), " given");
+    at::TensorList part = tensors.slice(next, n);
+    next += n;
+    return part;
+  };
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const int64_t* c = layout.data() + 5 * l;
+    at::TensorList norms = take(2), qkv = take(c[0]), bias = take(c[1]), o = take(c[2]), gu = take(c[3]),
+                   down = take(c[4]);
+    layers.push_back(check_layer(st, norms[0], eps[2 * l], norms[1], eps[2 * l + 1], qkv,
+                                 bias.empty() ? nullptr : &bias[0], o, gu, down,
+                                 const_cast<at::Tensor&>(k_caches[l]), const_cast<at::Tensor&>(v_caches[l]), op));
+  }
+  TORCH_CHECK(next == tensors.size(), op, ": ", tensors.size() - next, " tensors are left over after the layout");
+  std::vector<float> x = x_as_float(x_in);
+  for (const Layer& L : layers) run_layer(st, L, x);
+  return result(x.data(), x_in.sizes(), x_in);
 }
 
 bool uses_avx2() { return has_avx2(); }
@@ -547,6 +944,11 @@ TORCH_LIBRARY(llminfer, m) {
   m.def("gemv_int8(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("gemv_int4(Tensor x, Tensor w, Tensor scale, Tensor offset, int group) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  m.def("decode_layer(Tensor x, Tensor input_norm, float eps1, Tensor post_norm, float eps2, Tensor[] qkv, "
+        "Tensor? qkv_bias, Tensor[] o, Tensor[] gate_up, Tensor[] down, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, int n_heads, float scale) -> Tensor");
+  m.def("decode_layers(Tensor x, Tensor[] tensors, int[] layout, float[] eps, Tensor cos, Tensor sin, "
+        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor positions, int n_heads, float scale) -> Tensor");
   m.def("cpu_kernel_isa() -> str", []() -> std::string { return uses_avx2() ? "avx2+fma" : "portable"; });
 }
 
@@ -556,4 +958,6 @@ TORCH_LIBRARY_IMPL(llminfer, CPU, m) {
   m.impl("gemv_int8", &gemv_int8);
   m.impl("gemv_int4", &gemv_int4);
   m.impl("decode_attention", &decode_attention);
+  m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layers", &decode_layers);
 }

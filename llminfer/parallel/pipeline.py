@@ -160,7 +160,7 @@ def pipeline_stage(model, stage: int, n_stages: int, group=None, ranks: list[int
         raise ValueError(f"ranks lists {len(ranks)} ranks for {n_stages} stages; give one rank per stage")
     state = PipelineState(plan, stage, ranks, group)
     start, stop = plan.layer_range(stage)
-    model.layers = nn.ModuleList(list(model.layers)[start:stop])
+    model.layers = model.layers[start:stop]                       # the same stack class, this stage's layers
     for local_idx, layer in enumerate(model.layers):
         layer.self_attn.layer_idx = local_idx                     # the stage's cache has its layers only
     if not state.is_first:

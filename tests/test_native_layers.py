@@ -1,0 +1,198 @@
+"""Whole decoder layers in one native call (llminfer.fast.NativeDecoderLayer / NativeDecoderStack and the
+ops `decode_layer`, `decode_layers`) against the same model run module by module."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import llminfer
+from llminfer import fast
+from llminfer.kernels import cpu
+from llminfer.model import DecoderStack
+from llminfer.quant.kv_cache import Int8KVCache
+
+from small_models import SMALL_CONFIGS, random_model
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """Records, for each forward through a NativeDecoderStack, whether it ran as one native call."""
+    seen = []
+    real = fast.NativeDecoderStack._native_args
+
+    def spy(self, *args):
+        call = real(self, *args)
+        seen.append(call is not None)
+        return call
+
+    monkeypatch.setattr(fast.NativeDecoderStack, "_native_args", spy)
+    return seen
+
+
+def _pair(name: str, fmt: str):
+    """(reference, native): the same weights, the reference run module by module with torch's kernels."""
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+    reference, native = (random_model(SMALL_CONFIGS[name]).to(dtype) for _ in range(2))
+    if fmt in ("int8", "int4"):
+        for model, kernel in ((reference, "dequantize"), (native, "native")):
+            llminfer.quant.quantize(model, fmt, group_size=32 if fmt == "int4" else None, kernel=kernel)
+    fast.optimize_decode(native)
+    return reference, native
+
+
+CASES = [("llama-gqa-tied", "fp32"), ("qwen2-bias-gqa", "fp32"), ("llama-mha-untied", "fp32"),
+         ("llama3-rope-scaling", "fp32"), ("llama-gqa-tied", "bf16"), ("qwen2-bias-gqa", "bf16"),
+         ("llama-gqa-tied", "int8"), ("qwen2-bias-gqa", "int8"), ("llama-gqa-tied", "int4")]
+
+
+@pytest.mark.parametrize("name,fmt", CASES)
+def test_one_call_per_step_gives_the_modules_numbers(name, fmt, native_calls):
+    reference, native = _pair(name, fmt)
+    assert type(native.layers) is fast.NativeDecoderStack
+    assert all(type(layer) is fast.NativeDecoderLayer for layer in native.layers)
+    assert list(native.state_dict()) == list(fast.fuse_projections(copy.deepcopy(reference)).state_dict())
+    vocab = reference.config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, vocab, (2, 11), generator=g)
+    # float32 agrees to rounding; bfloat16 rounds where the modules round, to within a few of its steps
+    tolerance = {"fp32": 2e-4, "bf16": 6e-2, "int8": 2e-4, "int4": 2e-4}[fmt]
+    with torch.inference_mode():
+        ref_cache, nat_cache = reference.new_cache(2, 40), native.new_cache(2, 40)
+        torch.testing.assert_close(native(prompt, cache=nat_cache), reference(prompt, cache=ref_cache),
+                                   atol=tolerance, rtol=tolerance)
+        assert native_calls == [False]                       # 22 tokens: a prefill runs the modules
+        for n_new in (1, 3, 2, 1):                           # decode steps and short verification runs
+            ids = torch.randint(0, vocab, (2, n_new), generator=g)
+            got, expected = native(ids, cache=nat_cache), reference(ids, cache=ref_cache)
+            torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+        assert native_calls[1:] == [True] * 4
+        assert nat_cache.length == ref_cache.length == 18
+        for layer in (0, reference.config.n_layers - 1):     # the K/V each step wrote, position by position
+            torch.testing.assert_close(nat_cache.get(layer)[0], ref_cache.get(layer)[0], atol=tolerance, rtol=tolerance)
+            torch.testing.assert_close(nat_cache.get(layer)[1], ref_cache.get(layer)[1], atol=tolerance, rtol=tolerance)
+
+
+def test_greedy_decoding_picks_the_same_tokens(native_calls):
+    reference, native = _pair("llama-gqa-tied", "fp32")
+    ids = torch.randint(0, reference.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    expected = llminfer.generate(reference, ids, max_new_tokens=20).token_ids
+    assert llminfer.generate(native, ids, max_new_tokens=20).token_ids == expected
+    assert native_calls.count(True) == 19                   # every decode step was one call
+
+
+def test_a_static_cache_step_and_the_per_layer_op():
+    """The compiled decoder's static cache (explicit positions), and the one-layer op alone."""
+    reference, native = _pair("qwen2-bias-gqa", "fp32")
+    ids = torch.randint(0, reference.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        ref_cache = reference.new_cache(1, 16)
+        reference(ids, cache=ref_cache)
+        expected = reference(ids[:, :1], cache=ref_cache)
+        cache = native.new_cache(1, 16)
+        native(ids, cache=cache)
+        cache.static = True
+        got = native(ids[:, :1], positions=torch.tensor([6]), cache=cache)
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+        # the same step through each layer's own op (a stack that cannot run whole falls back to them)
+        cache = native.new_cache(1, 16)
+        native(ids, cache=cache)
+        native.layers.__class__ = DecoderStack
+        got = native(ids[:, :1], cache=cache)
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+
+
+def test_what_the_one_call_cannot_take_runs_the_modules(native_calls):
+    reference, native = _pair("llama-gqa-tied", "fp32")
+    vocab = reference.config.vocab_size
+    ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(5))
+
+    def step(model, cache, **kw):
+        model(ids, cache=cache, **kw)
+        return model(ids[:, :1], cache=cache, **kw)
+
+    with torch.inference_mode():
+        expected = step(reference, reference.new_cache(1, 16))
+        # an int8 KV cache has no slots to hand over
+        c = native.config
+        torch.testing.assert_close(step(native, Int8KVCache(c.n_layers, 1, c.n_kv_heads, 16, c.head_dim)),
+                                   step(reference, Int8KVCache(c.n_layers, 1, c.n_kv_heads, 16, c.head_dim)),
+                                   atol=2e-4, rtol=2e-4)
+        # another attention backend: the modules call it
+        native.set_attention_backend("explicit")
+        torch.testing.assert_close(step(native, native.new_cache(1, 16)), expected, atol=2e-4, rtol=2e-4)
+        native.set_attention_backend("native")
+        # no cache at all
+        torch.testing.assert_close(native(ids[:, :1]), reference(ids[:, :1]), atol=2e-4, rtol=2e-4)
+    assert not any(native_calls)
+    # autograd needs the modules too
+    x = native(ids[:, :1], cache=native.new_cache(1, 16))
+    assert x.requires_grad and native_calls[-1] is False
+    with torch.inference_mode():
+        step(native, native.new_cache(1, 16))
+    assert native_calls[-1] is True
+
+
+def test_the_stack_keeps_its_class_when_sliced():
+    model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
+    assert type(model.layers) is DecoderStack and type(model.layers[:2]) is DecoderStack
+    fast.optimize_decode(model)
+    assert type(model.layers[1:]) is fast.NativeDecoderStack
+
+
+def test_bad_inputs_to_the_layer_ops_name_the_sizes():
+    _, native = _pair("llama-gqa-tied", "fp32")
+    cache = native.new_cache(1, 16)
+    cos, sin = native.rope_tables(16)
+    x = torch.randn(1, 1, native.config.dim)
+    with torch.inference_mode():
+        cache.static = True
+        cache.begin(1, 1, torch.tensor([3]))
+        call = list(native.layers._native_args(x, cos[3:4], sin[3:4], cache, native._backend))
+        assert torch.ops.llminfer.decode_layers(*call).shape == x.shape
+        bad = list(call)
+        bad[2] = call[2][:-1]                                 # one layout entry short
+        with pytest.raises(RuntimeError, match="layout entries"):
+            torch.ops.llminfer.decode_layers(*bad)
+        bad = list(call)
+        bad[8] = torch.tensor([16])                           # past the cache's last slot
+        with pytest.raises(RuntimeError, match="position 16 is outside the cache's 0..15"):
+            torch.ops.llminfer.decode_layers(*bad)
+        bad = list(call)
+        bad[1] = [call[1][0], call[1][1], call[1][3]] + call[1][3:]      # o's weight where qkv's should be
+        with pytest.raises(RuntimeError, match="do not fit dim"):
+            torch.ops.llminfer.decode_layers(*bad)
+        bad = list(call)
+        bad[0] = x.bfloat16()
+        with pytest.raises(RuntimeError, match="dtype"):
+            torch.ops.llminfer.decode_layers(*bad)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_over_many_key_blocks(masked):
+    """A long cache is split into key blocks over the threads and merged (the online softmax)."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = torch.randn(2, 6, 2, 32, generator=g), torch.randn(2, 3, 700, 32, generator=g), \
+        torch.randn(2, 3, 700, 32, generator=g)
+    mask = torch.rand(2, 1, 2, 700, generator=g) > 0.3 if masked else None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = cpu.decode_attention(q, k, v, mask)
+    finally:
+        torch.set_num_threads(threads)
+    if mask is None:
+        mask = torch.ones(2, 700, dtype=torch.bool).tril(698)[None, None]
+    reference = llminfer.attention.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), causal=False,
+                                             mask=mask)[0]
+    torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_the_compiled_step_runs_the_stack_in_one_call(native_calls):
+    reference, native = _pair("llama-gqa-tied", "fp32")
+    ids = torch.randint(0, reference.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(9))
+    decoder = fast.compile_decode(native, max_seq_len=32, attach=False)
+    assert True in native_calls                              # traced once, into the graph
+    assert decoder.generate(ids, max_new_tokens=12).token_ids == \
+        llminfer.generate(reference, ids, max_new_tokens=12).token_ids
