@@ -170,7 +170,20 @@ def _native_parts(linear: nn.Module, dtype: torch.dtype) -> list[torch.Tensor] |
     return None
 
 
-class NativeDecoderLayer(DecoderLayer):
+class _OneNativeCall:
+    """The forward of a module swapped for a native one: the op named `op` with `_native_args(...)` where they
+    allow it, otherwise the forward of the class it was swapped from."""
+
+    op: str
+
+    def forward(self, x, cos, sin, cache, backend):
+        call = self._native_args(x, cos, sin, cache, backend)
+        if call is None:
+            return super().forward(x, cos, sin, cache, backend)
+        return getattr(torch.ops.llminfer, self.op)(*call)
+
+
+class NativeDecoderLayer(_OneNativeCall, DecoderLayer):
     """A DecoderLayer whose decode steps run as one native call. Chapter 08.
 
     Same modules, parameter names and numbers as the DecoderLayer it was (the class is swapped in place by
@@ -182,11 +195,7 @@ class NativeDecoderLayer(DecoderLayer):
     backend or device) runs the modules, as DecoderLayer does.
     """
 
-    def forward(self, x, cos, sin, cache, backend):
-        call = self._native_args(x, cos, sin, cache, backend)
-        if call is None:
-            return super().forward(x, cos, sin, cache, backend)
-        return torch.ops.llminfer.decode_layer(*call)
+    op = "decode_layer"
 
     def _native_args(self, x, cos, sin, cache, backend) -> tuple | None:
         attn, mlp = self.self_attn, self.mlp
@@ -217,7 +226,7 @@ class NativeDecoderLayer(DecoderLayer):
                 parts[2], parts[3], cos, sin, keys, values, positions, attn.n_heads, attn.head_dim ** -0.5)
 
 
-class NativeDecoderStack(DecoderStack):
+class NativeDecoderStack(_OneNativeCall, DecoderStack):
     """A DecoderStack whose decode steps run every layer in one native call. Chapter 08.
 
     Same layers and names as the DecoderStack it was (the class is swapped in place by
@@ -226,11 +235,7 @@ class NativeDecoderStack(DecoderStack):
     between. Otherwise the layers run one by one, each taking its own fast path where it can.
     """
 
-    def forward(self, x, cos, sin, cache, backend):
-        call = self._native_args(x, cos, sin, cache, backend)
-        if call is None:
-            return super().forward(x, cos, sin, cache, backend)
-        return torch.ops.llminfer.decode_layers(*call)
+    op = "decode_layers"
 
     def _native_args(self, x, cos, sin, cache, backend) -> tuple | None:
         tensors, layout, eps, keys, values = [], [], [], [], []
