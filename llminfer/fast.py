@@ -209,7 +209,8 @@ class NativeDecoderLayer(_OneNativeCall, DecoderLayer):
         if slots is None:
             return None
         keys, values, positions = slots
-        if keys.dtype != x.dtype or positions.dim() != 1 or keys.device.type != "cpu":
+        if (keys.dtype != x.dtype or keys.device.type != "cpu" or positions.dim() != 1
+                or positions.dtype != torch.long or cos.dtype != x.dtype):
             return None
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if any(type(n) is not RMSNorm or n.weight.dtype != x.dtype for n in norms):

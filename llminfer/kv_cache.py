@@ -8,7 +8,8 @@ A forward with a cache goes through three calls, made by `Transformer.forward`:
 
 `KVCache` keeps one (B, n_kv_heads, max_seq_len, head_dim) buffer for K and one for V per layer and
 writes in place, so a decode step copies one position per layer instead of the whole prefix. The paged
-cache of chapter 06 implements the same protocol over blocks.
+cache of chapter 06 implements the same protocol over blocks. `KVCache.slots(layer)` is optional in the
+protocol: it hands a kernel that writes and attends in one call (chapter 08) the buffers and positions.
 """
 from __future__ import annotations
 

@@ -17,8 +17,9 @@ The ops are `torch.ops.llminfer.gemv_f32(x, w)`, `gemv_bf16(x, w)`, `gemv_int8(x
 `decode_attention(q, k, v, mask, scale)`: a few queries against the K/V cache read in place (grouped-query
 heads shared, masked positions skipped), registered as the attention backend 'native'. And
 `decode_layer(...)`: a whole decoder layer for a few tokens in one call (norms, the four products, RoPE,
-the cache write, attention, SwiGLU, the residuals), which `llminfer.fast.NativeDecoderLayer` calls. They
-carry fake implementations, so `torch.compile` traces through them.
+the cache write, attention, SwiGLU, the residuals), which `llminfer.fast.NativeDecoderLayer` calls, and
+`decode_layers(...)`, every layer of a stack in one call (`llminfer.fast.NativeDecoderStack`). They carry
+fake implementations, so `torch.compile` traces through them.
 """
 from __future__ import annotations
 
