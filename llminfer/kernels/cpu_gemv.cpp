@@ -8,6 +8,10 @@
 // into float32 accumulators. Nothing is repacked: they read the checkpoint's own row-major layout
 // (int4 as two codes a byte, the even input in the low nibble). x stays in cache for the whole matrix.
 //
+// On top of them: decode attention against the K/V cache read in place, and whole decoder layers
+// (decode_layer, decode_layers) that run a step's norms, products, RoPE, cache write, attention and SwiGLU
+// without returning to Python between them.
+//
 // Built once by llminfer/kernels/cpu.py with torch's extension builder. The AVX2 versions are chosen at
 // run time when the CPU has AVX2 and FMA; elsewhere the portable loops run (the compiler vectorises them).
 
