@@ -429,8 +429,8 @@ class FastDecoder:
 def compile_decode(model, batch_size: int = 1, max_seq_len: int | None = None, fuse: bool = True,
                    compile: bool = True, options: dict | None = None, warmup: bool = True,
                    backend: str = "inductor", native: bool = True, attach: bool = True) -> FastDecoder:
-    """Fuses the projections and switches to the native CPU kernels (in place), and returns a FastDecoder
-    with its step compiled. Chapter 08.
+    """Fuses the projections and switches to the native CPU kernels (in place: products, decode attention,
+    and the layer stack in one native call a step), and returns a FastDecoder with its step compiled. Chapter 08.
 
     warmup=True compiles at once; `decoder.compile_s` says how long it took (a second compile of the same
     model in a new process reads inductor's on-disk cache and is faster). attach=True sets
