@@ -41,8 +41,7 @@ from .model import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, apply_ro
 from .quant.linear import QuantizedLinear
 
 __all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "NativeDecoderLayer",
-           "NativeDecoderStack",           "use_native_kernels",
-           "uses_native_kernels", "optimize_decode", "FastDecoder", "compile_decode", "COMPILE_OPTIONS"]
+           "NativeDecoderStack", "use_native_kernels", "uses_native_kernels", "optimize_decode", "FastDecoder", "compile_decode", "COMPILE_OPTIONS"]
 
 # inductor settings of the compiled step: weights frozen as constants (prepacked for the matmul kernels),
 # and no size assertions in the generated wrapper (the shapes are static; each assertion is Python work in
@@ -170,6 +169,14 @@ def _native_parts(linear: nn.Module, dtype: torch.dtype) -> list[torch.Tensor] |
     return None
 
 
+def _step_fits(x: torch.Tensor, cos: torch.Tensor, backend) -> bool:
+    """Whether a step's input can take the one-call path at all (the same for every layer of the step)."""
+    return (backend is native_cpu.attention_backend and native_cpu.loaded() and x.device.type == "cpu"
+            and x.dim() == 3 and x.shape[0] * x.shape[1] <= native_cpu.MAX_TOKENS
+            and x.dtype in (torch.float32, torch.bfloat16) and cos.dim() == 2 and cos.dtype == x.dtype
+            and not (torch.is_grad_enabled() and x.requires_grad))
+
+
 class _OneNativeCall:
     """The forward of a module swapped for a native one: the op named `op` with `_native_args(...)` where they
     allow it, otherwise the forward of the class it was swapped from."""
@@ -198,24 +205,24 @@ class NativeDecoderLayer(_OneNativeCall, DecoderLayer):
     op = "decode_layer"
 
     def _native_args(self, x, cos, sin, cache, backend) -> tuple | None:
+        return self._layer_args(x, cos, sin, cache, backend) if _step_fits(x, cos, backend) else None
+
+    def _layer_args(self, x, cos, sin, cache, backend) -> tuple | None:
+        """This layer's arguments of `decode_layer`, for a step that `_step_fits`; None where the layer cannot."""
         attn, mlp = self.self_attn, self.mlp
-        if (backend is not native_cpu.attention_backend or not native_cpu.loaded() or x.device.type != "cpu"
-                or x.dim() != 3 or x.shape[0] * x.shape[1] > native_cpu.MAX_TOKENS
-                or x.dtype not in (torch.float32, torch.bfloat16) or cos.dim() != 2
-                or not isinstance(attn, FusedAttention) or not isinstance(mlp, FusedMLP)):
+        if not isinstance(attn, FusedAttention) or not isinstance(mlp, FusedMLP):
             return None
         slots = getattr(cache, "slots", None)
         slots = slots(attn.layer_idx) if slots is not None else None
         if slots is None:
             return None
         keys, values, positions = slots
-        if (keys.dtype != x.dtype or keys.device.type != "cpu" or positions.dim() != 1
-                or positions.dtype != torch.long or cos.dtype != x.dtype):
+        if keys.dtype != x.dtype or keys.device.type != "cpu" or positions.dim() != 1 or positions.dtype != torch.long:
             return None
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if any(type(n) is not RMSNorm or n.weight.dtype != x.dtype for n in norms):
             return None
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
             return None                                     # autograd needs the modules
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         parts = [_native_parts(linear, x.dtype) for linear in linears]
@@ -239,10 +246,12 @@ class NativeDecoderStack(_OneNativeCall, DecoderStack):
     op = "decode_layers"
 
     def _native_args(self, x, cos, sin, cache, backend) -> tuple | None:
+        if not _step_fits(x, cos, backend):                   # checked once for the whole step
+            return None
         tensors, layout, eps, keys, values = [], [], [], [], []
         call = None
         for layer in self:
-            call = layer._native_args(x, cos, sin, cache, backend) if isinstance(layer, NativeDecoderLayer) else None
+            call = layer._layer_args(x, cos, sin, cache, backend) if isinstance(layer, NativeDecoderLayer) else None
             if call is None:
                 return None
             (_, norm1, eps1, norm2, eps2, qkv, bias, o, gate_up, down, _, _, k, v, _, _, _) = call
