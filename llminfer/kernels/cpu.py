@@ -35,7 +35,7 @@ import torch
 from llminfer.attention import fast_attention
 
 __all__ = ["available", "why_unavailable", "load", "isa", "gemv", "decode_attention", "attention_backend", "loaded",
-           "MAX_TOKENS", "SOURCE", "cache_dir"]
+           "MAX_TOKENS", "blocked_float32", "SOURCE", "cache_dir"]
 
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 # Matrix-vector kernels: past a few rows of x (a prefill) a blocked matmul reuses each weight many times
@@ -138,7 +138,16 @@ def _require() -> None:
 
 def isa() -> str:
     """'avx2+fma' when the vector loops run, 'portable' otherwise (or 'unavailable')."""
-    return str(torch.ops.llminfer.cpu_kernel_isa()) if load() else "unavailable"
+    if "isa" not in _state:
+        _state["isa"] = str(torch.ops.llminfer.cpu_kernel_isa()) if load() else "unavailable"
+    return _state["isa"]
+
+
+def blocked_float32() -> bool:
+    """Whether float32 products of many rows (a prefill) run the blocked AVX2 kernel, which is faster than
+    torch's matmul for a prefill's shapes; without AVX2 only the matrix-vector loops exist, and a prefill
+    keeps torch's matmul."""
+    return _state["loaded"] and isa() == "avx2+fma"
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,

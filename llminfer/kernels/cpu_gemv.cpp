@@ -339,6 +339,102 @@ __attribute__((target("avx2,fma"))) float exp_shifted_avx2(float* s, int64_t n, 
 #endif
 
 // ---------------------------------------------------------------------------------------------------
+// float32 products for many rows of x (a prefill): a blocked kernel
+//
+// With a few rows of x each weight is used once and the loops above stream it. With a hundred rows each
+// weight is used a hundred times, and the speed is how many multiply-adds a cycle the core sustains. The
+// kernel below computes a tile of 6 outputs (6 rows of W) for 16 tokens at once, in 12 registers: per input
+// k, it broadcasts W[n..n+5][k] (six loads from the checkpoint's own row-major layout, no repacking of W)
+// and multiplies them into x's 16 tokens at k, which are laid out for it once per product ("packed":
+// 16 tokens of one input contiguous). That is 12 multiply-adds for 8 loads, so the two FMA units stay
+// busy. The six rows of W (a few KB) stay in L1 while all the token tiles pass; long inputs are split into
+// chunks so that a chunk of packed x stays in L2.
+
+constexpr int64_t kGemmTile = 16;   // tokens of one packed tile
+constexpr int64_t kGemmRowsW = 6;   // rows of W of one tile
+constexpr int64_t kGemmChunk = 512; // inputs per chunk of a long product
+constexpr int64_t kGemmMinRows = 16; // rows of x from which float32 products take the blocked kernel
+
+struct AlignedFloats {
+  float* data = nullptr;
+  explicit AlignedFloats(size_t n) {
+    data = static_cast<float*>(std::aligned_alloc(64, ((n * sizeof(float) + 63) / 64) * 64));
+    TORCH_CHECK(data != nullptr, "llminfer: out of memory for ", n, " floats");
+  }
+  ~AlignedFloats() { std::free(data); }
+  AlignedFloats(const AlignedFloats&) = delete;
+  AlignedFloats& operator=(const AlignedFloats&) = delete;
+};
+
+#ifdef LLMINFER_X86
+// out (6 x 16) (+)= W[0..5][0..kc) · packed x[0..kc)[0..16), W rows `ldw` floats apart
+__attribute__((target("avx2,fma"))) void gemm_tile_6x16(const float* w, int64_t ldw, const float* xp, int64_t kc,
+                                                         float* out) {
+  // twelve named accumulators: as an array, the compiler spills them to the stack every step
+  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
+         b4 = a0, a5 = a0, b5 = a0;
+  const float *r0 = w, *r1 = w + ldw, *r2 = w + 2 * ldw, *r3 = w + 3 * ldw, *r4 = w + 4 * ldw, *r5 = w + 5 * ldw;
+#define LLMINFER_ROW(i)                               \
+  {                                                   \
+    const __m256 s = _mm256_broadcast_ss(r##i + k);   \
+    a##i = _mm256_fmadd_ps(s, x0, a##i);              \
+    b##i = _mm256_fmadd_ps(s, x1, b##i);              \
+  }
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 x0 = _mm256_load_ps(xp + k * kGemmTile), x1 = _mm256_load_ps(xp + k * kGemmTile + 8);
+    LLMINFER_ROW(0) LLMINFER_ROW(1) LLMINFER_ROW(2) LLMINFER_ROW(3) LLMINFER_ROW(4) LLMINFER_ROW(5)
+  }
+#undef LLMINFER_ROW
+  const __m256 rows[2 * kGemmRowsW] = {a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5};
+  for (int i = 0; i < 2 * kGemmRowsW; ++i) _mm256_store_ps(out + i * 8, rows[i]);
+}
+
+// y (M, N) = x (M, K) · Wᵀ, float32, for M of a prefill
+void gemm_f32_avx2(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
+  const int64_t tiles = (M + kGemmTile - 1) / kGemmTile;
+  AlignedFloats packed(static_cast<size_t>(tiles * K * kGemmTile));
+  float* xp = packed.data;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {     // tile t: xp[t][k][j] = x[16t + j][k]
+    for (int64_t t = t0; t < t1; ++t) {
+      float* dst = xp + t * K * kGemmTile;
+      const int64_t rows = std::min<int64_t>(kGemmTile, M - t * kGemmTile);
+      if (rows < kGemmTile) std::fill(dst, dst + K * kGemmTile, 0.f);
+      for (int64_t j = 0; j < rows; ++j) {
+        const float* src = x + (t * kGemmTile + j) * K;
+        for (int64_t k = 0; k < K; ++k) dst[k * kGemmTile + j] = src[k];
+      }
+    }
+  });
+  const int64_t blocks = N / kGemmRowsW;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float out[kGemmRowsW * kGemmTile];
+    for (int64_t k0 = 0; k0 < K; k0 += kGemmChunk) {
+      const int64_t kc = std::min<int64_t>(kGemmChunk, K - k0);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n = b * kGemmRowsW;
+        for (int64_t t = 0; t < tiles; ++t) {
+          gemm_tile_6x16(w + n * K + k0, K, xp + (t * K + k0) * kGemmTile, kc, out);
+          const int64_t rows = std::min<int64_t>(kGemmTile, M - t * kGemmTile);
+          for (int64_t j = 0; j < rows; ++j) {
+            float* dst = y + (t * kGemmTile + j) * N + n;
+            if (k0 == 0)
+              for (int i = 0; i < kGemmRowsW; ++i) dst[i] = out[i * kGemmTile + j];
+            else
+              for (int i = 0; i < kGemmRowsW; ++i) dst[i] += out[i * kGemmTile + j];
+          }
+        }
+      }
+    }
+  });
+  if (blocks * kGemmRowsW < N) {                 // the last N % 6 rows: the matrix-vector loop
+    const int64_t n0 = blocks * kGemmRowsW;
+    rows_avx2<WKind::F32>(x, M, K, w, nullptr, y, N, n0, N);
+  }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------
 // one weight matrix in any of the four formats, and its product with a few float32 rows
 
 constexpr int64_t kGrain = 64;   // output rows a thread takes at least
@@ -410,6 +506,10 @@ Weight weight_from_parts(at::TensorList parts, const char* op) {
 void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
   const int64_t N = W.N, K = W.K;
   const bool avx2 = has_avx2();
+#ifdef LLMINFER_X86
+  if (avx2 && W.format == Weight::F32 && M >= kGemmMinRows)
+    return gemm_f32_avx2(x, M, K, static_cast<const float*>(W.w), N, y);
+#endif
   if (W.format == Weight::I4) {
     // x with each block of 32 inputs as its 16 even then 16 odd entries, and the group sums of x
     const int64_t G = K / W.group;
@@ -727,15 +827,32 @@ void silu(const float* g, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + std::exp(std::min(-g[i], 88.f)));
 }
 
+// fn(m) for every row m < M: inline for a decode step's few rows, split over the threads for a prefill's
+template <typename Fn>
+void for_rows(int64_t M, const Fn& fn) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) fn(m);
+  });
+}
+
 // rows of x (M, dim) -> weight · (x / rms(x)), each rounded as RMSNorm rounds
 void rms_norm(const float* x, int64_t M, int64_t dim, const at::Tensor& weight, double eps, bool bf16, float* out) {
-  for (int64_t m = 0; m < M; ++m) {
-    double ss = 0.0;
-    for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(x[m * dim + i]) * x[m * dim + i];
-    const float inv = 1.f / std::sqrt(static_cast<float>(ss / dim) + static_cast<float>(eps));
-    for (int64_t i = 0; i < dim; ++i)
-      out[m * dim + i] = round_to(element(weight, i) * round_to(x[m * dim + i] * inv, bf16), bf16);
-  }
+  const std::vector<float> w = x_as_float(weight);
+  for_rows(M, [&](int64_t m) {
+    const float* row = x + m * dim;
+    double ss[4] = {0.0, 0.0, 0.0, 0.0};              // four chains: one would wait on each add
+    int64_t i = 0;
+    for (; i + 4 <= dim; i += 4)
+      for (int j = 0; j < 4; ++j) ss[j] += static_cast<double>(row[i + j]) * row[i + j];
+    for (; i < dim; ++i) ss[0] += static_cast<double>(row[i]) * row[i];
+    const double total = (ss[0] + ss[1]) + (ss[2] + ss[3]);
+    const float inv = 1.f / std::sqrt(static_cast<float>(total / dim) + static_cast<float>(eps));
+    float* o = out + m * dim;
+    if (bf16)
+      for (int64_t i = 0; i < dim; ++i) o[i] = round_to(w[i] * round_to(row[i] * inv, true), true);
+    else
+      for (int64_t i = 0; i < dim; ++i) o[i] = w[i] * (row[i] * inv);
+  });
 }
 
 // One layer's weights and cache, checked against the step's shapes.
@@ -818,6 +935,18 @@ Layer check_layer(const Step& st, const at::Tensor& input_norm, double eps1, con
   return L;
 }
 
+// x += y over M rows of dim, each term and the sum rounded to the model's dtype (the residual adds)
+void add_rows(float* x, const float* y, int64_t M, int64_t dim, bool bf16) {
+  for_rows(M, [&](int64_t m) {
+    float* xr = x + m * dim;
+    const float* yr = y + m * dim;
+    if (bf16)
+      for (int64_t i = 0; i < dim; ++i) xr[i] = round_to(xr[i] + round_to(yr[i], true), true);
+    else
+      for (int64_t i = 0; i < dim; ++i) xr[i] += yr[i];
+  });
+}
+
 // x (B·T, dim) float32, rounded to the model's dtype, through one layer in place
 void run_layer(const Step& st, const Layer& L, std::vector<float>& x) {
   const bool bf16 = st.dtype == at::kBFloat16;
@@ -828,14 +957,14 @@ void run_layer(const Step& st, const Layer& L, std::vector<float>& x) {
   rms_norm(x.data(), M, dim, *L.input_norm, L.eps1, bf16, h.data());
   linear_rows(L.qkv, h.data(), M, qkv.data());
   const int64_t half = D / 2;
-  std::vector<float> rotated(D);
-  for (int64_t m = 0; m < M; ++m) {
+  for_rows(M, [&](int64_t m) {
+    std::vector<float> rotated(D);
     float* row = qkv.data() + m * N;
     const float *c = st.cos.data() + (m % T) * D, *s = st.sin.data() + (m % T) * D;
-    for (int64_t i = 0; i < N; ++i) {
-      if (!L.bias.empty()) row[i] = round_to(row[i], bf16) + L.bias[i];
-      row[i] = round_to(row[i], bf16);
-    }
+    if (!L.bias.empty())
+      for (int64_t i = 0; i < N; ++i) row[i] = round_to(round_to(row[i], bf16) + L.bias[i], bf16);
+    else if (bf16)
+      for (int64_t i = 0; i < N; ++i) row[i] = round_to(row[i], true);
     for (int64_t head = 0; head < H + Hkv; ++head) {        // the q heads, then the k heads
       float* v = row + head * D;
       for (int64_t d = 0; d < D; ++d) {
@@ -844,7 +973,7 @@ void run_layer(const Step& st, const Layer& L, std::vector<float>& x) {
       }
       std::copy(rotated.begin(), rotated.end(), v);
     }
-  }
+  });
   for (int64_t m = 0; m < M; ++m) {                          // k, v into the cache at their positions
     const int64_t b = m / T, t = m % T;
     const float* row = qkv.data() + m * N;
@@ -870,20 +999,24 @@ void run_layer(const Step& st, const Layer& L, std::vector<float>& x) {
   P.os0 = T * qsize, P.os1 = D, P.os2 = qsize;
   if (bf16) attend<WKind::BF16>(P);
   else attend<WKind::F32>(P);
-  for (float& a : att) a = round_to(a, bf16);
+  if (bf16)
+    for (float& a : att) a = round_to(a, true);
   linear_rows(L.o, att.data(), M, proj.data());
-  for (int64_t i = 0; i < M * dim; ++i) x[i] = round_to(x[i] + round_to(proj[i], bf16), bf16);
+  add_rows(x.data(), proj.data(), M, dim, bf16);
   // MLP
   rms_norm(x.data(), M, dim, *L.post_norm, L.eps2, bf16, h.data());
   linear_rows(L.gate_up, h.data(), M, gu.data());
-  for (int64_t m = 0; m < M; ++m) {
+  for_rows(M, [&](int64_t m) {
     const float *g = gu.data() + m * L.gate_up.N, *u = g + hidden;
     float* a = act.data() + m * hidden;
     silu(g, hidden, a);
-    for (int64_t i = 0; i < hidden; ++i) a[i] = round_to(round_to(a[i], bf16) * round_to(u[i], bf16), bf16);
-  }
+    if (bf16)
+      for (int64_t i = 0; i < hidden; ++i) a[i] = round_to(round_to(a[i], true) * round_to(u[i], true), true);
+    else
+      for (int64_t i = 0; i < hidden; ++i) a[i] *= u[i];
+  });
   linear_rows(L.down, act.data(), M, proj.data());
-  for (int64_t i = 0; i < M * dim; ++i) x[i] = round_to(x[i] + round_to(proj[i], bf16), bf16);
+  add_rows(x.data(), proj.data(), M, dim, bf16);
 }
 
 at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, double eps1,
