@@ -20,6 +20,10 @@ heads shared, masked positions skipped), registered as the attention backend 'na
 the cache write, attention, SwiGLU, the residuals), which `llminfer.fast.NativeDecoderLayer` calls, and
 `decode_layers(...)`, every layer of a stack in one call (`llminfer.fast.NativeDecoderStack`). They carry
 fake implementations, so `torch.compile` traces through them.
+
+A float32 prefill (many rows of x) runs through the same ops: from 16 rows on, float32 products take a
+blocked kernel (tiles of 6 weight rows by 16 tokens in registers, x repacked once per product) that beats
+torch's matmul at a prefill's shapes on AVX2 machines (`blocked_float32()`).
 """
 from __future__ import annotations
 
