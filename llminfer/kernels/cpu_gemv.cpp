@@ -369,8 +369,39 @@ struct AlignedFloats {
 
 #ifdef LLMINFER_X86
 // out (6 x 16) (+)= W[0..5][0..kc) · packed x[0..kc)[0..16), W rows `ldw` floats apart
+// y[j][0..5] (+)= column j of the 6 x 8 block (r0 .. r5) for tokens j < rows, y rows `ldy` floats apart
+__attribute__((target("avx2,fma"))) inline void store_tile_half(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4,
+                                                                 __m256 r5, float* y, int64_t ldy, int64_t rows,
+                                                                 bool accumulate) {
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)), s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)), s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s4 = _mm256_shuffle_ps(t4, zero, _MM_SHUFFLE(1, 0, 1, 0)), s5 = _mm256_shuffle_ps(t4, zero, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s6 = _mm256_shuffle_ps(t5, zero, _MM_SHUFFLE(1, 0, 1, 0)), s7 = _mm256_shuffle_ps(t5, zero, _MM_SHUFFLE(3, 2, 3, 2));
+  // token j: outputs 0..3 in the first 128 bits of c[j], outputs 4, 5 in the first 64 bits of its second half
+  const __m256 c[8] = {_mm256_permute2f128_ps(s0, s4, 0x20), _mm256_permute2f128_ps(s1, s5, 0x20),
+                       _mm256_permute2f128_ps(s2, s6, 0x20), _mm256_permute2f128_ps(s3, s7, 0x20),
+                       _mm256_permute2f128_ps(s0, s4, 0x31), _mm256_permute2f128_ps(s1, s5, 0x31),
+                       _mm256_permute2f128_ps(s2, s6, 0x31), _mm256_permute2f128_ps(s3, s7, 0x31)};
+  for (int64_t j = 0; j < rows; ++j) {
+    float* dst = y + j * ldy;
+    __m128 low = _mm256_castps256_ps128(c[j]), high = _mm256_extractf128_ps(c[j], 1);
+    if (accumulate) {
+      low = _mm_add_ps(low, _mm_loadu_ps(dst));
+      high = _mm_add_ps(high, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dst + 4))));
+    }
+    _mm_storeu_ps(dst, low);
+    _mm_store_sd(reinterpret_cast<double*>(dst + 4), _mm_castps_pd(high));
+  }
+}
+
+// y (rows <= 16 tokens, 6 outputs, rows `ldy` apart) (+)= packed x[0..kc)[0..16) · W[0..5][0..kc)ᵀ, W rows
+// `ldw` floats apart
 __attribute__((target("avx2,fma"))) void gemm_tile_6x16(const float* w, int64_t ldw, const float* xp, int64_t kc,
-                                                         float* out) {
+                                                         float* y, int64_t ldy, int64_t rows, bool accumulate) {
   // twelve named accumulators: as an array, the compiler spills them to the stack every step
   __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
          b4 = a0, a5 = a0, b5 = a0;
@@ -387,8 +418,10 @@ __attribute__((target("avx2,fma"))) void gemm_tile_6x16(const float* w, int64_t 
     LLMINFER_ROW(0) LLMINFER_ROW(1) LLMINFER_ROW(2) LLMINFER_ROW(3) LLMINFER_ROW(4) LLMINFER_ROW(5)
   }
 #undef LLMINFER_ROW
-  const __m256 rows[2 * kGemmRowsW] = {a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5};
-  for (int i = 0; i < 2 * kGemmRowsW; ++i) _mm256_store_ps(out + i * 8, rows[i]);
+  // out (tokens, outputs): each half of 8 tokens transposed in registers, 6 outputs a token stored at once
+  // (a scalar store per element cost about a tenth of the product)
+  store_tile_half(a0, a1, a2, a3, a4, a5, y, ldy, std::min<int64_t>(rows, 8), accumulate);
+  if (rows > 8) store_tile_half(b0, b1, b2, b3, b4, b5, y + 8 * ldy, ldy, rows - 8, accumulate);
 }
 
 // y (M, N) = x (M, K) · Wᵀ, float32, for M of a prefill
@@ -409,22 +442,13 @@ void gemm_f32_avx2(const float* x, int64_t M, int64_t K, const float* w, int64_t
   });
   const int64_t blocks = N / kGemmRowsW;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    alignas(64) float out[kGemmRowsW * kGemmTile];
     for (int64_t k0 = 0; k0 < K; k0 += kGemmChunk) {
       const int64_t kc = std::min<int64_t>(kGemmChunk, K - k0);
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n = b * kGemmRowsW;
-        for (int64_t t = 0; t < tiles; ++t) {
-          gemm_tile_6x16(w + n * K + k0, K, xp + (t * K + k0) * kGemmTile, kc, out);
-          const int64_t rows = std::min<int64_t>(kGemmTile, M - t * kGemmTile);
-          for (int64_t j = 0; j < rows; ++j) {
-            float* dst = y + (t * kGemmTile + j) * N + n;
-            if (k0 == 0)
-              for (int i = 0; i < kGemmRowsW; ++i) dst[i] = out[i * kGemmTile + j];
-            else
-              for (int i = 0; i < kGemmRowsW; ++i) dst[i] += out[i * kGemmTile + j];
-          }
-        }
+        for (int64_t t = 0; t < tiles; ++t)
+          gemm_tile_6x16(w + n * K + k0, K, xp + (t * K + k0) * kGemmTile, kc, y + t * kGemmTile * N + n, N,
+                         std::min<int64_t>(kGemmTile, M - t * kGemmTile), k0 > 0);
       }
     }
   });
