@@ -443,6 +443,12 @@ class FastDecoder:
         step = types.MethodType(step, self)
         self._step = torch.compile(step, backend=backend, options=options, dynamic=dynamic,
                                    fullgraph=True) if compile else self._forward
+        # Specialised, the step also takes the model's tensors (weights, cache buffers) as part of the graph
+        # rather than as inputs gathered from the modules before every call: dynamo's `install_free_tensors`,
+        # set while the step is traced. That gathering cost about 0.2 ms of each step (3% of a bfloat16 step
+        # of a 135M model).
+        self._trace_options = {"install_free_tensors": True} if compile and options is not None and specialize else {}
+        self._traced = not compile
 
     def _forward(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         return self.model(token, positions=position, cache=self.cache)[:, -1]         # (B, vocab)
@@ -457,7 +463,7 @@ class FastDecoder:
                                    "make the decoder under the thread count it will run with")
             self.position.fill_(0)
             start = time.perf_counter()
-            self._step(self.token, self.position)
+            self._traced_step()
             self.compile_s = time.perf_counter() - start
         self.cache.reset()
         return self.compile_s
@@ -475,7 +481,16 @@ class FastDecoder:
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         """Returns logits (B, vocab) for token (B,) at position cache.length: one compiled step."""
         return static_decode(self.cache, self.token, self.position, token,
-                             lambda: self._step(self.token, self.position))
+                             lambda: self._step(self.token, self.position) if self._traced else self._traced_step())
+
+    def _traced_step(self) -> torch.Tensor:
+        """The step's first compiled call, which traces and compiles it, under the decoder's tracing options."""
+        import torch._dynamo
+
+        with torch._dynamo.config.patch(**self._trace_options):
+            logits = self._step(self.token, self.position)
+        self._traced = True
+        return logits
 
     def fits(self, batch: int, prompt_len: int, max_new_tokens: int) -> bool:
         """Whether a request of this shape can run here (llminfer.generate asks before handing it over)."""
