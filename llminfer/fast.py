@@ -22,10 +22,10 @@ three module swaps that keep every parameter name: each float linear becomes a `
 own matrix-vector kernels), each decoder layer a `NativeDecoderLayer` (norms, products, RoPE, the cache
 write, attention and SwiGLU in one native call) and the layer stack a `NativeDecoderStack` (every layer in
 one call). A decode step then leaves Python once for the whole stack instead of a dozen times a layer.
-A float32 prefill takes the same call, its products then done by a blocked matrix-matrix kernel that
-outruns torch's matmul at a prefill's shapes. Anything the one call cannot take (a bfloat16 or quantized
-prefill, autograd, another cache or attention backend) runs the modules, so the model's forward stays the
-one forward. The weights are also moved onto 2 MiB pages (`use_huge_pages`), which stream faster.
+A prefill takes the same call, its products then done by a blocked matrix-matrix kernel that outruns
+torch's matmul at a prefill's shapes (in bfloat16 several times over). Anything the one call cannot take
+(autograd, another cache or attention backend, a CPU without AVX2 for a prefill) runs the modules, so the
+model's forward stays the one forward. The weights are also moved onto 2 MiB pages (`use_huge_pages`), which stream faster.
 """
 from __future__ import annotations
 
@@ -144,13 +144,15 @@ class NativeLinear(nn.Linear):
     """An nn.Linear whose few-token products run llminfer's native matrix-vector kernel. Chapter 08.
 
     Same parameters, names and numbers as the nn.Linear it was (the class is swapped in place, so tied
-    weights stay tied). Up to `kernels.cpu.MAX_TOKENS` rows of x on a CPU (a decode step) go to
-    `llminfer.kernels.cpu.gemv`; longer inputs (a prefill), other devices and autograd use F.linear.
+    weights stay tied). On a CPU, x goes to `llminfer.kernels.cpu.gemv`: its matrix-vector loops for up to
+    `kernels.cpu.MAX_TOKENS` rows (a decode step), its blocked kernel for more (a prefill) where the CPU has
+    AVX2; other devices, autograd and a prefill without the blocked kernel use F.linear.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // self.in_features if self.in_features else 0
-        if (x.device.type != "cpu" or tokens == 0 or tokens > native_cpu.MAX_TOKENS or x.dtype != self.weight.dtype
+        if (x.device.type != "cpu" or tokens == 0 or x.dtype != self.weight.dtype
+                or (tokens > native_cpu.MAX_TOKENS and not native_cpu.blocked_prefill())
                 or not self.weight.is_contiguous()
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
@@ -174,15 +176,14 @@ def _native_parts(linear: nn.Module, dtype: torch.dtype) -> list[torch.Tensor] |
 
 def _step_fits(x: torch.Tensor, cos: torch.Tensor, backend) -> str | None:
     """Whether a step's input can take the one-call path at all (the same for every layer of the step):
-    'decode' for up to MAX_TOKENS tokens, 'prefill' for more in float32 where the blocked kernel runs, else
-    None."""
+    'decode' for up to MAX_TOKENS tokens, 'prefill' for more where the blocked kernel runs, else None."""
     if not (backend is native_cpu.attention_backend and native_cpu.loaded() and x.device.type == "cpu"
             and x.dim() == 3 and x.dtype in (torch.float32, torch.bfloat16) and cos.dim() == 2
             and cos.dtype == x.dtype and not (torch.is_grad_enabled() and x.requires_grad)):
         return None
     if x.shape[0] * x.shape[1] <= native_cpu.MAX_TOKENS:
         return "decode"
-    return "prefill" if x.dtype == torch.float32 and native_cpu.blocked_float32() else None
+    return "prefill" if native_cpu.blocked_prefill() else None
 
 
 class _OneNativeCall:
@@ -206,18 +207,17 @@ class NativeDecoderLayer(_OneNativeCall, DecoderLayer):
     the model attends through the 'native' backend and the cache hands over its buffers (`cache.slots`),
     a step of up to `kernels.cpu.MAX_TOKENS` tokens on a CPU runs `torch.ops.llminfer.decode_layer`: both
     norms, the four products, RoPE, the cache write, attention, SwiGLU and both residuals in one call, so a
-    step makes one call per layer instead of a dozen. A float32 prefill of any length takes the same call
-    where the blocked float32 kernel runs (`kernels.cpu.blocked_float32()`). Anything else (a bfloat16 or
-    quantized prefill, autograd, another cache, backend or device) runs the modules, as DecoderLayer does.
+    step makes one call per layer instead of a dozen. A prefill of any length takes the same call where the
+    blocked kernel runs (`kernels.cpu.blocked_prefill()`). Anything else (autograd, another cache, backend
+    or device) runs the modules, as DecoderLayer does.
     """
 
     op = "decode_layer"
 
     def _native_args(self, x, cos, sin, cache, backend) -> tuple | None:
-        mode = _step_fits(x, cos, backend)
-        return self._layer_args(x, cos, sin, cache, backend, mode) if mode else None
+        return self._layer_args(x, cos, sin, cache, backend) if _step_fits(x, cos, backend) else None
 
-    def _layer_args(self, x, cos, sin, cache, backend, mode: str = "decode") -> tuple | None:
+    def _layer_args(self, x, cos, sin, cache, backend) -> tuple | None:
         """This layer's arguments of `decode_layer`, for a step that `_step_fits`; None where the layer cannot."""
         attn, mlp = self.self_attn, self.mlp
         if not isinstance(attn, FusedAttention) or not isinstance(mlp, FusedMLP):
@@ -236,8 +236,6 @@ class NativeDecoderLayer(_OneNativeCall, DecoderLayer):
             return None                                     # autograd needs the modules
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         parts = [_native_parts(linear, x.dtype) for linear in linears]
-        if mode == "prefill" and any(p is None or len(p) != 1 for p in parts):
-            return None                                     # a prefill's blocked kernel: float32 weights only
         bias = attn.qkv_proj.bias
         if (any(p is None for p in parts) or any(linear.bias is not None for linear in linears[1:])
                 or (bias is not None and bias.dtype != x.dtype)):
@@ -258,14 +256,12 @@ class NativeDecoderStack(_OneNativeCall, DecoderStack):
     op = "decode_layers"
 
     def _native_args(self, x, cos, sin, cache, backend) -> tuple | None:
-        mode = _step_fits(x, cos, backend)                    # checked once for the whole step
-        if mode is None:
+        if _step_fits(x, cos, backend) is None:              # checked once for the whole step
             return None
         tensors, layout, eps, keys, values = [], [], [], [], []
         call = None
         for layer in self:
-            call = (layer._layer_args(x, cos, sin, cache, backend, mode) if isinstance(layer, NativeDecoderLayer)
-                    else None)
+            call = layer._layer_args(x, cos, sin, cache, backend) if isinstance(layer, NativeDecoderLayer) else None
             if call is None:
                 return None
             (_, norm1, eps1, norm2, eps2, qkv, bias, o, gate_up, down, _, _, k, v, _, _, _) = call

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import llminfer
 from llminfer import fast
@@ -62,7 +63,9 @@ def test_dense_kernels_match_a_float64_reference(tokens, n, k, x_dtype):
         assert float((got.double() - reference).abs().max()) <= tolerance + 1e-6, name
 
 
-@pytest.mark.parametrize("tokens,n,k,group", [(1, 96, 128, 32), (3, 13, 576, 64), (8, 5, 256, 256), (2, 9, 96, 96)])
+# the last three: many rows (a prefill), the blocked kernel widening blocks of 6 rows; 1024 inputs cross a chunk
+@pytest.mark.parametrize("tokens,n,k,group", [(1, 96, 128, 32), (3, 13, 576, 64), (8, 5, 256, 256), (2, 9, 96, 96),
+                                             (37, 13, 1024, 64), (16, 6, 96, 32), (29, 20, 576, 576)])
 def test_int4_kernel_matches_a_float64_reference(tokens, n, k, group):
     g = torch.Generator().manual_seed(k + n)
     packed, scale, offset, weight = _int4_case(n, k, group, g)
@@ -167,7 +170,7 @@ def test_native_model_decodes_the_same_tokens(name, dtype):
     torch.testing.assert_close(step, reference, atol=tolerance, rtol=tolerance)
 
 
-def test_native_linear_leaves_autograd_and_long_inputs_to_torch(monkeypatch):
+def test_native_linear_leaves_autograd_to_torch_and_takes_a_prefill_where_it_can(monkeypatch):
     layer = nn.Linear(64, 24)
     fast.use_native_kernels(layer)                      # a bare module is a model too
     assert type(layer) is fast.NativeLinear
@@ -178,10 +181,16 @@ def test_native_linear_leaves_autograd_and_long_inputs_to_torch(monkeypatch):
     layer(x).sum().backward()                           # autograd: F.linear, which has a backward
     assert x.grad is not None and calls == []
     with torch.no_grad():
-        layer(torch.randn(1, 20, 64))                   # 20 tokens: a prefill, torch's blocked matmul
-        assert calls == []
+        x20 = torch.randn(1, 20, 64)                    # 20 tokens: a prefill, the blocked kernel where it runs
+        torch.testing.assert_close(layer(x20), F.linear(x20, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert calls == ([(20, 64)] if cpu.blocked_prefill() else [])
         y = layer(torch.randn(1, 3, 64))
-    assert calls == [(3, 64)] and y.shape == (1, 3, 24)
+    assert calls[-1] == (3, 64) and y.shape == (1, 3, 24)
+    monkeypatch.setattr(cpu, "blocked_prefill", lambda: False)          # a CPU without AVX2: torch's matmul
+    calls.clear()
+    with torch.no_grad():
+        layer(x20)
+    assert calls == []
 
 
 def test_fused_quantized_model_runs_the_native_kernels_in_the_compiled_step():

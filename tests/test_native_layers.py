@@ -62,8 +62,8 @@ def test_one_call_per_step_gives_the_modules_numbers(name, fmt, native_calls):
         ref_cache, nat_cache = reference.new_cache(2, 40), native.new_cache(2, 40)
         torch.testing.assert_close(native(prompt, cache=nat_cache), reference(prompt, cache=ref_cache),
                                    atol=tolerance, rtol=tolerance)
-        # 22 tokens, a prefill: one call in float32 (the blocked kernel), the modules otherwise
-        assert native_calls == [fmt == "fp32" and cpu.blocked_float32()]
+        # 22 tokens, a prefill: one call too, where the blocked kernel runs (AVX2)
+        assert native_calls == [cpu.blocked_prefill()]
         for n_new in (1, 3, 2, 1):                           # decode steps and short verification runs
             ids = torch.randint(0, vocab, (2, n_new), generator=g)
             got, expected = native(ids, cache=nat_cache), reference(ids, cache=ref_cache)
@@ -80,16 +80,21 @@ def test_greedy_decoding_picks_the_same_tokens(native_calls):
     ids = torch.randint(0, reference.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
     expected = llminfer.generate(reference, ids, max_new_tokens=20).token_ids
     assert llminfer.generate(native, ids, max_new_tokens=20).token_ids == expected
-    # every decode step was one call, and the float32 prefill too where the blocked kernel runs
-    assert native_calls == [cpu.blocked_float32()] + [True] * 19
+    # every decode step was one call, and the prefill too where the blocked kernel runs
+    assert native_calls == [cpu.blocked_prefill()] + [True] * 19
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-bias-gqa", "llama3-rope-scaling"])
-def test_a_float32_prefill_runs_in_one_call(name, native_calls):
-    """A prompt of many tokens, then more prompt on top of it (a chunked prefill), then decode: in float32
-    the stack takes each in one call, its products by the blocked kernel, and every position's logits and
-    the K/V written agree with the modules."""
-    reference, native = _pair(name, "fp32")
+PREFILL_CASES = [("llama-gqa-tied", "fp32"), ("qwen2-bias-gqa", "fp32"), ("llama3-rope-scaling", "fp32"),
+                 ("llama-gqa-tied", "bf16"), ("qwen2-bias-gqa", "int8"), ("llama-gqa-tied", "int4")]
+
+
+@pytest.mark.parametrize("name,fmt", PREFILL_CASES)
+def test_a_prefill_runs_in_one_call(name, fmt, native_calls):
+    """A prompt of many tokens, then more prompt on top of it (a chunked prefill), then decode: the stack takes
+    each in one call, its products by the blocked kernel (quantized and bfloat16 rows widened to float32 a
+    block at a time), and every position's logits and the K/V written agree with the modules."""
+    reference, native = _pair(name, fmt)
+    tolerance = {"fp32": 2e-4, "bf16": 6e-2, "int8": 2e-4, "int4": 2e-4}[fmt]
     vocab = reference.config.vocab_size
     g = torch.Generator().manual_seed(11)
     with torch.inference_mode():
@@ -97,25 +102,18 @@ def test_a_float32_prefill_runs_in_one_call(name, native_calls):
         for n_new in (100, 37, 1):
             ids = torch.randint(0, vocab, (2, n_new), generator=g)
             torch.testing.assert_close(native(ids, cache=nat_cache), reference(ids, cache=ref_cache),
-                                       atol=2e-4, rtol=2e-4)
+                                       atol=tolerance, rtol=tolerance)
         for layer in range(reference.config.n_layers):
             for i in (0, 1):
-                torch.testing.assert_close(nat_cache.get(layer)[i], ref_cache.get(layer)[i], atol=2e-4, rtol=2e-4)
-    assert native_calls == [cpu.blocked_float32()] * 2 + [True]
+                torch.testing.assert_close(nat_cache.get(layer)[i], ref_cache.get(layer)[i], atol=tolerance,
+                                           rtol=tolerance)
+    assert native_calls == [cpu.blocked_prefill()] * 2 + [True]
     # the compiled decoder's prefill (a static cache) takes it too, and gives the modules' last logits
     prompt = torch.randint(0, vocab, (1, 70), generator=g)
     decoder = fast.FastDecoder(native, max_seq_len=96, compile=False)
     with torch.inference_mode():
-        torch.testing.assert_close(decoder.prefill(prompt), reference(prompt)[:, -1], atol=2e-4, rtol=2e-4)
-    assert native_calls[-1] is cpu.blocked_float32()
-
-
-def test_a_bfloat16_prefill_runs_the_modules(native_calls):
-    reference, native = _pair("llama-gqa-tied", "bf16")
-    ids = torch.randint(0, reference.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        torch.testing.assert_close(native(ids, cache=native.new_cache(1, 48)), reference(ids), atol=6e-2, rtol=6e-2)
-    assert native_calls == [False]
+        torch.testing.assert_close(decoder.prefill(prompt), reference(prompt)[:, -1], atol=tolerance, rtol=tolerance)
+    assert native_calls[-1] is cpu.blocked_prefill()
 
 
 def test_a_static_cache_step_and_the_per_layer_op():

@@ -339,27 +339,37 @@ __attribute__((target("avx2,fma"))) float exp_shifted_avx2(float* s, int64_t n, 
 
 #endif
 
+// one weight matrix in any of the four formats
+struct Weight {
+  enum Format { F32, BF16, I8, I4 } format;
+  const void* w;
+  const float* scale = nullptr;    // int8: (N,); int4: (N, K / group)
+  const float* offset = nullptr;   // int4: (N, K / group)
+  int64_t N = 0, K = 0, group = 0;
+};
+
 // ---------------------------------------------------------------------------------------------------
-// float32 products for many rows of x (a prefill): a blocked kernel
+// products for many rows of x (a prefill): a blocked kernel
 //
 // With a few rows of x each weight is used once and the loops above stream it. With a hundred rows each
 // weight is used a hundred times, and the speed is how many multiply-adds a cycle the core sustains. The
 // kernel below computes a tile of 6 outputs (6 rows of W) for 16 tokens at once, in 12 registers: per input
-// k, it broadcasts W[n..n+5][k] (six loads from the checkpoint's own row-major layout, no repacking of W)
-// and multiplies them into x's 16 tokens at k, which are laid out for it once per product ("packed":
-// 16 tokens of one input contiguous). That is 12 multiply-adds for 8 loads, so the two FMA units stay
-// busy. The six rows of W (a few KB) stay in L1 while all the token tiles pass; long inputs are split into
-// chunks so that a chunk of packed x stays in L2.
+// k, it broadcasts W[n..n+5][k] and multiplies them into x's 16 tokens at k, which are laid out for it once
+// per product ("packed": 16 tokens of one input contiguous). That is 12 multiply-adds for 8 loads, so the
+// two FMA units stay busy. float32 rows of W are read in place (the checkpoint's row-major layout); the
+// other formats widen each block of 6 rows to float32 once (a few KB), which all the token tiles then
+// share. The six rows stay in L1 while the token tiles pass; long inputs are split into chunks so that a
+// chunk of packed x stays in L2.
 
 constexpr int64_t kGemmTile = 16;   // tokens of one packed tile
 constexpr int64_t kGemmRowsW = 6;   // rows of W of one tile
 constexpr int64_t kGemmChunk = 512; // inputs per chunk of a long product
-constexpr int64_t kGemmMinRows = 16; // rows of x from which float32 products take the blocked kernel
+constexpr int64_t kGemmMinRows = 16; // rows of x from which products take the blocked kernel
 
 struct AlignedFloats {
   float* data = nullptr;
   explicit AlignedFloats(size_t n) {
-    data = static_cast<float*>(std::aligned_alloc(64, ((n * sizeof(float) + 63) / 64) * 64));
+    data = static_cast<float*>(std::aligned_alloc(64, std::max<size_t>(64, ((n * sizeof(float) + 63) / 64) * 64)));
     TORCH_CHECK(data != nullptr, "llminfer: out of memory for ", n, " floats");
   }
   ~AlignedFloats() { std::free(data); }
@@ -424,8 +434,57 @@ __attribute__((target("avx2,fma"))) void gemm_tile_6x16(const float* w, int64_t 
   if (rows > 8) store_tile_half(b0, b1, b2, b3, b4, b5, y + 8 * ldy, ldy, rows - 8, accumulate);
 }
 
-// y (M, N) = x (M, K) · Wᵀ, float32, for M of a prefill
-void gemm_f32_avx2(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y) {
+// rows n .. n + r - 1 (r <= 6) of W, inputs [k0, k0 + kc), as float32 into out (row i at out + i·kc); int4
+// chunks start and end on a multiple of 32 inputs (a group is a multiple of 32)
+__attribute__((target("avx2,fma"))) void widen_rows(const Weight& W, int64_t n, int64_t r, int64_t k0, int64_t kc,
+                                                     float* out) {
+  const int64_t K = W.K;
+  for (int64_t i = 0; i < r; ++i) {
+    const int64_t row = n + i;
+    float* o = out + i * kc;
+    int64_t k = 0;
+    if (W.format == Weight::F32) {
+      std::memcpy(o, static_cast<const float*>(W.w) + row * K + k0, kc * sizeof(float));
+    } else if (W.format == Weight::BF16) {
+      const uint16_t* src = static_cast<const uint16_t*>(W.w) + row * K + k0;
+      for (; k + 8 <= kc; k += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
+        _mm256_storeu_ps(o + k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+      }
+      for (; k < kc; ++k) o[k] = weight_at<WKind::BF16>(src, k);
+    } else if (W.format == Weight::I8) {
+      const int8_t* src = static_cast<const int8_t*>(W.w) + row * K + k0;
+      const float scale = W.scale[row];
+      const __m256 s = _mm256_set1_ps(scale);
+      for (; k + 8 <= kc; k += 8) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + k));
+        _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s));
+      }
+      for (; k < kc; ++k) o[k] = static_cast<float>(src[k]) * scale;
+    } else {                                      // int4: byte j holds input 2j (low nibble) and 2j + 1
+      const int64_t G = K / W.group;
+      const uint8_t* src = static_cast<const uint8_t*>(W.w) + row * (K / 2);
+      const __m128i low = _mm_set1_epi8(0x0F);
+      for (; k + 32 <= kc; k += 32) {
+        const int64_t at = k0 + k, g = at / W.group;
+        const __m256 s = _mm256_set1_ps(W.scale[row * G + g]), z = _mm256_set1_ps(W.offset[row * G + g]);
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at / 2));
+        const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+        const __m128i q[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};   // inputs in order
+        for (int h = 0; h < 2; ++h) {
+          const __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[h]));
+          const __m256 second = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q[h], 8)));
+          _mm256_storeu_ps(o + k + 16 * h, _mm256_fmadd_ps(first, s, z));
+          _mm256_storeu_ps(o + k + 16 * h + 8, _mm256_fmadd_ps(second, s, z));
+        }
+      }
+    }
+  }
+}
+
+// y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, W in any format
+void gemm_avx2(const float* x, int64_t M, const Weight& W, float* y) {
+  const int64_t N = W.N, K = W.K;
   const int64_t tiles = (M + kGemmTile - 1) / kGemmTile;
   AlignedFloats packed(static_cast<size_t>(tiles * K * kGemmTile));
   float* xp = packed.data;
@@ -440,22 +499,39 @@ void gemm_f32_avx2(const float* x, int64_t M, int64_t K, const float* w, int64_t
       }
     }
   });
-  const int64_t blocks = N / kGemmRowsW;
+  const int64_t blocks = (N + kGemmRowsW - 1) / kGemmRowsW;        // the last may hold fewer than 6 rows
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    AlignedFloats wide(static_cast<size_t>(kGemmRowsW * std::min(K, kGemmChunk)));
+    alignas(64) float part[kGemmTile * kGemmRowsW];
     for (int64_t k0 = 0; k0 < K; k0 += kGemmChunk) {
       const int64_t kc = std::min<int64_t>(kGemmChunk, K - k0);
       for (int64_t b = b0; b < b1; ++b) {
-        const int64_t n = b * kGemmRowsW;
-        for (int64_t t = 0; t < tiles; ++t)
-          gemm_tile_6x16(w + n * K + k0, K, xp + (t * K + k0) * kGemmTile, kc, y + t * kGemmTile * N + n, N,
-                         std::min<int64_t>(kGemmTile, M - t * kGemmTile), k0 > 0);
+        const int64_t n = b * kGemmRowsW, r = std::min<int64_t>(kGemmRowsW, N - n);
+        const float* rows_of_w = wide.data;
+        int64_t ldw = kc;
+        if (W.format == Weight::F32 && r == kGemmRowsW) {
+          rows_of_w = static_cast<const float*>(W.w) + n * K + k0;
+          ldw = K;
+        } else {
+          widen_rows(W, n, r, k0, kc, wide.data);
+          std::fill(wide.data + r * kc, wide.data + kGemmRowsW * kc, 0.f);
+        }
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t rows = std::min<int64_t>(kGemmTile, M - t * kGemmTile);
+          const float* xt = xp + (t * K + k0) * kGemmTile;
+          float* yt = y + t * kGemmTile * N + n;
+          if (r == kGemmRowsW) {
+            gemm_tile_6x16(rows_of_w, ldw, xt, kc, yt, N, rows, k0 > 0);
+          } else {                                // the last rows of W: through a small buffer
+            gemm_tile_6x16(rows_of_w, ldw, xt, kc, part, kGemmRowsW, rows, false);
+            for (int64_t j = 0; j < rows; ++j)
+              for (int64_t i = 0; i < r; ++i)
+                yt[j * N + i] = (k0 > 0 ? yt[j * N + i] : 0.f) + part[j * kGemmRowsW + i];
+          }
+        }
       }
     }
   });
-  if (blocks * kGemmRowsW < N) {                 // the last N % 6 rows: the matrix-vector loop
-    const int64_t n0 = blocks * kGemmRowsW;
-    rows_avx2<WKind::F32>(x, M, K, w, nullptr, y, N, n0, N);
-  }
 }
 #endif
 
@@ -464,13 +540,6 @@ void gemm_f32_avx2(const float* x, int64_t M, int64_t K, const float* w, int64_t
 
 constexpr int64_t kGrain = 64;   // output rows a thread takes at least
 
-struct Weight {
-  enum Format { F32, BF16, I8, I4 } format;
-  const void* w;
-  const float* scale = nullptr;    // int8: (N,); int4: (N, K / group)
-  const float* offset = nullptr;   // int4: (N, K / group)
-  int64_t N = 0, K = 0, group = 0;
-};
 
 Weight dense_weight(const at::Tensor& w, const char* op) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), op, ": the weight must be a contiguous (N, K) matrix, got ",
@@ -532,8 +601,7 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
   const int64_t N = W.N, K = W.K;
   const bool avx2 = has_avx2();
 #ifdef LLMINFER_X86
-  if (avx2 && W.format == Weight::F32 && M >= kGemmMinRows)
-    return gemm_f32_avx2(x, M, K, static_cast<const float*>(W.w), N, y);
+  if (avx2 && M >= kGemmMinRows) return gemm_avx2(x, M, W, y);
 #endif
   if (W.format == Weight::I4) {
     // x with each block of 32 inputs as its 16 even then 16 odd entries, and the group sums of x
