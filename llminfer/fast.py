@@ -25,7 +25,8 @@ one call). A decode step then leaves Python once for the whole stack instead of 
 A prefill takes the same call, its products then done by a blocked matrix-matrix kernel that outruns
 torch's matmul at a prefill's shapes (in bfloat16 several times over). Anything the one call cannot take
 (autograd, another cache or attention backend, a CPU without AVX2 for a prefill) runs the modules, so the
-model's forward stays the one forward. The weights are also moved onto 2 MiB pages (`use_huge_pages`), which stream faster.
+model's forward stays the one forward. The weights are also moved onto 2 MiB pages (`use_huge_pages`),
+which stream faster.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ from .model import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, apply_ro
 from .quant.linear import QuantizedLinear
 
 __all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "NativeDecoderLayer",
-           "NativeDecoderStack", "use_native_kernels", "use_huge_pages", "on_huge_pages", "uses_native_kernels", "optimize_decode", "FastDecoder", "compile_decode", "COMPILE_OPTIONS"]
+           "NativeDecoderStack", "use_native_kernels", "use_huge_pages", "on_huge_pages", "uses_native_kernels",
+           "optimize_decode", "FastDecoder", "compile_decode", "COMPILE_OPTIONS"]
 
 # inductor settings of the compiled step: weights frozen as constants (prepacked for the matmul kernels),
 # and no size assertions in the generated wrapper (the shapes are static; each assertion is Python work in

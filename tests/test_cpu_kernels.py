@@ -40,7 +40,8 @@ def _int4_case(n: int, k: int, group: int, generator):
 # shapes with odd row counts (the 4-row blocks' tail) and, for the dense formats, K off the 16-wide step
 # the last four: a prefill's many rows, which float32 weights multiply by the blocked kernel (tiles of 16 rows
 # of x and 6 of W, inputs in chunks of 512), with every edge: 37 and 29 rows, 13 outputs, 700 inputs
-DENSE_SHAPES = [(1, 960, 576), (3, 13, 64), (8, 7, 40), (2, 1, 17), (37, 13, 700), (29, 12, 520), (128, 96, 576), (16, 6, 3)]
+DENSE_SHAPES = [(1, 960, 576), (3, 13, 64), (8, 7, 40), (2, 1, 17), (37, 13, 700), (29, 12, 520), (128, 96, 576),
+                (16, 6, 3)]
 
 
 @pytest.mark.parametrize("tokens,n,k", DENSE_SHAPES)

@@ -12,8 +12,9 @@ builder) and kept in `LLMINFER_KERNEL_CACHE` (default `~/.cache/llminfer/kernels
 `LLMINFER_NATIVE_KERNELS=0` turns them off.
 
 The ops are `torch.ops.llminfer.gemv_f32(x, w)`, `gemv_bf16(x, w)`, `gemv_int8(x, codes, scale)` and
-`gemv_int4(x, nibbles, scale, offset, group)`: x (tokens, K) float32 or bfloat16 (any number of rows), the weight (N, K) row-major
-(int4: (N, K/2) bytes, the even input in the low nibble), the result (tokens, N) in x's dtype. Beside them,
+`gemv_int4(x, nibbles, scale, offset, group)`: x (tokens, K) float32 or bfloat16 (any number of rows), the
+weight (N, K) row-major (int4: (N, K/2) bytes, the even input in the low nibble), the result (tokens, N) in
+x's dtype. Beside them,
 `decode_attention(q, k, v, mask, scale)`: a few queries against the K/V cache read in place (grouped-query
 heads shared, masked positions skipped), registered as the attention backend 'native'. And
 `decode_layer(...)`: a whole decoder layer for a few tokens in one call (norms, the four products, RoPE,

@@ -387,10 +387,11 @@ __attribute__((target("avx2,fma"))) inline void store_tile_half(__m256 r0, __m25
   const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
   const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
   const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)), s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)), s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s4 = _mm256_shuffle_ps(t4, zero, _MM_SHUFFLE(1, 0, 1, 0)), s5 = _mm256_shuffle_ps(t4, zero, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s6 = _mm256_shuffle_ps(t5, zero, _MM_SHUFFLE(1, 0, 1, 0)), s7 = _mm256_shuffle_ps(t5, zero, _MM_SHUFFLE(3, 2, 3, 2));
+  constexpr int lo = _MM_SHUFFLE(1, 0, 1, 0), hi = _MM_SHUFFLE(3, 2, 3, 2);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, lo), s1 = _mm256_shuffle_ps(t0, t2, hi);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, lo), s3 = _mm256_shuffle_ps(t1, t3, hi);
+  const __m256 s4 = _mm256_shuffle_ps(t4, zero, lo), s5 = _mm256_shuffle_ps(t4, zero, hi);
+  const __m256 s6 = _mm256_shuffle_ps(t5, zero, lo), s7 = _mm256_shuffle_ps(t5, zero, hi);
   // token j: outputs 0..3 in the first 128 bits of c[j], outputs 4, 5 in the first 64 bits of its second half
   const __m256 c[8] = {_mm256_permute2f128_ps(s0, s4, 0x20), _mm256_permute2f128_ps(s1, s5, 0x20),
                        _mm256_permute2f128_ps(s2, s6, 0x20), _mm256_permute2f128_ps(s3, s7, 0x20),
