@@ -33,6 +33,7 @@ from __future__ import annotations
 import mmap
 import time
 import types
+import weakref
 
 import torch
 import torch.nn as nn
@@ -296,6 +297,8 @@ def _huge_page_arena(nbytes: int) -> torch.Tensor | None:
         area.close()
         return None
     memory = torch.frombuffer(area, dtype=torch.uint8)        # the tensor keeps the mapping alive
+    _ARENAS.add(memory.data_ptr())
+    weakref.finalize(area, _ARENAS.discard, memory.data_ptr())  # forgotten once the last tensor in it is freed
     start = (-memory.data_ptr()) % _HUGE_PAGE
     return memory[start:start + nbytes]
 
@@ -328,12 +331,19 @@ def use_huge_pages(model: nn.Module, min_bytes: int = 8 << 20) -> nn.Module:
     A decode step streams every weight once. With the usual 4 KiB pages that is a new page, and a page-table
     walk on a TLB miss, every 4 KiB (130,000 a step for a 135M-parameter model in float32), each walk dearer
     inside a virtual machine; with 2 MiB pages there are 512 times fewer. The tensors keep their identity,
-    names, ties, values and shapes (contiguous ones move; others stay), each starting on a cache line.
+    names, ties, values and shapes, each starting on a cache line; a tensor moves only if it is contiguous and
+    the whole of its memory (a view into another keeps sharing it).
     Nothing changes where the platform cannot ask for huge pages (not Linux, or transparent huge pages
     off), for weights smaller than `min_bytes` together, or off the CPU. Applying it twice moves nothing.
     """
-    tensors = [t for t in _streamed_tensors(model) if t.device.type == "cpu" and t.is_contiguous()
-               and t.numel() > 0 and not on_huge_pages(t)]
+    candidates = [t for t in _streamed_tensors(model) if t.device.type == "cpu" and t.is_contiguous()
+                  and t.numel() > 0 and not on_huge_pages(t)]
+    # only tensors that are the whole of their memory: one that shares it with another (a view) keeps sharing it
+    owners: dict[int, int] = {}
+    for t in candidates:
+        owners[t.untyped_storage().data_ptr()] = owners.get(t.untyped_storage().data_ptr(), 0) + 1
+    tensors = [t for t in candidates if owners[t.untyped_storage().data_ptr()] == 1 and t.storage_offset() == 0
+               and t.untyped_storage().nbytes() == t.nbytes]
     align = 64
     sizes = [-(-t.nbytes // align) * align for t in tensors]
     total = sum(sizes)
@@ -342,7 +352,6 @@ def use_huge_pages(model: nn.Module, min_bytes: int = 8 << 20) -> nn.Module:
     arena = _huge_page_arena(total)
     if arena is None:
         return model
-    _ARENAS.add(arena.untyped_storage().data_ptr())
     offset = 0
     for tensor, size in zip(tensors, sizes):
         home = arena[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)

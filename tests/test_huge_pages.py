@@ -83,3 +83,31 @@ def test_the_kernel_backs_a_large_model_with_huge_pages():
         return
     assert fast.on_huge_pages(weight)
     assert _huge_kib_around(weight.data_ptr()) >= 2048, mode
+
+
+def test_tensors_that_share_memory_keep_sharing_it():
+    """Two parameters over one block of memory (not the same Parameter, so not a tie) are left where they are:
+    moving each alone would silently untie them."""
+    model = random_model(SMALL_CONFIGS["llama-mha-untied"])
+    mlp = model.layers[0].mlp
+    mlp.up_proj.weight.data = mlp.gate_proj.weight.data                       # one storage, two Parameters
+    half = model.layers[1].self_attn.q_proj.weight
+    half.data = torch.cat([half.data, half.data])[: half.shape[0]]            # a view of a larger block
+    fast.use_huge_pages(model, min_bytes=0)
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_proj.weight.data_ptr()
+    assert not fast.on_huge_pages(mlp.up_proj.weight) and not fast.on_huge_pages(half)
+    if hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
+        assert fast.on_huge_pages(model.layers[1].self_attn.k_proj.weight)   # the rest moved
+
+
+def test_the_record_of_a_block_goes_with_it():
+    model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
+    fast.use_huge_pages(model, min_bytes=0)
+    weight = model.layers[0].mlp.down_proj.weight
+    start = weight.untyped_storage().data_ptr()
+    if not fast.on_huge_pages(weight):
+        return                                                              # not Linux: nothing was moved
+    del model, weight
+    import gc
+    gc.collect()
+    assert start not in fast._ARENAS
