@@ -335,6 +335,8 @@ def use_huge_pages(model: nn.Module, min_bytes: int = 8 << 20) -> nn.Module:
     the whole of its memory (a view into another keeps sharing it).
     Nothing changes where the platform cannot ask for huge pages (not Linux, or transparent huge pages
     off), for weights smaller than `min_bytes` together, or off the CPU. Applying it twice moves nothing.
+    Each tensor's old memory is freed as it moves, unless something else still holds it (a state_dict
+    taken before, say), in which case both copies stay until that goes.
     """
     candidates = [t for t in _streamed_tensors(model) if t.device.type == "cpu" and t.is_contiguous()
                   and t.numel() > 0 and not on_huge_pages(t)]
