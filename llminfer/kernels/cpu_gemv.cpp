@@ -931,7 +931,9 @@ void for_rows(int64_t M, const Fn& fn) {
 
 // rows of x (M, dim) -> weight · (x / rms(x)), each rounded as RMSNorm rounds
 void rms_norm(const float* x, int64_t M, int64_t dim, const at::Tensor& weight, double eps, bool bf16, float* out) {
-  const std::vector<float> w = x_as_float(weight);
+  // float32 weights read in place; bfloat16 ones widened once per call
+  const std::vector<float> widened = weight.scalar_type() == at::kFloat ? std::vector<float>() : x_as_float(weight);
+  const float* w = weight.scalar_type() == at::kFloat ? ptr_as<float>(weight) : widened.data();
   for_rows(M, [&](int64_t m) {
     const float* row = x + m * dim;
     double ss[4] = {0.0, 0.0, 0.0, 0.0};              // four chains: one would wait on each add
