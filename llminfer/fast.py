@@ -46,7 +46,7 @@ from .model import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, apply_ro
 from .quant.linear import QuantizedLinear
 
 __all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "NativeDecoderLayer",
-           "NativeDecoderStack", "use_native_kernels", "use_huge_pages", "on_huge_pages", "uses_native_kernels",
+           "NativeDecoderStack", "use_native_kernels", "use_huge_pages", "on_huge_pages", "huge_page_empty", "uses_native_kernels",
            "optimize_decode", "FastDecoder", "compile_decode", "COMPILE_OPTIONS"]
 
 # inductor settings of the compiled step: weights frozen as constants (prepacked for the matmul kernels),
@@ -301,6 +301,17 @@ def _huge_page_arena(nbytes: int) -> torch.Tensor | None:
     weakref.finalize(area, _ARENAS.discard, memory.data_ptr())  # forgotten once the last tensor in it is freed
     start = (-memory.data_ptr()) % _HUGE_PAGE
     return memory[start:start + nbytes]
+
+
+def huge_page_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """An uninitialised CPU tensor on fresh memory backed by 2 MiB transparent huge pages (as `use_huge_pages`
+    puts weights), or None where the platform has no such request. Chapter 08."""
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    memory = _huge_page_arena(nbytes)
+    return None if memory is None else memory.view(dtype).view(tuple(shape))
 
 
 def _streamed_tensors(model: nn.Module) -> list[torch.Tensor]:

@@ -161,17 +161,26 @@ def matvec_probe(device, dtype=torch.float32, nbytes: int | None = None) -> Ceil
                         f"({rows} x {cols}) matrix times a vector, {_name(dtype)}", device)
 
 
-def read_probe(device, dtype=torch.float32, nbytes: int | None = None) -> CeilingProbe:
+def read_probe(device, dtype=torch.float32, nbytes: int | None = None, huge_pages: bool = False) -> CeilingProbe:
     """Returns a probe summing a tensor of nbytes: a pure streaming read, on every thread. Chapter 08.
 
     torch's matrix-vector product does not always use every thread for one vector (it did not on a 2-core
-    CPU here), so as a bandwidth ceiling it can sit below what a decode kernel streams; a reduction does."""
+    CPU here), so as a bandwidth ceiling it can sit below what a decode kernel streams; a reduction does not.
+    huge_pages=True puts the data on 2 MiB pages on a CPU, as `llminfer.fast.use_huge_pages` puts the weights
+    of a decode step: memory read from 4 KiB pages streams a few percent slower, so a ceiling measured there
+    sits below what such a step can reach."""
     device = _device(device)
     numel = max(1, (nbytes or 2 * _default_bytes(device)) // dtype_bytes(dtype))
     check_fits(numel * dtype_bytes(dtype), device, "the read-bandwidth test")
-    data = torch.ones(numel, dtype=dtype, device=device)
+    data, pages = None, ""
+    if huge_pages and device.type == "cpu":
+        from .fast import huge_page_empty
+
+        data = huge_page_empty((numel,), dtype)
+        pages = ", on 2 MiB pages" if data is not None else ", on 4 KiB pages (no huge pages here)"
+    data = torch.ones(numel, dtype=dtype, device=device) if data is None else data.fill_(1)
     return CeilingProbe(lambda: data.sum(), numel * dtype_bytes(dtype),
-                        f"sum of {numel * dtype_bytes(dtype) / 2**20:.0f} MiB {_name(dtype)}", device)
+                        f"sum of {numel * dtype_bytes(dtype) / 2**20:.0f} MiB {_name(dtype)}{pages}", device)
 
 
 def matmul_probe(device, dtype=torch.float32, n: int | None = None) -> CeilingProbe:

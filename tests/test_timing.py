@@ -49,6 +49,27 @@ def test_cpu_ceilings_are_positive_and_count_work():
         assert ceiling.rate > 0 and ceiling.as_dict()["rate"] == ceiling.rate
 
 
+def test_read_probe_can_read_from_huge_pages():
+    """The decode benchmark's ceiling reads memory of the kind its weights are on: 2 MiB pages."""
+    import mmap
+    from pathlib import Path
+
+    from llminfer import fast
+
+    probe = timing.read_probe("cpu", torch.float32, nbytes=8 << 20, huge_pages=True)
+    assert probe.work == 8 << 20
+    assert probe.fn().item() == (8 << 20) // 4                          # a sum of ones: every element read once
+    assert probe.what.startswith("sum of 8 MiB float32")
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if hasattr(mmap, "MADV_HUGEPAGE") and thp.exists() and "[never]" not in thp.read_text():
+        assert probe.what.endswith(", on 2 MiB pages")
+        assert fast.on_huge_pages(probe.fn.__closure__[0].cell_contents)
+    plain = timing.read_probe("cpu", torch.bfloat16, nbytes=1 << 20)
+    assert plain.what == "sum of 1 MiB bfloat16" and plain.fn().item() == (1 << 20) // 2
+    assert not fast.on_huge_pages(plain.fn.__closure__[0].cell_contents)
+    assert fast.huge_page_empty((0,)) is None                           # nothing to map
+
+
 def test_bfloat16_ceiling_counts_two_byte_elements():
     copy = timing.measure_copy_bandwidth("cpu", torch.bfloat16, nbytes=1 << 20, repeats=2)
     assert copy.work == 2 * (1 << 20)

@@ -10,8 +10,9 @@ One random-weight model of a published shape (SmolLM2-135M by default) runs as:
     llama.cpp        the same weights as GGUF (F32, BF16, Q8_0, Q4_0), if llama-cpp-python is installed
 
 The contenders take turns, one generation each per round; between rounds two bandwidth probes the size of
-the fp32 weights are sampled (torch's matrix-vector product, and a plain streaming read), so every
-tokens/s has a ceiling measured under the same load: the faster of the two. MBU = (weight + KV bytes read
+the fp32 weights are sampled (torch's matrix-vector product, and a plain streaming read from 2 MiB pages, as
+the fast path's weights are read), so every tokens/s has a ceiling measured under the same load: the faster of
+the two. MBU = (weight + KV bytes read
 per token) × tokens/s ÷ that bandwidth. Prefill of the prompt is
 set against a float32 matmul (sgemm) probe sampled alongside it (MFU). Results: the terminal,
 data/benchmarks/decode-<machine>.json and a PNG of tokens/s against bytes per token.
@@ -186,7 +187,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
                            "kv_element_bytes": timing.dtype_bytes(dtype)}
     probe_bytes = costs.weight_bytes(cfg, 4)
     matvec = timing.matvec_probe("cpu", torch.float32, probe_bytes)
-    read = timing.read_probe("cpu", torch.float32, probe_bytes)
+    read = timing.read_probe("cpu", torch.float32, probe_bytes, huge_pages=True)   # where the weights are too
     matmul = timing.matmul_probe("cpu", torch.float32)
     _log("warm-up")
     tokens = {}

@@ -10,8 +10,8 @@
 //
 // On top of them: decode attention against the K/V cache read in place, and whole decoder layers
 // (decode_layer, decode_layers) that run a step's norms, products, RoPE, cache write, attention and SwiGLU
-// without returning to Python between them. A float32 prefill goes through the same layers: with many rows
-// of x each weight is reused, and a blocked matrix-matrix kernel (gemm_f32_avx2) does its products.
+// without returning to Python between them. A prefill goes through the same layers: with many rows of x
+// each weight is reused, and a blocked matrix-matrix kernel (gemm_avx2) does its products in every format.
 //
 // Built once by llminfer/kernels/cpu.py with torch's extension builder. The AVX2 versions are chosen at
 // run time when the CPU has AVX2 and FMA; elsewhere the portable loops run (the compiler vectorises them).
