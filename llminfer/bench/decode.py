@@ -242,7 +242,8 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
         else None
     report = {
         "what": "decode, batch 1, interleaved contenders, chapter 08",
-        "machine": machine(torch.device("cpu")), "cpu_flags": _cpu_flags(), "slug": device_slug(torch.device("cpu")),
+        "machine": machine(torch.device("cpu")), "cpu_flags": _cpu_flags(),
+        "slug": _slug(device_slug(torch.device("cpu")), _cpu_flags()),
         "settings": {"shape": args.shape, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                      "repeats": args.repeats, "threads": threads, "thread_sweep_llama_cpp_f32": thread_sweep,
                      "quant_dtype": args.quant_dtype, "compile": args.compile, "compile_options": COMPILE_OPTIONS,
@@ -263,6 +264,13 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     report["load_average_after"] = load_average()
     report["elapsed_s"] = time.perf_counter() - started
     return report
+
+
+def _slug(device: str, flags: list[str]) -> str:
+    """The report's file name stem: the CPU's name, and '-avx512' where it has AVX-512. CPUs sold under one
+    name ('AMD EPYC') come with and without it, and llama.cpp, built for the machine it runs on, uses it (its
+    bfloat16 dot products most of all), so their runs are kept apart."""
+    return f"{device}-avx512" if "avx512f" in flags else device
 
 
 def _cpu_flags() -> list[str]:
