@@ -155,7 +155,7 @@ class NativeLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // self.in_features if self.in_features else 0
         if (x.device.type != "cpu" or tokens == 0 or x.dtype != self.weight.dtype
-                or (tokens > native_cpu.MAX_TOKENS and not native_cpu.blocked_prefill())
+                or (tokens > native_cpu.MAX_TOKENS and not native_cpu.blocked_prefill(self.weight.dtype))
                 or not self.weight.is_contiguous()
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
@@ -186,7 +186,7 @@ def _step_fits(x: torch.Tensor, cos: torch.Tensor, backend) -> str | None:
         return None
     if x.shape[0] * x.shape[1] <= native_cpu.MAX_TOKENS:
         return "decode"
-    return "prefill" if native_cpu.blocked_prefill() else None
+    return "prefill" if native_cpu.blocked_prefill(x.dtype) else None   # (a float layer's weights have x's dtype)
 
 
 class _OneNativeCall:

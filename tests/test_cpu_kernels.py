@@ -187,7 +187,7 @@ def test_native_linear_leaves_autograd_to_torch_and_takes_a_prefill_where_it_can
         assert calls == ([(20, 64)] if cpu.blocked_prefill() else [])
         y = layer(torch.randn(1, 3, 64))
     assert calls[-1] == (3, 64) and y.shape == (1, 3, 24)
-    monkeypatch.setattr(cpu, "blocked_prefill", lambda: False)          # a CPU without AVX2: torch's matmul
+    monkeypatch.setattr(cpu, "blocked_prefill", lambda *_: False)       # a CPU without AVX2: torch's matmul
     calls.clear()
     with torch.no_grad():
         layer(x20)

@@ -62,8 +62,8 @@ def test_one_call_per_step_gives_the_modules_numbers(name, fmt, native_calls):
         ref_cache, nat_cache = reference.new_cache(2, 40), native.new_cache(2, 40)
         torch.testing.assert_close(native(prompt, cache=nat_cache), reference(prompt, cache=ref_cache),
                                    atol=tolerance, rtol=tolerance)
-        # 22 tokens, a prefill: one call too, where the blocked kernel runs (AVX2)
-        assert native_calls == [cpu.blocked_prefill()]
+        # 22 tokens, a prefill: one call too, where the blocked kernel runs (AVX2; for bfloat16, no bfloat16 hardware)
+        assert native_calls == [cpu.blocked_prefill(reference.dtype)]
         for n_new in (1, 3, 2, 1):                           # decode steps and short verification runs
             ids = torch.randint(0, vocab, (2, n_new), generator=g)
             got, expected = native(ids, cache=nat_cache), reference(ids, cache=ref_cache)
@@ -107,13 +107,45 @@ def test_a_prefill_runs_in_one_call(name, fmt, native_calls):
             for i in (0, 1):
                 torch.testing.assert_close(nat_cache.get(layer)[i], ref_cache.get(layer)[i], atol=tolerance,
                                            rtol=tolerance)
-    assert native_calls == [cpu.blocked_prefill()] * 2 + [True]
+    assert native_calls == [cpu.blocked_prefill(reference.dtype)] * 2 + [True]
     # the compiled decoder's prefill (a static cache) takes it too, and gives the modules' last logits
     prompt = torch.randint(0, vocab, (1, 70), generator=g)
     decoder = fast.FastDecoder(native, max_seq_len=96, compile=False)
     with torch.inference_mode():
         torch.testing.assert_close(decoder.prefill(prompt), reference(prompt)[:, -1], atol=tolerance, rtol=tolerance)
-    assert native_calls[-1] is cpu.blocked_prefill()
+    assert native_calls[-1] is cpu.blocked_prefill(reference.dtype)
+
+
+@pytest.mark.parametrize("hardware_bf16", [False, True])
+def test_a_bfloat16_prefill_keeps_torchs_matmul_where_the_cpu_has_bfloat16_arithmetic(monkeypatch, native_calls,
+                                                                                     hardware_bf16):
+    """On CPUs with AVX512-BF16 or AMX, torch's bfloat16 matmul outruns the blocked kernel (which widens to
+    float32), so a bfloat16 prefill runs the modules there; decode steps and other formats are unchanged."""
+    flags = frozenset({"avx2", "fma"} | ({"avx512_bf16"} if hardware_bf16 else set()))
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
+    assert cpu.bfloat16_in_hardware() is hardware_bf16
+    avx2 = cpu.blocked_prefill()                                  # any format: the kernel runs on this CPU
+    assert cpu.blocked_prefill(torch.float32) is avx2 and cpu.blocked_prefill(torch.int8) is avx2
+    blocked_bf16 = avx2 and not hardware_bf16
+    assert cpu.blocked_prefill(torch.bfloat16) is blocked_bf16
+    reference, native = _pair("llama-gqa-tied", "bf16")
+    vocab = reference.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        ref_cache, nat_cache = reference.new_cache(2, 64), native.new_cache(2, 64)
+        for n_new in (40, 1):                                     # a prefill, then a decode step
+            ids = torch.randint(0, vocab, (2, n_new), generator=g)
+            torch.testing.assert_close(native(ids, cache=nat_cache), reference(ids, cache=ref_cache),
+                                       atol=6e-2, rtol=6e-2)
+    assert native_calls == [blocked_bf16, True]
+    head = native.lm_head                                         # a NativeLinear with bfloat16 weights
+    calls = []
+    real = cpu.gemv
+    monkeypatch.setattr(cpu, "gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    with torch.inference_mode():
+        head(torch.randn(1, 20, head.in_features, dtype=torch.bfloat16))
+        head(torch.randn(1, 2, head.in_features, dtype=torch.bfloat16))
+    assert calls == ([20] if blocked_bf16 else []) + [2]
 
 
 def test_a_static_cache_step_and_the_per_layer_op():

@@ -274,15 +274,11 @@ def _slug(device: str, flags: list[str]) -> str:
 
 
 def _cpu_flags() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    keep = ("avx", "fma", "f16c", "amx", "vnni", "bf16", "sse4")
-                    return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(keep))
-    except OSError:
-        pass
-    return []
+    """The CPU flags that decide which kernels run: vector widths, FMA, and low-precision arithmetic."""
+    from ..kernels.cpu import cpu_flags
+
+    keep = ("avx", "fma", "f16c", "amx", "vnni", "bf16", "sse4")
+    return sorted(f for f in cpu_flags() if f.startswith(keep))
 
 
 def _llama_cpp_version() -> str | None:
