@@ -240,10 +240,11 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     ratios["fast fp32 / eager fp32"] = (rows["llminfer fast fp32"]["tokens_per_s"] /
                                        rows["llminfer eager fp32"]["tokens_per_s"]) if "llminfer fast fp32" in rows \
         else None
+    flags = _cpu_flags()
     report = {
         "what": "decode, batch 1, interleaved contenders, chapter 08",
-        "machine": machine(torch.device("cpu")), "cpu_flags": _cpu_flags(),
-        "slug": _slug(device_slug(torch.device("cpu")), _cpu_flags()),
+        "machine": machine(torch.device("cpu")), "cpu_flags": flags,
+        "slug": _slug(device_slug(torch.device("cpu")), flags),
         "settings": {"shape": args.shape, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                      "repeats": args.repeats, "threads": threads, "thread_sweep_llama_cpp_f32": thread_sweep,
                      "quant_dtype": args.quant_dtype, "compile": args.compile, "compile_options": COMPILE_OPTIONS,

@@ -296,7 +296,8 @@ class QuantizedLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)                                            # (tokens, K)
         few = x2.shape[0] <= KERNEL_MAX_TOKENS        # decode: the matrix-vector kernels
-        if self.kernel == "native" and x2.device.type == "cpu" and (few or native_cpu.blocked_prefill(self.qweight.dtype)):
+        native = self.kernel == "native" and x2.device.type == "cpu"
+        if native and (few or native_cpu.blocked_prefill(self.qweight.dtype)):
             offset = None if self.kernel_offset is None else self.kernel_offset.float()
             # (.float(): a no-op unless the model was cast after quantizing, which casts these buffers too)
             y = native_cpu.gemv(x2, self.qweight, self.kernel_scale.float(), offset, self.kernel_group)
