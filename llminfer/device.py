@@ -5,13 +5,18 @@
     dtype_bytes(dtype)                  bytes of one element
     free_memory_bytes(device)           what can still be allocated there
     check_fits(nbytes, device, what)    the one memory guard: MemoryError before anything is allocated
+    huge_page_empty(shape, dtype)       CPU memory on 2 MiB pages (what decode's weights and bandwidth probe use)
+    on_huge_pages(tensor)               whether a tensor lies in such memory
 """
 from __future__ import annotations
+
+import mmap
+import weakref
 
 import torch
 
 __all__ = ["as_device", "resolve_device", "synchronize", "dtype_bytes", "free_memory_bytes", "check_fits",
-           "UNKNOWN_FREE_BYTES"]
+           "huge_page_empty", "on_huge_pages", "UNKNOWN_FREE_BYTES"]
 
 UNKNOWN_FREE_BYTES = 1 << 62   # what free_memory_bytes returns when it cannot tell: never refuse on a guess
 
@@ -78,3 +83,44 @@ def check_fits(nbytes: int, device, what: str, fraction: float = 0.8, fix: str =
         raise MemoryError(
             f"{what} needs {nbytes / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free on "
             f"{as_device(device)} (limit {fraction:.0%} of free); {fix}")
+
+
+_HUGE_PAGE = 2 << 20
+_ARENAS: set[int] = set()               # where the blocks made by huge_page_empty start
+
+
+def _huge_page_arena(nbytes: int) -> torch.Tensor | None:
+    """`nbytes` of fresh memory as a uint8 tensor starting on a 2 MiB boundary, with the kernel asked to back it
+    by transparent huge pages (madvise); None where the platform has no such request."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or not hasattr(mmap.mmap, "madvise") or nbytes <= 0:
+        return None
+    size = nbytes + _HUGE_PAGE              # room to start on a boundary; untouched pages cost no memory
+    area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        area.madvise(advice)
+    except OSError:                         # a kernel without transparent huge pages
+        area.close()
+        return None
+    memory = torch.frombuffer(area, dtype=torch.uint8)        # the tensor keeps the mapping alive
+    _ARENAS.add(memory.data_ptr())
+    weakref.finalize(area, _ARENAS.discard, memory.data_ptr())  # forgotten once the last tensor in it is freed
+    start = (-memory.data_ptr()) % _HUGE_PAGE
+    return memory[start:start + nbytes]
+
+
+def huge_page_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """An uninitialised CPU tensor on fresh memory backed by 2 MiB transparent huge pages, or None where the
+    platform has no such request (not Linux, or transparent huge pages off). `llminfer.fast.use_huge_pages`
+    moves a model's weights into such memory; the decode benchmark's read probe reads from it. Chapter 08."""
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    memory = _huge_page_arena(nbytes)
+    return None if memory is None else memory.view(dtype).view(tuple(shape))
+
+
+def on_huge_pages(tensor: torch.Tensor) -> bool:
+    """Whether tensor lies in a block that `huge_page_empty` made (`llminfer.fast.use_huge_pages` too). Chapter 08."""
+    return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in _ARENAS

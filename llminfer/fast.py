@@ -30,16 +30,15 @@ which stream faster.
 """
 from __future__ import annotations
 
-import mmap
 import time
 import types
-import weakref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .cuda_graphs import static_decode
+from .device import huge_page_empty, on_huge_pages
 from .generate import GenerationResult, TokenTimer, as_token_batch, check_sampling, sample_next
 from .kernels import cpu as native_cpu
 from .model import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, apply_rope
@@ -279,41 +278,6 @@ class NativeDecoderStack(_OneNativeCall, DecoderStack):
         return (x, tensors, layout, eps, cos, sin, keys, values, positions, n_heads, scale)
 
 
-_HUGE_PAGE = 2 << 20
-_ARENAS: set[int] = set()               # where the blocks made by use_huge_pages start
-
-
-def _huge_page_arena(nbytes: int) -> torch.Tensor | None:
-    """`nbytes` of fresh memory as a uint8 tensor starting on a 2 MiB boundary, with the kernel asked to back it
-    by transparent huge pages (madvise); None where the platform has no such request."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or not hasattr(mmap.mmap, "madvise") or nbytes <= 0:
-        return None
-    size = nbytes + _HUGE_PAGE              # room to start on a boundary; untouched pages cost no memory
-    area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        area.madvise(advice)
-    except OSError:                         # a kernel without transparent huge pages
-        area.close()
-        return None
-    memory = torch.frombuffer(area, dtype=torch.uint8)        # the tensor keeps the mapping alive
-    _ARENAS.add(memory.data_ptr())
-    weakref.finalize(area, _ARENAS.discard, memory.data_ptr())  # forgotten once the last tensor in it is freed
-    start = (-memory.data_ptr()) % _HUGE_PAGE
-    return memory[start:start + nbytes]
-
-
-def huge_page_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-    """An uninitialised CPU tensor on fresh memory backed by 2 MiB transparent huge pages (as `use_huge_pages`
-    puts weights), or None where the platform has no such request. Chapter 08."""
-    numel = 1
-    for size in shape:
-        numel *= int(size)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    memory = _huge_page_arena(nbytes)
-    return None if memory is None else memory.view(dtype).view(tuple(shape))
-
-
 def _streamed_tensors(model: nn.Module) -> list[torch.Tensor]:
     """The tensors a decode step streams from memory: every parameter, and the integer codes and scales of
     quantized linears (buffers), each once however often it is tied."""
@@ -327,11 +291,6 @@ def _streamed_tensors(model: nn.Module) -> list[torch.Tensor]:
             seen.add(id(tensor))
             out.append(tensor)
     return out
-
-
-def on_huge_pages(tensor: torch.Tensor) -> bool:
-    """Whether tensor lies in a block that `use_huge_pages` made. Chapter 08."""
-    return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in _ARENAS
 
 
 @torch.no_grad()
@@ -362,7 +321,7 @@ def use_huge_pages(model: nn.Module, min_bytes: int = 8 << 20) -> nn.Module:
     total = sum(sizes)
     if total < min_bytes:
         return model
-    arena = _huge_page_arena(total)
+    arena = huge_page_empty((total,), torch.uint8)
     if arena is None:
         return model
     offset = 0

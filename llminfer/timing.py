@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch.utils.benchmark.utils.timer import timer as _benchmark_clock
 
-from .device import as_device, check_fits, dtype_bytes, free_memory_bytes, synchronize
+from .device import as_device, check_fits, dtype_bytes, free_memory_bytes, huge_page_empty, synchronize
 
 __all__ = ["TimingResult", "Ceiling", "synchronize", "time_fn", "free_memory_bytes",
            "check_fits", "measure_copy_bandwidth", "measure_matvec_bandwidth",
@@ -174,8 +174,6 @@ def read_probe(device, dtype=torch.float32, nbytes: int | None = None, huge_page
     check_fits(numel * dtype_bytes(dtype), device, "the read-bandwidth test")
     data, pages = None, ""
     if huge_pages and device.type == "cpu":
-        from .fast import huge_page_empty
-
         data = huge_page_empty((numel,), dtype)
         pages = ", on 2 MiB pages" if data is not None else ", on 4 KiB pages (no huge pages here)"
     data = torch.ones(numel, dtype=dtype, device=device) if data is None else data.fill_(1)

@@ -110,4 +110,4 @@ def test_the_record_of_a_block_goes_with_it():
     del model, weight
     import gc
     gc.collect()
-    assert start not in fast._ARENAS
+    assert start not in llminfer.device._ARENAS

@@ -54,7 +54,7 @@ def test_read_probe_can_read_from_huge_pages():
     import mmap
     from pathlib import Path
 
-    from llminfer import fast
+    from llminfer import device
 
     probe = timing.read_probe("cpu", torch.float32, nbytes=8 << 20, huge_pages=True)
     assert probe.work == 8 << 20
@@ -63,11 +63,11 @@ def test_read_probe_can_read_from_huge_pages():
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if hasattr(mmap, "MADV_HUGEPAGE") and thp.exists() and "[never]" not in thp.read_text():
         assert probe.what.endswith(", on 2 MiB pages")
-        assert fast.on_huge_pages(probe.fn.__closure__[0].cell_contents)
+        assert device.on_huge_pages(probe.fn.__closure__[0].cell_contents)
     plain = timing.read_probe("cpu", torch.bfloat16, nbytes=1 << 20)
     assert plain.what == "sum of 1 MiB bfloat16" and plain.fn().item() == (1 << 20) // 2
-    assert not fast.on_huge_pages(plain.fn.__closure__[0].cell_contents)
-    assert fast.huge_page_empty((0,)) is None                           # nothing to map
+    assert not device.on_huge_pages(plain.fn.__closure__[0].cell_contents)
+    assert device.huge_page_empty((0,)) is None                           # nothing to map
 
 
 def test_bfloat16_ceiling_counts_two_byte_elements():
