@@ -378,7 +378,6 @@ struct AlignedFloats {
 };
 
 #ifdef LLMINFER_X86
-// out (6 x 16) (+)= W[0..5][0..kc) · packed x[0..kc)[0..16), W rows `ldw` floats apart
 // y[j][0..5] (+)= column j of the 6 x 8 block (r0 .. r5) for tokens j < rows, y rows `ldy` floats apart
 __attribute__((target("avx2,fma"))) inline void store_tile_half(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4,
                                                                  __m256 r5, float* y, int64_t ldy, int64_t rows,
@@ -896,10 +895,6 @@ inline float round_to(float v, bool bf16) { return bf16 ? static_cast<float>(c10
 
 template <typename T>
 inline const T* ptr_as(const at::Tensor& t) { return static_cast<const T*>(t.data_ptr()); }
-
-inline float element(const at::Tensor& t, int64_t i) {
-  return t.scalar_type() == at::kFloat ? ptr_as<float>(t)[i] : static_cast<float>(ptr_as<c10::BFloat16>(t)[i]);
-}
 
 #ifdef LLMINFER_X86
 __attribute__((target("avx2,fma"))) void silu_avx2(const float* g, int64_t n, float* out) {
