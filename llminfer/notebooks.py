@@ -8,12 +8,15 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
+
+from .timing import load_per_core
 
 # Widget outputs carry random model ids and live state that means nothing once the kernel is gone.
 WIDGET_STATE_MIME = "application/vnd.jupyter.widget-state+json"
@@ -27,6 +30,107 @@ WIDGET_REPR = re.compile(r"^[A-Z]\w*\(")  # e.g. "VBox(children=(...))"
 KEPT_LANGUAGE_INFO = ("name", "mimetype", "file_extension", "pygments_lexer", "codemirror_mode", "nbconvert_exporter")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Outputs are recorded on a quiet machine: above this load per core, timings say more about the neighbours.
+BUSY_PER_CORE = 0.5
+
+
+class Busy(RuntimeError):
+    """The machine was too busy to record a chapter's timings."""
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """Return (busy ticks, number of CPUs) summed over the machine's CPUs since boot, from /proc/stat."""
+    with open("/proc/stat") as stat:
+        lines = stat.read().splitlines()
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in lines[0].split()[1:9])
+    return user + nice + system + irq + softirq + steal, sum(1 for line in lines if re.match(r"cpu\d+ ", line))
+
+
+def _process_ticks() -> dict[int, tuple[int, int]]:
+    """Return {pid: (parent pid, user + system ticks)} for every process whose stat can be read."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()   # after "pid (comm)", which may hold spaces
+        except OSError:
+            continue
+        table[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    return table
+
+
+class LoadMeter:
+    """Measures the CPU that other processes used while this one (and the kernels it started) ran a chapter.
+
+    The load average cannot tell: a chapter that keeps both cores busy raises it itself. So the meter samples the
+    machine's busy time from /proc/stat and subtracts what this process and its descendants used.
+    """
+
+    def __init__(self, interval_s: float = 0.5):
+        self.interval_s = interval_s
+        self._first: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+        self._started = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_until_stopped, daemon=True)
+
+    def _sample(self) -> None:
+        table = _process_ticks()
+        mine, frontier = set(), [os.getpid()]
+        children: dict[int, list[int]] = {}
+        for pid, (parent, _) in table.items():
+            children.setdefault(parent, []).append(pid)
+        while frontier:
+            pid = frontier.pop()
+            if pid in mine:
+                continue
+            mine.add(pid)
+            frontier.extend(children.get(pid, []))
+        for pid in mine:
+            if pid in table:
+                # a process first seen mid-run was born during it: all its ticks are the chapter's
+                self._first.setdefault(pid, table[pid][1] if not self._started else 0)
+                self._last[pid] = table[pid][1]
+        self._started = True
+
+    def _sample_until_stopped(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> "LoadMeter":
+        self._sample()
+        self._busy0, self.cpus = _cpu_ticks()
+        self._wall0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        busy, _ = _cpu_ticks()
+        wall = self.wall_s = max(time.monotonic() - self._wall0, 1e-9)
+        hz = os.sysconf("SC_CLK_TCK")
+        own = sum(self._last[pid] - self._first.get(pid, 0) for pid in self._last)
+        self.own_per_core = own / hz / wall / self.cpus
+        self.others_per_core = max(0.0, (busy - self._busy0 - own) / hz / wall / self.cpus)
+
+
+def wait_until_quiet(limit: float = BUSY_PER_CORE, wait_s: float = 300.0, poll_s: float = 5.0,
+                     clock=time.monotonic, sleep=time.sleep, load=None) -> float:
+    """Return the load per core once it is at most limit; raise Busy if it stays above it for wait_s seconds."""
+    load = load or load_per_core
+    deadline = clock() + wait_s
+    while True:
+        now_load = load()
+        if now_load <= limit:
+            return now_load
+        if clock() >= deadline:
+            raise Busy(f"load average {now_load:.2f} per core stayed above {limit} for {wait_s:.0f} s; stop the other "
+                       f"jobs (or pass --allow-busy to record anyway, and say so)")
+        sleep(poll_s)
 
 
 def path_replacements(repo_root: Path | None = None) -> list[tuple[str, str]]:
@@ -107,17 +211,30 @@ def execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int = 600, kernel_nam
     return nb
 
 
-def run_notebook(path: Path, timeout: int = 600, kernel_name: str = "python3", allow_errors: bool = False) -> float:
-    """Re-execute the notebook at path, normalise it, write it back; return the wall time in seconds."""
+def run_notebook(path: Path, timeout: int = 600, kernel_name: str = "python3", allow_errors: bool = False,
+                 allow_busy: bool = True, wait_s: float = 300.0) -> dict:
+    """Re-execute the notebook at path, normalise it, write it back; return its wall time and the load it met.
+
+    Unless allow_busy, it first waits for the machine to be quiet, and refuses (Busy, file untouched) when other
+    processes used more than BUSY_PER_CORE of the CPUs while the chapter ran.
+    """
     path = Path(path).resolve()
     nb = nbformat.read(path, as_version=4)
+    before = load_per_core() if allow_busy else wait_until_quiet(wait_s=wait_s)
     start = time.perf_counter()
-    execute(nb, cwd=path.parent, timeout=timeout, kernel_name=kernel_name, allow_errors=allow_errors)
+    with LoadMeter() as meter:
+        execute(nb, cwd=path.parent, timeout=timeout, kernel_name=kernel_name, allow_errors=allow_errors)
     elapsed = time.perf_counter() - start
+    run = {"seconds": elapsed, "load_before_per_core": before, "others_per_core": meter.others_per_core,
+           "own_per_core": meter.own_per_core}
+    if not allow_busy and meter.others_per_core > BUSY_PER_CORE:
+        raise Busy(f"other processes used {meter.others_per_core:.2f} of each CPU while {path.name} ran (limit "
+                   f"{BUSY_PER_CORE}); its outputs were not written. Stop the other jobs and run it again, or pass "
+                   f"--allow-busy")
     nb = normalise(nb)
     nbformat.validate(nb)
     nbformat.write(nb, path)
-    return elapsed
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=600, help="seconds allowed per cell (default 600)")
     parser.add_argument("--kernel", default="python3", help="kernel name (default python3)")
     parser.add_argument("--allow-errors", action="store_true", help="keep going past a failing cell")
+    parser.add_argument("--allow-busy", action="store_true",
+                        help=f"record even when the load is above {BUSY_PER_CORE} per core (timings will show it)")
+    parser.add_argument("--wait", type=float, default=300.0,
+                        help="seconds to wait for a quiet machine before each chapter (default 300)")
     args = parser.parse_args(argv)
     missing = [str(f) for f in args.files if not f.is_file()]
     if missing:
@@ -134,12 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for path in args.files:
         try:
-            elapsed = run_notebook(path, timeout=args.timeout, kernel_name=args.kernel, allow_errors=args.allow_errors)
-        except CellExecutionError as err:
+            run = run_notebook(path, timeout=args.timeout, kernel_name=args.kernel, allow_errors=args.allow_errors,
+                               allow_busy=args.allow_busy, wait_s=args.wait)
+        except (CellExecutionError, Busy) as err:
             failed.append(str(path))
             print(f"{path}: FAILED (notebook left unchanged)\n{err}", file=sys.stderr)
             continue
-        print(f"{path}: {elapsed:.1f} s", flush=True)
+        print(f"{path}: {run['seconds']:.1f} s, load before {run['load_before_per_core']:.2f} per core, other "
+              f"processes {run['others_per_core']:.2f} per core while it ran", flush=True)
     if failed:
         print(f"{len(failed)} notebook(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -23,6 +23,7 @@ checked against free memory: `MemoryError` says so before anything is allocated.
 """
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Callable
@@ -35,7 +36,15 @@ from .device import as_device, check_fits, dtype_bytes, free_memory_bytes, huge_
 __all__ = ["TimingResult", "Ceiling", "synchronize", "time_fn", "free_memory_bytes",
            "check_fits", "measure_copy_bandwidth", "measure_matvec_bandwidth",
            "measure_matmul_flops", "measure_ceilings", "measure_bandwidth", "dtype_bytes",
-           "CeilingProbe", "ceiling_probes", "copy_probe", "matvec_probe", "matmul_probe"]
+           "CeilingProbe", "ceiling_probes", "copy_probe", "matvec_probe", "matmul_probe", "load_per_core"]
+
+
+def load_per_core() -> float:
+    """Return the one-minute load average over the number of CPUs (nan where the OS does not say). Chapter 01."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return float("nan")
 
 
 @dataclass

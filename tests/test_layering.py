@@ -13,7 +13,7 @@ CORE = ["device", "config", "costs", "attention", "kv_cache", "model", "tokenize
 # Built on the core (may import it; the core never imports them).
 ON_TOP = ["engine", "kernels", "quant", "fast", "speculative", "parallel", "serve"]
 # Around everything: tooling and teaching aids, imported by nothing in the package but themselves.
-AROUND = ["bench", "widgets", "notebooks"]
+AROUND = ["bench", "widgets", "notebooks", "claims"]
 
 
 def _unit(path: Path) -> str:

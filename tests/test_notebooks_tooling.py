@@ -1,5 +1,8 @@
 """The notebook runner: executes in place, normalises outputs, reports failures without touching the file."""
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -74,9 +77,9 @@ def test_run_executes_in_place_in_the_notebook_folder(tmp_path):
         new_code_cell("6 * 7"),
     ])
 
-    elapsed = notebooks.run_notebook(path, timeout=60)
+    run = notebooks.run_notebook(path, timeout=60)
 
-    assert elapsed > 0
+    assert run["seconds"] > 0 and run["others_per_core"] >= 0 and run["own_per_core"] > 0
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert [c.execution_count for c in code] == [1, 2, 3, 4]
@@ -94,7 +97,7 @@ def test_main_reports_a_failing_notebook_and_leaves_it_unchanged(tmp_path, capsy
     path = _write(tmp_path / "broken.ipynb", [new_code_cell("raise ValueError('boom')")])
     before = path.read_text()
 
-    status = notebooks.main([str(path), "--timeout", "60"])
+    status = notebooks.main([str(path), "--timeout", "60", "--allow-busy"])
 
     assert status == 1
     assert path.read_text() == before
@@ -117,7 +120,57 @@ def test_progress_bar_text_is_kept_and_output_widgets_execute(tmp_path):
     # a cell that writes into an Output widget while the notebook runs
     path = _write(tmp_path / "out.ipynb", [new_code_cell(
         "import ipywidgets as w\nout = w.Output()\ndisplay(out)\nwith out:\n    print('inside')")])
-    assert notebooks.main([str(path)]) == 0
+    assert notebooks.main([str(path), "--allow-busy"]) == 0
     saved = nbformat.read(path, as_version=4)
     assert "widgets" not in saved.metadata
     assert saved.cells[0].outputs[0].data == {"text/plain": notebooks.WIDGET_PLACEHOLDER}
+
+
+def test_load_meter_counts_its_own_children_as_its_own():
+    burn = "import time\nend = time.process_time() + 1.5\nwhile time.process_time() < end: pass"
+    with notebooks.LoadMeter(interval_s=0.1) as meter:
+        subprocess.run([sys.executable, "-c", burn], check=True)
+    # the child burned 1.5 CPU-seconds, however long the machine's load made it take
+    wall_cpus = meter.cpus
+    assert meter.own_per_core * wall_cpus > 0, meter.own_per_core
+    own_cpu_s = meter.own_per_core * wall_cpus * meter.wall_s
+    assert own_cpu_s >= 1.2, f"the meter saw {own_cpu_s:.2f} CPU-s of the 1.5 its child used"
+
+
+def test_load_meter_sees_a_process_that_is_not_its_own():
+    # a burner started by a shell that exits at once: it belongs to init, not to this process
+    burn = f"{sys.executable} -c 'import time\nend = time.time() + 4\nwhile time.time() < end: pass' &"
+    subprocess.run(["sh", "-c", burn], check=True)
+    time.sleep(0.3)
+    with notebooks.LoadMeter(interval_s=0.2) as meter:
+        time.sleep(2.0)
+    assert meter.others_per_core * meter.cpus >= 0.5, meter.others_per_core
+    assert meter.own_per_core * meter.cpus < 0.5, meter.own_per_core
+
+
+def test_wait_until_quiet_waits_then_refuses_saying_why():
+    clock = iter(range(1000))
+    loads = iter([2.0, 1.0, 0.4])
+    assert notebooks.wait_until_quiet(wait_s=60, poll_s=1, clock=lambda: next(clock), sleep=lambda s: None,
+                                      load=lambda: next(loads)) == 0.4
+    clock = iter(range(1000))
+    with pytest.raises(notebooks.Busy, match=r"load average 0\.90 per core stayed above 0\.5 for 3 s.*--allow-busy"):
+        notebooks.wait_until_quiet(wait_s=3, poll_s=1, clock=lambda: next(clock), sleep=lambda s: None,
+                                   load=lambda: 0.9)
+
+
+def test_a_chapter_run_beside_other_work_is_not_written(tmp_path, monkeypatch):
+    class NoisyNeighbours(notebooks.LoadMeter):
+        def __exit__(self, *exc):
+            super().__exit__(*exc)
+            self.others_per_core = 0.9
+
+    monkeypatch.setattr(notebooks, "LoadMeter", NoisyNeighbours)
+    monkeypatch.setattr(notebooks, "load_per_core", lambda: 0.1)
+    path = _write(tmp_path / "01_timed.ipynb", [new_code_cell("1 + 1")])
+    before = path.read_text()
+    with pytest.raises(notebooks.Busy, match=r"other processes used 0\.90 of each CPU while 01_timed.ipynb ran"):
+        notebooks.run_notebook(path, timeout=60, allow_busy=False)
+    assert path.read_text() == before
+    run = notebooks.run_notebook(path, timeout=60, allow_busy=True)
+    assert run["others_per_core"] == 0.9 and path.read_text() != before

@@ -1,0 +1,48 @@
+"""Checked claims: a sentence about a measurement, printed with its figure and a ✓ or ✗ by the cell that measured it.
+
+A chapter's prose explains; what a run measured is said here, next to the number, so prose cannot drift from its
+outputs. `claim(text, holds, figure)` prints the line and, when strict, raises where the claim fails: use strict for
+what must hold on any machine, and `strict=False` for what depends on the machine (it then says which case this
+machine is in instead of stopping the chapter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MARK = {True: "✓", False: "✗"}
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One checked statement: its text, whether it held in this run, and the figure that decided it."""
+
+    text: str
+    holds: bool
+    figure: str = ""
+    strict: bool = True
+
+    def line(self) -> str:
+        """Return the printed form, e.g. '✓ the cache is faster at 512 tokens (3.1×)'."""
+        figure = f" ({self.figure})" if self.figure else ""
+        note = "" if self.holds or self.strict else " — not on this machine"
+        return f"{MARK[self.holds]} {self.text}{figure}{note}"
+
+
+class ClaimFailed(AssertionError):
+    """A strict claim that the run's own measurement contradicts."""
+
+
+def claim(text: str, holds, figure: str = "", *, strict: bool = True) -> bool:
+    """Print a checked claim with its figure; return whether it holds. Raise ClaimFailed if strict and it fails."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"a claim needs its sentence as a non-empty string, got {text!r}")
+    if not isinstance(figure, str):
+        raise TypeError(f"figure is printed as given: pass a formatted string such as f'{{ratio:.2f}}×', "
+                        f"got {type(figure).__name__}")
+    verdict = Claim(text, bool(holds), figure, strict)
+    print(verdict.line())
+    if strict and not verdict.holds:
+        raise ClaimFailed(f"claim does not hold in this run: {text}" + (f" ({figure})" if figure else "")
+                          + "; the measurement contradicts the sentence, so change the sentence, not the figure")
+    return verdict.holds

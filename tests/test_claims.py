@@ -1,0 +1,28 @@
+"""Checked claims: the sentence, its figure and a mark, printed by the cell that measured it."""
+import pytest
+
+from llminfer.claims import ClaimFailed, claim
+
+
+def test_a_claim_that_holds_prints_a_tick_with_its_figure(capsys):
+    assert claim("the cache is faster at 512 tokens", 3.1 > 1, "3.10×") is True
+    assert capsys.readouterr().out == "✓ the cache is faster at 512 tokens (3.10×)\n"
+
+
+def test_a_strict_claim_that_fails_stops_the_cell_and_names_the_figure(capsys):
+    with pytest.raises(ClaimFailed, match=r"the bubble shrinks as micro-batches grow \(0\.59 at m=8 against 0\.52"):
+        claim("the bubble shrinks as micro-batches grow", 0.59 < 0.52, "0.59 at m=8 against 0.52 at m=1")
+    assert capsys.readouterr().out.startswith("✗ the bubble shrinks")
+    assert isinstance(ClaimFailed("x"), AssertionError), "nbval and plain asserts treat it as a failed check"
+
+
+def test_a_machine_dependent_claim_says_which_case_this_machine_is_in(capsys):
+    assert claim("bfloat16 matmul outruns float32", False, "0.52×", strict=False) is False
+    assert capsys.readouterr().out == "✗ bfloat16 matmul outruns float32 (0.52×) — not on this machine\n"
+
+
+@pytest.mark.parametrize("text, figure, error", [("", "", ValueError), ("   ", "", ValueError),
+                                                 ("x is fast", 3.0, TypeError)])
+def test_a_claim_without_a_sentence_or_with_an_unformatted_figure_is_refused(text, figure, error):
+    with pytest.raises(error):
+        claim(text, True, figure)
