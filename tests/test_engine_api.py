@@ -1,6 +1,7 @@
 """The engine driven step by step, as a server drives it: ids, events, outputs, timings, stats, the trace."""
 from __future__ import annotations
 
+import math
 import pytest
 
 import llminfer
@@ -181,5 +182,8 @@ def test_replay_and_summary(model):
     assert summarize(result, slo_ttft_s=0.0, slo_tpot_s=1e9)["goodput_req_s"] == 0.0
     ttfts = sorted(o.ttft_s for o in result.outputs)
     assert summary["ttft_p50_s"] == pytest.approx((ttfts[2] + ttfts[3]) / 2)
-    assert summary["ttft_p50_s"] <= summary["ttft_p90_s"] <= summary["ttft_p99_s"] <= ttfts[-1]
+    assert summary["ttft_p50_s"] <= ttfts[-1]
+    # six requests hold a median, not a tail: p90 and p99 are not made up from them
+    assert math.isnan(summary["ttft_p90_s"]) and math.isnan(summary["ttft_p99_s"])
+    assert summary["itl_p90_s"] <= summary["itl_p99_s"] or math.isnan(summary["itl_p99_s"])
     assert summary["steps"] == len(result.trace) > 0

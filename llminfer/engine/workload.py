@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .latency import SLO, percentile, request_goodput
 from .sampling_params import SamplingParams
 
 __all__ = ["Request", "Workload", "WorkloadResult", "make_workload", "replay", "summarize", "percentile"]
@@ -171,28 +172,25 @@ def replay(engine, workload: Workload, params: SamplingParams | None = None, rea
                           [r.arrival_s if realtime else 0.0 for r in workload.requests], engine.stats, engine.policy)
 
 
-def percentile(values, q: float) -> float:
-    """The q-th percentile (0-100) of values, linear interpolation; nan for an empty list."""
-    values = [v for v in values if v == v]
-    return float(np.percentile(values, q)) if values else float("nan")
-
-
 def summarize(result: WorkloadResult, slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.1) -> dict:
     """Throughput, TTFT / TPOT / ITL / E2E medians and p90/p99, and goodput under the stated targets. Chapter 05.
 
-    Goodput (as DistServe defines it): requests per second that met both the TTFT and the TPOT target.
-    A one-token request has no TPOT and is judged by TTFT alone.
+    Goodput here is vLLM's (`--goodput`): requests per second that met both the TTFT and the TPOT target
+    (`latency.request_goodput`). A one-token request has no TPOT and is judged by TTFT alone. A tail percentile
+    without enough requests behind it is nan (`latency.percentile`).
     """
     outputs = result.outputs
     ttft = [o.ttft_s for o in outputs]
     tpot = [o.tpot_s for o in outputs if len(o.token_ids) > 1]
     itl = [gap for o in outputs for gap in o.itl_s]
     e2e = [o.e2e_s for o in outputs]
-    good = sum(1 for o in outputs if o.ttft_s <= slo_ttft_s and (len(o.token_ids) < 2 or o.tpot_s <= slo_tpot_s))
+    slo = SLO(ttft_s=slo_ttft_s, tpot_s=slo_tpot_s)
+    good, goodput = request_goodput(((o.ttft_s, o.tpot_s, o.e2e_s, len(o.token_ids)) for o in outputs),
+                                    result.duration_s, slo)
     summary = {"policy": result.policy, "requests": len(outputs), "output_tokens": result.output_tokens,
                "duration_s": result.duration_s, "throughput_tok_s": result.throughput,
                "request_throughput": result.request_throughput,
-               "goodput_req_s": good / result.duration_s if result.duration_s > 0 else 0.0,
+               "goodput_req_s": goodput if result.duration_s > 0 else 0.0,
                "slo_attained": good / len(outputs), "slo_ttft_s": slo_ttft_s, "slo_tpot_s": slo_tpot_s,
                "preemptions": sum(o.preemptions for o in outputs), "steps": len(result.trace)}
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):

@@ -16,9 +16,11 @@ default) every request makes exactly max_tokens tokens, so runs are comparable.
 
 What comes out, from each request's raw timestamps (all on the client's clock, seconds from the run's
 start): TTFT (send to first streamed chunk), ITL (gaps between chunks), TPOT ((last - first) / (output
-tokens - 1)), E2E (send to last chunk), each as mean, p50, p90, p99; request and token throughput over
-the run's duration (first send to last response); and goodput, the requests per second that met every
-stated target (DistServe's definition, vLLM's --goodput). `summarize` computes all of it from the raw
+tokens - 1)), E2E (send to last chunk), each as mean, p50, p90, p99 (a tail percentile with too few
+requests behind it is NaN: `engine.latency.percentile`); request and token throughput over the run's
+duration (first send to last response); and goodput, the requests per second that met every stated target
+(vLLM's --goodput, `engine.latency.request_goodput`; DistServe's goodput is the highest rate whose SLO
+attainment meets a target, `engine.latency.max_rate_meeting`, over a sweep of rates). `summarize` computes all of it from the raw
 records alone, so anyone can recompute the figures from the JSON.
 
 The run is bounded: at most --num-prompts requests, none sent after --duration-limit seconds, each
@@ -38,10 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..engine.latency import SLO, percentiles, request_goodput
+
 __all__ = ["BenchRequest", "RequestRecord", "BenchResult", "workload_requests", "file_requests", "arrival_offsets",
            "run_benchmark", "benchmark", "summarize", "percentiles", "plot_result", "parse_goodput", "main"]
 
-PERCENTILES = (50, 90, 99)
 
 
 @dataclass(frozen=True)
@@ -186,14 +189,6 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: 
 
 # --- the figures -------------------------------------------------------------------------------------------
 
-def percentiles(values, qs=PERCENTILES) -> dict:
-    """{'mean', 'p50', 'p90', 'p99'} of the finite values (numpy's linear interpolation); NaN when empty."""
-    values = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
-    if values.size == 0:
-        return {"mean": float("nan"), **{f"p{q}": float("nan") for q in qs}}
-    return {"mean": float(values.mean()), **{f"p{q}": float(np.percentile(values, q)) for q in qs}}
-
-
 def summarize(records: list[RequestRecord], slo: dict | None = None) -> dict:
     """Throughput, latency percentiles and goodput, from the raw per-request records alone. Chapter 11.
 
@@ -211,16 +206,8 @@ def summarize(records: list[RequestRecord], slo: dict | None = None) -> dict:
     output_tokens = sum(r.output_tokens for r in done)
     prompt_tokens = sum(r.prompt_tokens for r in done)
 
-    def meets(r: RequestRecord) -> bool:
-        checks = {"ttft": r.ttft_s, "tpot": r.tpot_s, "e2e": r.e2e_s}
-        for name, target in slo.items():
-            if name == "tpot" and r.output_tokens < 2:
-                continue                                  # no TPOT to judge
-            if not checks[name] <= target:                # NaN fails too
-                return False
-        return True
-
-    good = sum(1 for r in done if meets(r))
+    targets = SLO(**{f"{name}_s": value for name, value in slo.items()})
+    good, goodput = request_goodput(((r.ttft_s, r.tpot_s, r.e2e_s, r.output_tokens) for r in done), duration, targets)
     out = {
         "requests": len(records), "completed": len(done), "failed": len(records) - len(done),
         "duration_s": duration, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
@@ -228,7 +215,7 @@ def summarize(records: list[RequestRecord], slo: dict | None = None) -> dict:
         "output_throughput": output_tokens / duration if duration > 0 else float("nan"),
         "total_token_throughput": (prompt_tokens + output_tokens) / duration if duration > 0 else float("nan"),
         "slo_s": slo, "good_requests": good,
-        "goodput": good / duration if duration > 0 and slo else float("nan"),
+        "goodput": goodput if slo else float("nan"),
     }
     for name, values in (("ttft", [r.ttft_s for r in done]), ("tpot", [r.tpot_s for r in done]),
                          ("itl", [g for r in done for g in r.itl_s]), ("e2e", [r.e2e_s for r in done])):
