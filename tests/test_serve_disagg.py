@@ -180,3 +180,18 @@ def test_the_flag_is_checked():
     assert parse_args(["--disaggregated"]).disaggregated and not parse_args([]).disaggregated
     with pytest.raises(SystemExit):
         parse_args(["--disaggregated", "--device", "cuda"])
+
+
+def test_make_serve_passes_its_args_on():
+    import shutil
+    import subprocess
+    from pathlib import Path
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed here")
+    root = Path(__file__).resolve().parent.parent
+    lines = subprocess.run(["make", "-n", "serve", "ARGS=--disaggregated --threads 2"], cwd=root, capture_output=True,
+                           text=True, check=True).stdout.splitlines()
+    serve = [line for line in lines if "-m llminfer.serve" in line]
+    assert len(serve) == 1 and serve[0].endswith("--port 8000 --disaggregated --threads 2")
+    plain = subprocess.run(["make", "-n", "serve"], cwd=root, capture_output=True, text=True, check=True).stdout
+    assert [line for line in plain.splitlines() if "-m llminfer.serve" in line][0].rstrip().endswith("--port 8000")

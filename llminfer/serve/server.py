@@ -95,15 +95,14 @@ class OpenAIServer:
 
     def __init__(self, model, tokenizer, config: ServeConfig | None = None, chat_template: ChatTemplate | None = None,
                  engine: Engine | None = None, model_folder: str | Path | None = None, close_engine: bool = False):
-        """engine: any engine protocol implementation (an LLMEngine on `model` by default; the disaggregated
-        pair of chapter 12, with model=None). close_engine: call engine.close() when the server stops."""
+        """The server's state; engine: any engine protocol implementation (default: an LLMEngine on model)."""
         self.config = config or ServeConfig()
         if engine is None and model is None:
             raise ValueError("OpenAIServer needs a model (to build an LLMEngine on) or an engine; got neither")
         self.model = model
         self.tokenizer = tokenizer
         self.engine = engine if engine is not None else LLMEngine(model, **self.config.engine_kwargs)
-        self.close_engine = close_engine
+        self.close_engine = close_engine       # the server owns it (the disaggregated pair): close it at stop
         self.chat_template = chat_template or load_chat_template(model_folder)
         self.loop = EngineLoop(self.engine, self.config.max_queued_requests)
         self.metrics = ServerMetrics(self.loop)
