@@ -94,6 +94,9 @@ def test_workers_in_separate_processes_equal_the_colocated_engine(bundled):
             pass
         assert engine.abort(long_running)
         assert engine.pop_output(long_running).finish_reason == "abort"
+        assert not engine.abort(long_running)                         # already finished: as LLMEngine answers
+        with pytest.raises(ValueError, match="unknown request id 999"):
+            engine.abort(999)
         assert engine.generate([prompts[0]], params)[0].token_ids == colocated[0].token_ids   # still serving
     assert all(not p.is_alive() for p in engine._processes) and engine._processes == []
 

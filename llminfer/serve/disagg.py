@@ -553,7 +553,10 @@ class DisaggregatedEngine:
         return bool(self._tracked)
 
     def abort(self, request_id: int) -> bool:
-        """Stops a request (the decode worker frees its blocks); True if it was unfinished."""
+        """Stops a request (the decode worker frees its blocks); True if it was unfinished, False if finished."""
+        if isinstance(request_id, bool) or not isinstance(request_id, int) or not 0 <= request_id < self._next_id:
+            raise ValueError(f"unknown request id {request_id!r}: this engine has issued ids 0..{self._next_id - 1}"
+                             if self._next_id else f"unknown request id {request_id!r}: no request has been added")
         seq = self._tracked.pop(request_id, None)
         if seq is None:
             return False
