@@ -122,7 +122,8 @@ def test_the_server_fronts_the_pair_with_the_single_engines_greedy_text(bundled)
     params = SamplingParams(max_new_tokens=12, eos_token_id=tokenizer.eos_token_id)
     single = LLMEngine(model, num_blocks=64).generate([tokenizer.encode(t) for t in SERVED], params)
     expected = [tokenizer.decode(o.token_ids) for o in single]
-    with ServerProcess(["--disaggregated", "--model", "tiny-capitals", "--threads", "1", "--num-blocks", "64"]) as server:
+    argv = ["--disaggregated", "--model", "tiny-capitals", "--threads", "1", "--num-blocks", "64"]
+    with ServerProcess(argv) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60)
         plain = [client.completions.create(model="tiny-capitals", prompt=t, max_tokens=12, temperature=0)
                  for t in SERVED]
