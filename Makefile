@@ -15,7 +15,8 @@ help:
 	@echo "make notebooks  re-execute and normalise the chapters (commits their outputs)"
 	@echo "make bench      the side-by-side benchmarks: prefill/decode/ceilings, then decode by precision"
 	@echo "                beside llama.cpp when llama_cpp is installed (writes data/benchmarks/)"
-	@echo "make serve      the OpenAI-compatible server on the bundled model (127.0.0.1:8000, Ctrl-C stops it)"
+	@echo "make serve      the OpenAI-compatible server on the bundled model (127.0.0.1:8000, Ctrl-C stops it);"
+	@echo "                ARGS=--disaggregated serves it from a prefill and a decode worker (chapter 12)"
 	@echo "make model      rebuild the bundled models in data/models (tiny-capitals, then its draft)"
 	@echo "make clean      remove .venv and caches"
 
@@ -49,8 +50,9 @@ bench: $(STAMP)
 	$(PY) -m llminfer.bench
 	$(PY) -m llminfer.bench.decode
 
+ARGS ?=
 serve: $(STAMP)
-	$(PY) -m llminfer.serve --model tiny-capitals --port 8000
+	$(PY) -m llminfer.serve --model tiny-capitals --port 8000 $(ARGS)
 
 model: $(STAMP)
 	$(PY) data/build_model.py

@@ -15,6 +15,7 @@ The parts, each in its own module (the way nano-vllm separates them):
     paged_attention.py     the kernels that read K/V through block tables ('gather', 'flex', ...)
     model_runner.py        one step through the model's one forward, then sampling
     llm_engine.py          LLMEngine: add_request / step / abort / has_unfinished / stats / generate
+    protocol.py            Engine: the protocol LLMEngine and the disaggregated pair (chapter 12) both speak
     workload.py            request streams for measuring it (Poisson arrivals, heavy-tailed lengths)
 """
 from .attention_metadata import AttentionMetadata
@@ -23,6 +24,7 @@ from .llm_engine import EngineStats, LLMEngine, StepRecord
 from .model_runner import ModelRunner
 from .paged_attention import get_paged_kernel, paged_kernels, register_paged_kernel
 from .paged_cache import PagedKVCache, paged_cache_bytes
+from .protocol import Engine
 from .sampling_params import SamplingParams
 from .scheduler import POLICIES, Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus, StepOutput
@@ -31,5 +33,5 @@ __all__ = [
     "LLMEngine", "SamplingParams", "RequestOutput", "StepOutput", "EngineStats", "StepRecord",
     "Sequence", "SequenceStatus", "Scheduler", "POLICIES", "BlockManager", "Block", "PoolSnapshot",
     "hash_block_tokens", "AttentionMetadata", "PagedKVCache", "paged_cache_bytes", "ModelRunner",
-    "register_paged_kernel", "get_paged_kernel", "paged_kernels",
+    "register_paged_kernel", "get_paged_kernel", "paged_kernels", "Engine",
 ]

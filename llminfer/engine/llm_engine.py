@@ -11,6 +11,10 @@ or driven step by step, as a server does:
             ...
     engine.pop_output(request_id)                                             # tokens and timings
 
+These calls, with `add_prefilled` (a request whose K/V were computed elsewhere), `abort`, `stats` and
+`clock`, are the engine protocol (`llminfer.engine.protocol.Engine`) that the server of chapter 11 and the
+disaggregated pair of chapter 12 also speak.
+
 Each step: the scheduler picks the batch (`AttentionMetadata`), the model runner runs it through the
 model's one forward over the `PagedKVCache`, the sampled tokens are appended, finished requests free
 their blocks. `engine.trace` keeps what every step ran, for the scheduling chart of chapter 05.
@@ -260,6 +264,63 @@ class LLMEngine:
         seq = Sequence(request_id, prompt, params, arrival, device=self.model.device)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
+        return request_id
+
+    def add_prefilled(self, prompt_ids, params: SamplingParams | None, first_token: int,
+                      kv: list[tuple[torch.Tensor, torch.Tensor]], arrival_time: float | None = None,
+                      first_token_time: float | None = None, generator_state: torch.Tensor | None = None) -> int | None:
+        """Installs a request whose prompt K/V were computed elsewhere, already decoding; returns its id. Chapter 12.
+
+        kv: per layer (k, v), each (1, n_kv_heads, P, head_dim) for the P prompt positions, keys after RoPE.
+        The block manager allocates blocks for the P positions, the pool takes the K/V through the block
+        table, first_token (sampled where the prompt ran, at first_token_time) becomes the first output,
+        and the request joins the running batch: its next step is a decode. generator_state carries a
+        sampled request's generator on. Returns None, changing nothing, when the running batch is full or
+        the pool lacks the blocks for P + 1 positions now (offer it again after a step).
+        """
+        params = SamplingParams() if params is None else params
+        prompt = self._check_prompt(prompt_ids)
+        self._check_request(prompt, params)
+        for name, value in (("arrival_time", arrival_time), ("first_token_time", first_token_time)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                      or not math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number of seconds on the engine's clock, got {value!r}")
+        vocab, cfg, num_tokens = self.config.vocab_size, self.config, len(prompt)
+        if not _is_int(first_token) or not 0 <= first_token < vocab:
+            raise ValueError(f"first_token={first_token!r} is not a token id of this model (0..{vocab - 1})")
+        if (params.eos_token_id is not None and first_token == params.eos_token_id) or params.max_new_tokens == 1:
+            raise ValueError("the request finished at its first token (eos, or max_new_tokens=1), so it has nothing "
+                             "to decode; take its output where it was prefilled")
+        if not isinstance(kv, (list, tuple)) or len(kv) != cfg.n_layers:
+            got = f"{len(kv)} pairs" if isinstance(kv, (list, tuple)) else type(kv).__name__
+            raise ValueError(f"kv must hold one (k, v) pair per layer: got {got} for a model of {cfg.n_layers} layers")
+        expected = (1, cfg.n_kv_heads, num_tokens, cfg.head_dim)
+        for layer, pair in enumerate(kv):
+            if len(pair) != 2 or any(tuple(t.shape) != expected for t in pair):
+                raise ValueError(f"layer {layer}: K/V of shape {[tuple(t.shape) for t in pair]}; expected {expected} "
+                                 f"(1, n_kv_heads, positions, head_dim) for a {num_tokens}-token prompt")
+        bm, scheduler = self.block_manager, self.scheduler
+        if len(scheduler.running) >= scheduler.max_num_seqs or bm.blocks_needed(num_tokens + 1) > bm.num_free_blocks:
+            return None
+        request_id = self._next_id
+        self._next_id += 1
+        now = self.clock()
+        seq = Sequence(request_id, prompt, params, now if arrival_time is None else float(arrival_time),
+                       device=self.model.device)
+        if not bm.allocate(seq, num_tokens):                               # pragma: no cover - checked above
+            raise RuntimeError("the pool refused an allocation it had room for")
+        for layer, (k, v) in enumerate(kv):
+            self.cache.write(layer, seq.block_table, k, v)
+        seq.num_computed_tokens = num_tokens
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.RUNNING
+        first_time = now if first_token_time is None else float(first_token_time)
+        seq.first_scheduled_time = first_time
+        if seq.generator is not None and generator_state is not None:
+            seq.generator.set_state(generator_state)
+        seq.append_token(int(first_token), first_time)
+        self._requests[request_id] = seq
+        scheduler.running.append(seq)
         return request_id
 
     def has_unfinished(self) -> bool:

@@ -119,6 +119,30 @@ class PagedKVCache:
         flat_v = self.v[layer_idx].view(-1, *self.v[layer_idx].shape[2:])
         return (flat_k[slots].transpose(0, 1)[None], flat_v[slots].transpose(0, 1)[None])
 
+    def write(self, layer_idx: int, block_table: list[int], k: torch.Tensor, v: torch.Tensor,
+              start_pos: int = 0) -> None:
+        """Writes one sequence's K and V, each (1, H_kv, T, D), at positions start_pos.. of its blocks. Chapter 12.
+
+        The inverse of `gather`: K/V computed elsewhere (a prefill worker) land in the pool through the
+        sequence's block table, as if this cache's own forward had written them."""
+        if not 0 <= layer_idx < self.n_layers:
+            raise ValueError(f"layer_idx={layer_idx} is outside 0..{self.n_layers - 1}")
+        n_kv_heads, head_dim = self.k[layer_idx].shape[2:]
+        if k.dim() != 4 or k.shape[0] != 1 or k.shape[1] != n_kv_heads or k.shape[3] != head_dim \
+                or v.shape != k.shape:
+            raise ValueError(f"K/V of shapes {tuple(k.shape)} and {tuple(v.shape)}; expected both (1, n_kv_heads="
+                             f"{n_kv_heads}, positions, head_dim={head_dim})")
+        end = start_pos + k.shape[2]
+        if start_pos < 0 or end > len(block_table) * self.block_size:
+            raise ValueError(f"positions {start_pos}..{end - 1} do not fit in {len(block_table)} blocks of "
+                             f"{self.block_size}; allocate the blocks first")
+        pos = torch.arange(start_pos, end)
+        slots = (torch.tensor(block_table, dtype=torch.long)[pos // self.block_size] * self.block_size
+                 + pos % self.block_size).to(self.device)                                  # (T,)
+        for pool, tensor in ((self.k[layer_idx], k), (self.v[layer_idx], v)):
+            flat = pool.view(-1, *pool.shape[2:])                                           # (blocks · size, H_kv, D)
+            flat.index_copy_(0, slots, tensor[0].transpose(0, 1).to(device=flat.device, dtype=flat.dtype))
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies every layer's K/V of block src into block dst, for each (src, dst): copy-on-write. Chapter 06."""
         for src, dst in pairs:

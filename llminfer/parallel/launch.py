@@ -32,7 +32,8 @@ import torch.multiprocessing as mp
 
 from .plan import LOOPBACK, check_backend, check_port, check_world_size, loopback_interface
 
-__all__ = ["WorkerContext", "WorkerError", "launch", "check_worker", "distributed_worker"]
+__all__ = ["WorkerContext", "WorkerError", "launch", "check_worker", "distributed_worker", "join_group",
+           "rendezvous_store"]
 
 DEFAULT_TIMEOUT_S = 120.0
 # What a rank reports when it was not the cause: its peer failed and closed the connection.
@@ -95,18 +96,41 @@ def _device_for(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def rendezvous_store(port: int | None, world_size: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """The rendezvous store every rank joins, listening on 127.0.0.1 (port None: a free one); (store, port).
+    Chapters 10 and 12."""
+    sock = check_port(port)                    # bound to 127.0.0.1 here; refused here if taken
+    port = sock.getsockname()[1]
+    try:
+        store = dist.TCPStore(LOOPBACK, port, world_size, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno(),
+                              use_libuv=True)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()                              # the store owns the listening socket now, and closes it
+    return store, port
+
+
+def join_group(rank: int, world_size: int, backend: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+               threads: int | None = 1) -> WorkerContext:
+    """In a started process: sets its threads, keeps gloo on the loopback, joins the group at the store on
+    127.0.0.1:port; returns its WorkerContext. Chapters 10 and 12."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    _set_loopback_env()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return WorkerContext(rank, world_size, backend, _device_for(backend, rank))
+
+
 def _worker_entry(rank: int, world_size: int, backend: str, port: int, payload: bytes, results, threads: int | None,
                   timeout_s: float) -> None:
     """The body of each started process: join the group, run the worker, leave the group, report, exit."""
     status, body = "error", ""
     try:
-        if threads is not None:
-            torch.set_num_threads(threads)
-        _set_loopback_env()
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        ctx = WorkerContext(rank, world_size, backend, _device_for(backend, rank))
+        ctx = join_group(rank, world_size, backend, port, timeout_s, threads)
         worker, args = pickle.loads(payload)
         result = worker(ctx, *args)
         dist.barrier()                         # nobody leaves while another rank still talks to it
@@ -147,17 +171,11 @@ def launch(worker, args: tuple = (), world_size: int = 2, backend: str | None = 
         raise ValueError(f"the worker's arguments cannot be sent to another process ({exc}); pass plain data "
                          "(numbers, strings, lists, tensors) rather than open files, locks or models") from None
     context = process_context(start_method)
-    sock = check_port(port)                    # bound to 127.0.0.1 here; refused here if taken
-    port = sock.getsockname()[1]
+    store, port = rendezvous_store(port, world_size, timeout_s)
     results = context.Queue()
     processes = []
-    store = None
     finished = False
     try:
-        store = dist.TCPStore(LOOPBACK, port, world_size, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno(),
-                              use_libuv=True)
-        sock.detach()                          # the store owns the listening socket now, and closes it
         for rank in range(world_size):
             process = context.Process(target=_worker_entry, daemon=True, name=f"llminfer-rank{rank}",
                                       args=(rank, world_size, backend, port, payload, results, threads, timeout_s))
@@ -168,8 +186,6 @@ def launch(worker, args: tuple = (), world_size: int = 2, backend: str | None = 
         return results_by_rank
     finally:
         end_processes(processes, grace_s=5.0 if finished else 0.5)   # after a failure, nothing is worth waiting for
-        if store is None:
-            sock.close()
         del store
         results.close()
 

@@ -1,6 +1,7 @@
 """Serving: an OpenAI-compatible server on the engine, its load generator, disaggregated workers. Chapters 11–12.
 
     python -m llminfer.serve --model tiny-capitals --port 8000       # the server (127.0.0.1 unless told)
+    python -m llminfer.serve --disaggregated                         # the same, on a prefill and a decode worker
     python -m llminfer.serve.bench --base-url http://127.0.0.1:8000/v1 --request-rate 4
 
     protocol.py      the OpenAI request shapes, their checks, the error body

@@ -3,6 +3,10 @@
 It listens on 127.0.0.1 (this machine only) unless --host names another address. Ctrl-C (SIGINT) or
 SIGTERM shuts it down gracefully: no new connections, in-flight requests finish for up to
 --drain-timeout seconds, the rest are aborted, then the engine stops.
+
+`--disaggregated` serves from a prefill worker and a decode worker in two more processes, K/V shipped between
+them (`llminfer.serve.disagg`, chapter 12); this process routes. Both workers run on the CPU, each with
+--threads threads (1 by default).
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds in-flight requests get at shutdown")
     p.add_argument("--default-temperature", type=float, default=1.0,
                    help="temperature for requests that leave it unset (the OpenAI API's default is 1)")
+    p.add_argument("--disaggregated", action="store_true",
+                   help="prefill and decode in two worker processes, K/V shipped between them (chapter 12; CPU)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     if not 0 <= args.port <= 65535:
@@ -48,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
     if args.drain_timeout < 0:
         p.error(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    if args.disaggregated and args.device not in (None, "cpu"):
+        p.error(f"--disaggregated runs both workers on the CPU, got --device {args.device}; drop --device")
     return args
 
 
@@ -62,7 +70,7 @@ def build_server(args: argparse.Namespace):
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    model, tokenizer = llminfer.load_pretrained(args.model, device=args.device)
+    model, tokenizer = llminfer.load_pretrained(args.model, device="cpu" if args.disaggregated else args.device)
     folder = model_folder(args.model)
     add_bos = False
     try:
@@ -77,7 +85,20 @@ def build_server(args: argparse.Namespace):
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enable_prefix_caching=not args.no_prefix_caching,
                            chunked_prefill=not args.no_chunked_prefill))
-    return build_app(model, tokenizer, config, model_folder=folder)
+    if not args.disaggregated:
+        return build_app(model, tokenizer, config, model_folder=folder)
+    from .disagg import DisaggregatedEngine, ModelSpec
+    from .server import OpenAIServer
+    del model                                  # the workers load their own copies
+    threads = args.threads or 1
+    pair = DisaggregatedEngine(ModelSpec(name=args.model), config.engine_kwargs, prefill_threads=threads,
+                               decode_threads=threads).start()
+    try:
+        server = OpenAIServer(None, tokenizer, config, engine=pair, model_folder=folder, close_engine=True)
+    except BaseException:
+        pair.close()
+        raise
+    return build_app(server=server)
 
 
 def main(argv: list[str] | None = None) -> int:

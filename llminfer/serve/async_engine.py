@@ -7,7 +7,9 @@
     loop.stop(drain_timeout_s=5)
 
 The engine is not thread-safe and its steps are long, blocking computations, so it lives on its own
-thread: every engine call (add_request, step, abort, stats) happens there and nowhere else. Handlers,
+thread: every engine call (add_request, step, abort, stats) happens there and nowhere else. Any engine
+that speaks the engine protocol (`llminfer.engine.protocol.Engine`) will do: an `LLMEngine`, or the
+disaggregated pair of chapter 12, whose step collects what its workers sent. Handlers,
 on the server's asyncio event loop, talk to it through an inbox (adds and aborts, taken between steps)
 and get tokens back through per-request asyncio queues (`loop.call_soon_threadsafe`). This is the shape
 of vLLM's AsyncLLM and of SGLang's scheduler loop, in one process.
@@ -32,7 +34,8 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..engine import LLMEngine, RequestOutput, SamplingParams
+from ..engine import Engine, RequestOutput, SamplingParams
+from ..engine.protocol import protocol_gaps
 
 __all__ = ["EngineLoop", "RequestHandle", "Update", "QueueFull", "EngineUnavailable", "AbortRecord"]
 
@@ -101,7 +104,11 @@ class RequestHandle:
 class EngineLoop:
     """The engine on a background thread: an inbox for requests and aborts, queues for their tokens. Chapter 11."""
 
-    def __init__(self, engine: LLMEngine, max_queued_requests: int = 128, on_step=None, on_finish=None):
+    def __init__(self, engine: Engine, max_queued_requests: int = 128, on_step=None, on_finish=None):
+        gaps = protocol_gaps(engine)
+        if gaps:
+            raise TypeError(f"{type(engine).__name__} does not speak the engine protocol (llminfer.engine.protocol."
+                            f"Engine): {'; '.join(gaps)}; pass an LLMEngine or a DisaggregatedEngine")
         if not isinstance(max_queued_requests, int) or isinstance(max_queued_requests, bool) \
                 or max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be a positive integer, got {max_queued_requests!r}")

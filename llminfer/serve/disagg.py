@@ -13,8 +13,9 @@ Three processes, the way DistServe, Splitwise and Mooncake lay a deployment out 
   worker at once (`isend`), so the transfer of layer i overlaps the compute of layers i+1...; then it
   samples the first token and sends it, with the sampler's state, behind the last layer;
 - the **decode worker** runs an `LLMEngine` that only ever decodes. A receiver thread takes each
-  request's K/V off the wire; between engine steps the loop writes them into blocks of the paged pool
-  (`install_prefilled`) and the request joins the running batch as if it had been prefilled there.
+  request's K/V off the wire; between engine steps the loop hands them to `LLMEngine.add_prefilled`, which
+  writes them into blocks of the paged pool, and the request joins the running batch as if it had been
+  prefilled there.
 
 K/V travel over torch.distributed point to point: gloo over TCP on 127.0.0.1, with both workers on
 the CPU. (Between GPUs the same sends would go through NCCL on device tensors, with a device per
@@ -26,12 +27,13 @@ What this buys (chapter 12 measures it): a long prompt's prefill no longer stall
 so their inter-token latency stays flat; what it costs is a second worker, the K/V bytes on the wire,
 and batching that is split between two machines' worth of compute.
 
-The decode side injects requests into the engine through the engine's own parts (its scheduler's
-queues, its block manager and its pool), which is what a KV connector does in vLLM.
+The decode side hands requests to its engine through the engine protocol's `add_prefilled`, which is what
+a KV connector does in vLLM. The router speaks the same protocol (`llminfer.engine.protocol.Engine`), so the
+OpenAI server of chapter 11 fronts it like a single engine: `python -m llminfer.serve --disaggregated`.
 """
 from __future__ import annotations
 
-import datetime
+import dataclasses
 import os
 import queue as queue_module
 import threading
@@ -39,18 +41,17 @@ import time
 import traceback
 import weakref
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
-from ..engine import LLMEngine, RequestOutput, SamplingParams
-from ..engine.sequence import SequenceStatus, StepOutput
-from ..parallel.launch import end_processes, process_context
+from ..engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
+from ..engine.sequence import Sequence, SequenceStatus, StepOutput
+from ..parallel.launch import end_processes, join_group, process_context, rendezvous_store
 
-__all__ = ["ModelSpec", "ShippingCache", "install_prefilled", "DisaggregatedEngine", "TransferRecord",
-           "WorkerError", "kv_transfer_bytes"]
+__all__ = ["ModelSpec", "ShippingCache", "DisaggregatedEngine", "TransferRecord", "WorkerError",
+           "kv_transfer_bytes"]
 
-LOOPBACK = "127.0.0.1"
 PREFILL_RANK, DECODE_RANK = 0, 1
 _STOP = -1
 
@@ -154,54 +155,6 @@ class ShippingCache:
         self.wait()
 
 
-def install_prefilled(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, first_token: int,
-                      kv: list[tuple[torch.Tensor, torch.Tensor]], arrival_time: float, first_token_time: float,
-                      generator_state: torch.Tensor | None = None) -> int | None:
-    """Adds a request whose prompt K/V were computed elsewhere, already decoding; returns its engine id. Chapter 12.
-
-    kv: per layer (k, v), each (1, n_kv_heads, P, head_dim), keys after RoPE. The blocks for the P prompt
-    positions are allocated from the engine's pool and filled, the first token is appended as the
-    request's first output, and the request joins the running batch: its next step is a decode.
-    Returns None, changing nothing, if the pool or the running batch has no room now (try again later).
-    """
-    num_tokens = len(prompt_ids)
-    cfg = engine.config
-    if len(kv) != cfg.n_layers:
-        raise ValueError(f"K/V for {len(kv)} layers, but the model has {cfg.n_layers}")
-    for k, v in kv:
-        expected = (1, cfg.n_kv_heads, num_tokens, cfg.head_dim)
-        if tuple(k.shape) != expected or tuple(v.shape) != expected:
-            raise ValueError(f"K/V of shape {tuple(k.shape)} and {tuple(v.shape)}; expected {expected} for a "
-                             f"{num_tokens}-token prompt")
-    bm, scheduler = engine.block_manager, engine.scheduler
-    if len(scheduler.running) >= scheduler.max_num_seqs or bm.blocks_needed(num_tokens + 1) > bm.num_free_blocks:
-        return None
-    request_id = engine.add_request(prompt_ids, params, arrival_time=arrival_time)   # every check of the engine
-    seq = scheduler.waiting.pop()
-    assert seq.request_id == request_id
-    if not bm.allocate(seq, num_tokens):                                  # pragma: no cover - checked above
-        scheduler.waiting.append(seq)
-        raise RuntimeError("the pool refused an allocation it had room for")
-    size = bm.block_size
-    positions = torch.arange(num_tokens)
-    table = torch.tensor(seq.block_table, dtype=torch.long)
-    slots = (table[positions // size] * size + positions % size).to(engine.cache.device)   # (P,)
-    for layer, (k, v) in enumerate(kv):
-        for pool, tensor in ((engine.cache.k[layer], k), (engine.cache.v[layer], v)):
-            flat = pool.view(-1, *pool.shape[2:])                         # (blocks · block_size, H_kv, D)
-            flat.index_copy_(0, slots, tensor[0].transpose(0, 1).to(flat.dtype))   # (P, H_kv, D)
-    seq.num_computed_tokens = num_tokens
-    seq.num_cached_tokens = 0
-    seq.status = SequenceStatus.RUNNING
-    seq.first_scheduled_time = first_token_time
-    if seq.generator is not None and generator_state is not None:
-        seq.generator.set_state(generator_state)
-    if seq.append_token(first_token, first_token_time):                   # pragma: no cover - router filters these
-        raise ValueError("a request that finished at its first token has nothing to decode")
-    scheduler.running.append(seq)
-    return request_id
-
-
 @dataclass
 class TransferRecord:
     """One request's K/V transfer: how many tokens and bytes, and how long each side took. Chapter 12."""
@@ -226,20 +179,6 @@ class TransferRecord:
 
 # --- the workers ------------------------------------------------------------------------------------------
 
-def _init_group(rank: int, port: int, timeout_s: float, threads: int | None) -> None:
-    import torch.distributed as dist
-
-    from ..parallel.plan import loopback_interface
-    if threads is not None:
-        torch.set_num_threads(threads)
-    interface = loopback_interface()
-    if interface:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(LOOPBACK, port, 2, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
-
-
 def _generator_state_size() -> int:
     return torch.Generator().get_state().numel()
 
@@ -252,7 +191,7 @@ def _prefill_worker(port: int, spec: ModelSpec, inbox, outbox, threads: int | No
     try:
         torch.set_grad_enabled(False)
         model = spec.build()
-        _init_group(PREFILL_RANK, port, timeout_s, threads)
+        join_group(PREFILL_RANK, 2, "gloo", port, timeout_s, threads)
         outbox.put(("ready", "prefill", os.getpid()))
         cfg = model.config
         while True:
@@ -314,18 +253,19 @@ def _receiver(cfg, dtype, arrived: queue_module.Queue) -> None:
 
 def _decode_worker(port: int, spec: ModelSpec, engine_kwargs: dict, inbox, outbox, threads: int | None,
                    timeout_s: float) -> None:
-    """K/V in (receiver thread), written into the pool between steps; an LLMEngine that only decodes."""
+    """K/V in (receiver thread), handed to the engine's add_prefilled between steps; an LLMEngine that only
+    decodes. What it sends the router: tokens, when each request joined the batch, and the engine's stats."""
     try:
         torch.set_grad_enabled(False)
         model = spec.build()
         engine = LLMEngine(model, **engine_kwargs)
-        _init_group(DECODE_RANK, port, timeout_s, threads)
+        join_group(DECODE_RANK, 2, "gloo", port, timeout_s, threads)
         arrived: queue_module.Queue = queue_module.Queue()
         receiver = threading.Thread(target=_receiver, args=(model.config, model.dtype, arrived), daemon=True)
         receiver.start()
-        outbox.put(("ready", "decode", os.getpid()))
+        outbox.put(("ready", "decode", os.getpid(), engine.stats))
         requests: dict[int, tuple] = {}          # router id -> (prompt, params, arrival, first token time)
-        ready: deque = deque()                   # transfers whose K/V are here, waiting for room
+        ready: deque = deque()                   # K/V that are here, waiting for room: (router id, kv, token, ...)
         to_router: dict[int, int] = {}           # engine id -> router id
         to_engine: dict[int, int] = {}
         aborted: set[int] = set()
@@ -337,10 +277,15 @@ def _decode_worker(port: int, spec: ModelSpec, engine_kwargs: dict, inbox, outbo
                 message = inbox.get(timeout=0.002) if block else inbox.get_nowait()
             except queue_module.Empty:
                 message = None
+            changed = False
             while message is not None:
                 if message[0] == "request":
                     _, router_id, prompt, params_fields, arrival, first_time = message
                     requests[router_id] = (prompt, SamplingParams(**params_fields), arrival, first_time)
+                elif message[0] == "prefilled":          # the router's own add_prefilled: K/V came with it
+                    _, router_id, prompt, params_fields, token, kv, arrival, first_time, state = message
+                    requests[router_id] = (prompt, SamplingParams(**params_fields), arrival, first_time)
+                    ready.append((router_id, kv, token, False, state, time.perf_counter()))
                 elif message[0] == "abort":
                     router_id = message[1]
                     aborted.add(router_id)
@@ -349,6 +294,8 @@ def _decode_worker(port: int, spec: ModelSpec, engine_kwargs: dict, inbox, outbo
                         to_router.pop(engine_id, None)
                         if engine.abort(engine_id):
                             engine.pop_output(engine_id)
+                        aborted.discard(router_id)
+                        changed = True
                 elif message[0] == "stop":
                     stopping = True
                 try:
@@ -375,7 +322,8 @@ def _decode_worker(port: int, spec: ModelSpec, engine_kwargs: dict, inbox, outbo
                 if router_id not in requests:
                     continue                       # the router's message is still on its way
                 prompt, params, arrival, first_time = requests[router_id]
-                engine_id = install_prefilled(engine, prompt, params, token, kv, arrival, first_time, state)
+                engine_id = engine.add_prefilled(prompt, params, token, kv, arrival_time=arrival,
+                                                 first_token_time=first_time, generator_state=state)
                 if engine_id is None:
                     break                          # no room now; first come, first served
                 ready.remove(item)
@@ -383,8 +331,8 @@ def _decode_worker(port: int, spec: ModelSpec, engine_kwargs: dict, inbox, outbo
                 to_router[engine_id] = router_id
                 to_engine[router_id] = engine_id
                 installed.append((router_id, recv_time, time.perf_counter()))
-            if installed:
-                outbox.put(("installed", installed))
+            if installed or changed:
+                outbox.put(("installed", installed, engine.stats))
             if engine.has_unfinished():
                 events = engine.step()
                 now = time.perf_counter()
@@ -393,15 +341,16 @@ def _decode_worker(port: int, spec: ModelSpec, engine_kwargs: dict, inbox, outbo
                     router_id = to_router.get(event.request_id)
                     if router_id is None:
                         continue
-                    tokens.append((router_id, event.token_id, event.finished))
+                    preemptions = None
                     if event.finished:
-                        engine.pop_output(event.request_id)
+                        preemptions = engine.pop_output(event.request_id).preemptions
                         del to_router[event.request_id]
                         del to_engine[router_id]
+                    tokens.append((router_id, event.token_id, event.finished, preemptions))
                 if tokens:
                     record = engine.trace[-1]
                     prefill_tokens = sum(n for _, kind, n in record.entries if kind == "prefill")
-                    outbox.put(("tokens", now, tokens, engine.stats.blocks_used,
+                    outbox.put(("tokens", now, tokens, engine.stats,
                                 (record.end_s - record.start_s, len(record.entries), prefill_tokens)))
             elif stopping and receiver_done and not ready:
                 break
@@ -425,16 +374,6 @@ def _leave(outbox) -> None:
 
 # --- the router -------------------------------------------------------------------------------------------
 
-@dataclass
-class _Tracked:
-    prompt: list[int]
-    params: SamplingParams
-    arrival: float
-    token_ids: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
 def _end_processes(processes, inboxes) -> None:
     for box in inboxes:
         try:
@@ -447,8 +386,11 @@ def _end_processes(processes, inboxes) -> None:
 class DisaggregatedEngine:
     """The router: prompts to the prefill worker, decodes on the decode worker, tokens merged back. Chapter 12.
 
-    It has the stepping interface of LLMEngine (add_request, step, has_unfinished, abort, pop_output,
-    generate, clock), so `llminfer.engine.workload.replay` drives it like a colocated engine.
+    It speaks the engine protocol (`llminfer.engine.protocol.Engine`: add_request, add_prefilled, step,
+    abort, has_unfinished, pop_output, stats, clock), so `llminfer.engine.workload.replay` drives it like a
+    colocated engine and the OpenAI server of chapter 11 fronts it. Each request is an engine `Sequence`
+    here too, so its RequestOutput is the engine's own. `stats` is an `EngineStats`: the decode worker's
+    pool and counters, with the queues as the router sees them (waiting: not yet decoding).
     """
 
     policy = "disaggregated"
@@ -473,9 +415,11 @@ class DisaggregatedEngine:
         self.trace: deque = deque()
         self.transfers: dict[int, TransferRecord] = {}
         self.decode_steps: list[tuple[float, float, int, int]] = []   # (end time, seconds, sequences, prompt tokens)
-        self.blocks_used = 0
-        self._tracked: dict[int, _Tracked] = {}
-        self._finished: dict[int, _Tracked] = {}
+        self._decode_stats: EngineStats | None = None      # the decode worker's, as of its latest message
+        self._prefill_tokens = 0                             # prompt positions the prefill worker ran
+        self._num_finished = 0
+        self._tracked: dict[int, Sequence] = {}
+        self._finished: dict[int, Sequence] = {}
         self._next_id = 0
         self._processes = []
         self._inboxes = []
@@ -486,18 +430,10 @@ class DisaggregatedEngine:
     # --- lifecycle -----------------------------------------------------------------------------------------
 
     def start(self) -> "DisaggregatedEngine":
-        import torch.distributed as dist
-
-        from ..parallel.plan import check_port
         if self.started:
             raise RuntimeError("this DisaggregatedEngine was already started; make a new one")
         context = process_context(self.start_method, preload=("llminfer.serve.disagg",))
-        sock = check_port(None)
-        port = sock.getsockname()[1]
-        self._store = dist.TCPStore(LOOPBACK, port, 2, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=self.timeout_s),
-                                    master_listen_fd=sock.fileno(), use_libuv=True)
-        sock.detach()
+        self._store, port = rendezvous_store(None, 2, self.timeout_s)
         self._outbox = context.Queue()
         prefill_in, decode_in = context.Queue(), context.Queue()
         self._inboxes = [prefill_in, decode_in]
@@ -529,6 +465,8 @@ class DisaggregatedEngine:
                 raise WorkerError(f"the {message[1]} worker failed while starting:\n{message[2]}")
             if message[0] == "ready":
                 ready.add(message[1])
+                if message[1] == "decode":
+                    self._decode_stats = message[3]
         return self
 
     def close(self) -> None:
@@ -549,8 +487,8 @@ class DisaggregatedEngine:
 
     # --- requests ------------------------------------------------------------------------------------------
 
-    def add_request(self, prompt_ids, params: SamplingParams | None = None, arrival_time: float | None = None) -> int:
-        """Queues one request at the prefill worker; returns its id."""
+    def _check(self, prompt_ids, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        """The request's prompt as a list of ids, and its params, checked (ValueError before anything is sent)."""
         if not self.started or not self._processes:
             raise RuntimeError("the workers are not running; call start() (or use `with DisaggregatedEngine(...)`)")
         params = params or SamplingParams()
@@ -565,40 +503,82 @@ class DisaggregatedEngine:
         if len(prompt) + params.max_new_tokens > self.max_model_len:
             raise ValueError(f"a prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} exceeds "
                              f"max_model_len={self.max_model_len}; shorten the request")
+        return prompt, params
+
+    def _track(self, prompt: list[int], params: SamplingParams, arrival_time: float | None) -> Sequence:
         request_id = self._next_id
         self._next_id += 1
         arrival = self.clock() if arrival_time is None else float(arrival_time)
-        self._tracked[request_id] = _Tracked(prompt, params, arrival)
-        self._prefill_in.put(("prefill", request_id, prompt, asdict(params)))
-        return request_id
+        seq = Sequence(request_id, prompt, params, arrival)
+        self._tracked[request_id] = seq
+        return seq
+
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, arrival_time: float | None = None) -> int:
+        """Queues one request at the prefill worker; returns its id."""
+        prompt, params = self._check(prompt_ids, params)
+        seq = self._track(prompt, params, arrival_time)
+        self._prefill_in.put(("prefill", seq.request_id, prompt, asdict(params)))
+        return seq.request_id
+
+    def add_prefilled(self, prompt_ids, params: SamplingParams | None, first_token: int,
+                      kv: list[tuple[torch.Tensor, torch.Tensor]], arrival_time: float | None = None,
+                      first_token_time: float | None = None, generator_state: torch.Tensor | None = None) -> int:
+        """Sends a request prefilled elsewhere straight to the decode worker; returns its id. Chapter 12.
+
+        kv: per layer (k, v), each (1, n_kv_heads, P, head_dim). The decode worker installs it with its
+        engine's add_prefilled as soon as its pool has room (it waits there, in order), so this never
+        returns None."""
+        prompt, params = self._check(prompt_ids, params)
+        cfg = self.config
+        if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < cfg.vocab_size:
+            raise ValueError(f"first_token={first_token!r} is not a token id of this model (0..{cfg.vocab_size - 1})")
+        if (params.eos_token_id is not None and first_token == params.eos_token_id) or params.max_new_tokens == 1:
+            raise ValueError("the request finished at its first token (eos, or max_new_tokens=1), so it has nothing "
+                             "to decode; take its output where it was prefilled")
+        expected = (1, cfg.n_kv_heads, len(prompt), cfg.head_dim)
+        if len(kv) != cfg.n_layers or any(len(pair) != 2 or any(tuple(t.shape) != expected for t in pair)
+                                          for pair in kv):
+            raise ValueError(f"kv must hold {cfg.n_layers} (k, v) pairs, each of shape {expected} (1, n_kv_heads, "
+                             f"positions, head_dim) for a {len(prompt)}-token prompt")
+        seq = self._track(prompt, params, arrival_time)
+        first_time = self.clock() if first_token_time is None else float(first_token_time)
+        seq.first_scheduled_time = first_time
+        seq.append_token(first_token, first_time)
+        payload = [(k.detach().to("cpu").contiguous(), v.detach().to("cpu").contiguous()) for k, v in kv]
+        self._decode_in.put(("prefilled", seq.request_id, prompt, asdict(params), first_token, payload,
+                             seq.arrival_time, first_time, generator_state))
+        return seq.request_id
 
     def has_unfinished(self) -> bool:
         return bool(self._tracked)
 
     def abort(self, request_id: int) -> bool:
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is None:
+        """Stops a request (the decode worker frees its blocks); True if it was unfinished, False if finished."""
+        if isinstance(request_id, bool) or not isinstance(request_id, int) or not 0 <= request_id < self._next_id:
+            raise ValueError(f"unknown request id {request_id!r}: this engine has issued ids 0..{self._next_id - 1}"
+                             if self._next_id else f"unknown request id {request_id!r}: no request has been added")
+        seq = self._tracked.pop(request_id, None)
+        if seq is None:
             return False
-        tracked.finish_reason = "abort"
-        self._finished[request_id] = tracked
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        self._finish(seq)
         self._decode_in.put(("abort", request_id))
         return True
 
-    def _record(self, request_id: int, tokens_and_times, finished: bool, reason: str | None, events: list) -> None:
-        tracked = self._tracked.get(request_id)
-        if tracked is None:
-            return
-        for token, when in tokens_and_times:
-            tracked.token_ids.append(token)
-            tracked.token_times.append(when)
-        if finished:
-            if reason is None:
-                eos = tracked.params.eos_token_id
-                reason = "stop" if eos is not None and tracked.token_ids[-1] == eos else "length"
-            tracked.finish_reason = reason
-            self._finished[request_id] = self._tracked.pop(request_id)
-        for token, _ in tokens_and_times:
-            events.append(StepOutput(request_id, token, finished))
+    def _finish(self, seq: Sequence) -> None:
+        self._finished[seq.request_id] = seq
+        self._num_finished += 1
+
+    def _record(self, request_id: int, token: int, when: float, finished: bool, events: list) -> None:
+        seq = self._tracked.get(request_id)
+        if seq is None:
+            return                                  # aborted meanwhile
+        done = seq.append_token(token, when)
+        if done != finished:                        # pragma: no cover - the workers decide as the engine does
+            raise WorkerError(f"request {request_id}: the worker says finished={finished}, its sequence {done}")
+        if done:
+            self._finish(self._tracked.pop(request_id))
+        events.append(StepOutput(request_id, token, done))
 
     def step(self, timeout_s: float = 0.002) -> list[StepOutput]:
         """Takes what the workers have sent (waiting up to timeout_s for the first message); returns new tokens."""
@@ -617,22 +597,31 @@ class DisaggregatedEngine:
             if kind == "first":
                 _, request_id, token, first_time, finished, (n_tokens, nbytes, start, end, sent) = message
                 self.transfers[request_id] = TransferRecord(request_id, n_tokens, nbytes, start, end, sent)
-                tracked = self._tracked.get(request_id)
-                if tracked is not None and not finished:
-                    self._decode_in.put(("request", request_id, tracked.prompt, asdict(tracked.params),
-                                         tracked.arrival, first_time))
-                self._record(request_id, [(token, first_time)], finished, None, events)
+                self._prefill_tokens += n_tokens
+                seq = self._tracked.get(request_id)
+                if seq is not None:
+                    seq.first_scheduled_time = start
+                    if not finished:
+                        self._decode_in.put(("request", request_id, seq.prompt_token_ids, asdict(seq.params),
+                                             seq.arrival_time, first_time))
+                self._record(request_id, token, first_time, finished, events)
             elif kind == "installed":
-                for request_id, recv_time, install_time in message[1]:
+                _, installed, self._decode_stats = message
+                for request_id, recv_time, install_time in installed:
                     record = self.transfers.get(request_id)
                     if record is not None:
                         record.recv_done_s, record.installed_s = recv_time, install_time
+                    seq = self._tracked.get(request_id)
+                    if seq is not None:
+                        seq.status = SequenceStatus.RUNNING
             elif kind == "tokens":
-                _, when, tokens, blocks_used, (step_s, n_seqs, prefill_tokens) = message
-                self.blocks_used = blocks_used
+                _, when, tokens, self._decode_stats, (step_s, n_seqs, prefill_tokens) = message
                 self.decode_steps.append((when, step_s, n_seqs, prefill_tokens))
-                for request_id, token, finished in tokens:
-                    self._record(request_id, [(token, when)], finished, None, events)
+                for request_id, token, finished, preemptions in tokens:
+                    seq = self._tracked.get(request_id)
+                    if seq is not None and preemptions is not None:
+                        seq.preemptions = preemptions
+                    self._record(request_id, token, when, finished, events)
             try:
                 message = self._outbox.get_nowait()
             except queue_module.Empty:
@@ -641,15 +630,10 @@ class DisaggregatedEngine:
 
     def pop_output(self, request_id: int) -> RequestOutput:
         """The finished request's RequestOutput (times from its arrival, on the shared monotonic clock)."""
-        tracked = self._finished.pop(request_id, None)
-        if tracked is None:
+        seq = self._finished.pop(request_id, None)
+        if seq is None:
             raise ValueError(f"request {request_id!r} has no finished output (unknown, running, or already popped)")
-        stamps = tracked.token_times
-        return RequestOutput(
-            token_ids=list(tracked.token_ids), ttft_s=stamps[0] - tracked.arrival if stamps else 0.0,
-            itl_s=[b - a for a, b in zip(stamps, stamps[1:])], e2e_s=stamps[-1] - tracked.arrival if stamps else 0.0,
-            num_prompt_tokens=len(tracked.prompt), use_cache=True, request_id=request_id,
-            prompt_token_ids=list(tracked.prompt), finish_reason=tracked.finish_reason)
+        return seq.output()
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  timeout_s: float | None = None) -> list[RequestOutput]:
@@ -666,8 +650,21 @@ class DisaggregatedEngine:
         return [self.pop_output(i) for i in ids]
 
     @property
-    def stats(self):
-        return None
+    def stats(self) -> EngineStats:
+        """The decode worker's pool and counters (as of its latest message), with the router's queues:
+        waiting = at the prefill worker or in transfer, running = decoding; tokens_computed counts both workers."""
+        waiting = sum(1 for seq in self._tracked.values() if seq.status is SequenceStatus.WAITING)
+        decode = self._decode_stats
+        if decode is None:                          # not started yet: an empty pool of the size asked for
+            kwargs = self.decode_engine_kwargs
+            decode = EngineStats(steps=0, num_blocks=kwargs.get("num_blocks") or 0,
+                                 block_size=kwargs.get("block_size", 16), blocks_used=0,
+                                 blocks_free=kwargs.get("num_blocks") or 0, blocks_cached_free=0, kv_pool_bytes=0,
+                                 num_waiting=0, num_running=0, num_finished=0, preemptions=0, prefix_hit_tokens=0,
+                                 prefix_query_tokens=0, tokens_computed=0, evictions=0)
+        return dataclasses.replace(decode, num_waiting=waiting, num_running=len(self._tracked) - waiting,
+                                   num_finished=self._num_finished,
+                                   tokens_computed=self._prefill_tokens + decode.tokens_computed)
 
     def __repr__(self) -> str:
         return (f"DisaggregatedEngine(prefill worker: 1 process × {self.prefill_threads} thread(s), decode worker: "

@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from ..engine import LLMEngine, SamplingParams
+from ..engine import Engine, LLMEngine, SamplingParams
 from .async_engine import EngineLoop, EngineUnavailable, QueueFull, RequestHandle, Update
 from .chat import ChatTemplate, load_chat_template
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -94,18 +94,22 @@ class OpenAIServer:
     """The state behind the routes: engine loop, tokenizer, chat template, metrics. Chapter 11."""
 
     def __init__(self, model, tokenizer, config: ServeConfig | None = None, chat_template: ChatTemplate | None = None,
-                 engine: LLMEngine | None = None, model_folder: str | Path | None = None):
+                 engine: Engine | None = None, model_folder: str | Path | None = None, close_engine: bool = False):
+        """The server's state; engine: any engine protocol implementation (default: an LLMEngine on model)."""
         self.config = config or ServeConfig()
+        if engine is None and model is None:
+            raise ValueError("OpenAIServer needs a model (to build an LLMEngine on) or an engine; got neither")
         self.model = model
         self.tokenizer = tokenizer
         self.engine = engine if engine is not None else LLMEngine(model, **self.config.engine_kwargs)
+        self.close_engine = close_engine       # the server owns it (the disaggregated pair): close it at stop
         self.chat_template = chat_template or load_chat_template(model_folder)
         self.loop = EngineLoop(self.engine, self.config.max_queued_requests)
         self.metrics = ServerMetrics(self.loop)
         self.loop.on_step = self.metrics.on_step
         self.loop.on_finish = self.metrics.on_finish
         self.max_model_len = self.engine.max_model_len
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size = self.engine.config.vocab_size
         self.created = now_s()
         self.clock = self.engine.clock
 
@@ -116,7 +120,11 @@ class OpenAIServer:
             self.loop.start()
 
     def stop(self) -> None:
-        self.loop.stop(drain_timeout_s=self.config.drain_timeout_s)
+        try:
+            self.loop.stop(drain_timeout_s=self.config.drain_timeout_s)
+        finally:
+            if self.close_engine:
+                self.engine.close()
 
     # --- request checks ----------------------------------------------------------------------------------
 
