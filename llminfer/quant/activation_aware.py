@@ -45,7 +45,7 @@ def weight_only_error(inputs: torch.Tensor, weight: torch.Tensor, bits: int, gro
                       input_scale: torch.Tensor | None = None) -> float:
     """Relative error ‖x·Wᵀ − (x/s)·Q(W·s)ᵀ‖ / ‖x·Wᵀ‖ of a weight-only quantized layer. Chapter 08."""
     w = weight.detach().float()
-    s = torch.ones(w.shape[1]) if input_scale is None else input_scale.float()
+    s = torch.ones(w.shape[1], device=w.device) if input_scale is None else input_scale.float().to(w.device)
     granularity = "channel" if group_size is None else "group"
     q = dequantize(quantize_tensor(w * s, bits, granularity, group_size))
     exact = inputs @ w.T
@@ -75,7 +75,7 @@ def smoothquant_error(inputs: torch.Tensor, weight: torch.Tensor, alpha: float |
     after SmoothQuant's migration with strength alpha (None: no migration). Chapter 08."""
     w = weight.detach().float()
     if alpha is None:
-        s = torch.ones(w.shape[1])
+        s = torch.ones(w.shape[1], device=w.device)
     else:
         s = (inputs.abs().amax(0).clamp(min=1e-6).pow(alpha) / w.abs().amax(0).clamp(min=1e-6).pow(1 - alpha))
     q_w = dequantize(quantize_tensor(w * s, 8, "channel"))

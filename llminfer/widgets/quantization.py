@@ -73,7 +73,7 @@ def draw(run: QuantizationRun):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3))
-    ax.hist(run.error_in_steps.numpy(), bins=60, color="tab:blue")
+    ax.hist(run.error_in_steps.cpu().numpy(), bins=60, color="tab:blue")
     ax.axvline(-0.5, color="tab:red", linestyle="--", label="± half a step")
     ax.axvline(0.5, color="tab:red", linestyle="--")
     group = "per channel" if run.group_size is None else f"groups of {run.group_size}"
