@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["attention", "fast_attention", "causal_mask", "repeat_kv", "softmax",
-           "AttentionBackend", "register_backend", "get_backend", "backends"]
+           "AttentionBackend", "Registry", "register_backend", "get_backend", "backends"]
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -117,29 +117,53 @@ def _explicit_backend(q, k, v, causal=True, mask=None, scale=None):
     return attention(q, k, v, causal=causal, scale=scale, mask=mask)[0]
 
 
-_BACKENDS: dict[str, Callable] = {"explicit": _explicit_backend, "sdpa": fast_attention}
+class Registry:
+    """Callables by name, refusing a second one under a taken name: the attention backends here and the
+    paged-attention kernels (engine/paged_attention.py). Chapter 07."""
+
+    def __init__(self, what: str, entries: dict[str, Callable], hint: str = ""):
+        self.what = what                       # e.g. "attention backend", used in every message
+        self.hint = hint                       # appended to the unknown-name error
+        self._entries = dict(entries)
+
+    def register(self, name: str, fn: Callable, replace: bool = False) -> None:
+        """Makes fn selectable as `name`; a different fn under a taken name needs replace=True."""
+        article = "an" if self.what[0] in "aeiou" else "a"
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{article} {self.what} needs a non-empty string name, got {name!r}")
+        if not callable(fn):
+            raise ValueError(f"{self.what} {name!r} must be callable, got {type(fn).__name__}")
+        if name in self._entries and not replace and self._entries[name] is not fn:
+            raise ValueError(f"{article} {self.what} called {name!r} is already registered; "
+                             "pass replace=True to swap it")
+        self._entries[name] = fn
+
+    def get(self, name: str) -> Callable:
+        """Returns the callable registered as `name`, or a ValueError listing the registered names."""
+        if name not in self._entries:
+            hint = f". {self.hint}" if self.hint else ""
+            raise ValueError(f"unknown {self.what} {name!r}; registered: {', '.join(self.names())}{hint}")
+        return self._entries[name]
+
+    def names(self) -> list[str]:
+        """Returns the registered names, sorted."""
+        return sorted(self._entries)
+
+
+_BACKENDS = Registry("attention backend", {"explicit": _explicit_backend, "sdpa": fast_attention},
+                     hint="Import the module that registers it first (e.g. llminfer.kernels for 'flash')")
 
 
 def register_backend(name: str, fn: Callable, replace: bool = False) -> None:
     """Makes `fn` (an AttentionBackend) selectable as attn_backend=name. Chapter 07."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"an attention backend needs a non-empty string name, got {name!r}")
-    if not callable(fn):
-        raise ValueError(f"attention backend {name!r} must be callable, got {type(fn).__name__}")
-    if name in _BACKENDS and not replace and _BACKENDS[name] is not fn:
-        raise ValueError(f"an attention backend called {name!r} is already registered; "
-                         "pass replace=True to swap it")
-    _BACKENDS[name] = fn
+    _BACKENDS.register(name, fn, replace)
 
 
 def get_backend(name: str) -> Callable:
     """Returns the attention backend registered as `name` ('explicit', 'sdpa', ...). Chapter 02."""
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; registered: {', '.join(sorted(_BACKENDS))}. "
-                         "Import the module that registers it first (e.g. llminfer.kernels for 'flash')")
-    return _BACKENDS[name]
+    return _BACKENDS.get(name)
 
 
 def backends() -> list[str]:
     """Returns the names of the registered attention backends."""
-    return sorted(_BACKENDS)
+    return _BACKENDS.names()

@@ -7,16 +7,23 @@
     check_fits(nbytes, device, what)    the one memory guard: MemoryError before anything is allocated
     huge_page_empty(shape, dtype)       CPU memory on 2 MiB pages (what decode's weights and bandwidth probe use)
     on_huge_pages(tensor)               whether a tensor lies in such memory
+    cpu_capabilities()                  the CPU's name, flags, ISA level and core counts (read once)
+    parse_cpuinfo(text)                 the same from the text of a /proc/cpuinfo
 """
 from __future__ import annotations
 
+import functools
 import mmap
+import os
+import platform
 import weakref
+from dataclasses import dataclass
 
 import torch
 
 __all__ = ["as_device", "resolve_device", "synchronize", "dtype_bytes", "free_memory_bytes", "check_fits",
-           "huge_page_empty", "on_huge_pages", "UNKNOWN_FREE_BYTES"]
+           "huge_page_empty", "on_huge_pages", "UNKNOWN_FREE_BYTES", "CpuCapabilities", "ISA_LEVELS",
+           "parse_cpuinfo", "cpu_capabilities"]
 
 UNKNOWN_FREE_BYTES = 1 << 62   # what free_memory_bytes returns when it cannot tell: never refuse on a guess
 
@@ -124,3 +131,84 @@ def huge_page_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = to
 def on_huge_pages(tensor: torch.Tensor) -> bool:
     """Whether tensor lies in a block that `huge_page_empty` made (`llminfer.fast.use_huge_pages` too). Chapter 08."""
     return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in _ARENAS
+
+
+# The CPU's vector instruction sets, lowest first, with the flags (as /proc/cpuinfo names them) each needs.
+# A level needs its own flags and AVX2 + FMA: what the native kernels' vector loops use. Chapter 08.
+ISA_LEVELS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("portable", frozenset()),
+    ("avx2", frozenset({"avx2", "fma"})),
+    ("avx512", frozenset({"avx2", "fma", "avx512f"})),
+    ("avx512_vnni", frozenset({"avx2", "fma", "avx512f", "avx512_vnni"})),         # int8 dot products
+    ("avx512_bf16", frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})),         # bfloat16 dot products
+    ("amx", frozenset({"avx2", "fma", "avx512f", "amx_tile", "amx_bf16"})),       # tile matrix units
+)
+# The flags a report names: what decides which kernel runs fastest here.
+_REPORTED_PREFIXES = ("avx", "fma", "f16c", "amx")
+
+
+@dataclass(frozen=True)
+class CpuCapabilities:
+    """The CPU's name, feature flags and core counts; `isa_level` names its vector class. Chapter 08."""
+
+    model: str                   # e.g. "AMD EPYC 9R14 96-Core Processor"
+    flags: frozenset[str]        # as /proc/cpuinfo lists them: "avx2", "avx512f", "avx512_bf16", "amx_tile", ...
+    logical_cpus: int            # processors the OS lists (hyperthreads count)
+    physical_cores: int          # distinct (socket, core) pairs; logical_cpus where the file does not say
+
+    @property
+    def isa_level(self) -> str:
+        """Returns the highest of ISA_LEVELS whose flags this CPU has ('portable' without AVX2 and FMA)."""
+        return [name for name, needed in ISA_LEVELS if needed <= self.flags][-1]
+
+    @property
+    def bfloat16_in_hardware(self) -> bool:
+        """Whether the CPU multiplies bfloat16 itself (AVX512-BF16 or AMX), which torch's bfloat16 matmul uses."""
+        return not self.flags.isdisjoint({"avx512_bf16", "amx_bf16"})
+
+    def vector_flags(self) -> list[str]:
+        """Returns the sorted flags a report names: AVX*, FMA, F16C and AMX."""
+        return sorted(f for f in self.flags if f.startswith(_REPORTED_PREFIXES))
+
+    def as_dict(self) -> dict:
+        """Returns the JSON a report stores: model, ISA level, core counts and the vector flags."""
+        return {"model": self.model, "isa_level": self.isa_level, "logical_cpus": self.logical_cpus,
+                "physical_cores": self.physical_cores, "vector_flags": self.vector_flags()}
+
+
+def parse_cpuinfo(text: str, fallback_model: str = "unknown", fallback_cpus: int = 1) -> CpuCapabilities:
+    """Returns the CpuCapabilities that the text of a Linux /proc/cpuinfo describes; a file without x86 fields
+    (an ARM's, or none) gives fallback_model, no flags and fallback_cpus. Chapter 08."""
+    model, flags, processors, cores = "", None, 0, set()
+    physical_id = None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key, value = key.strip(), value.strip()
+        if key == "processor":
+            processors += 1
+        elif key == "model name" and not model:
+            model = value
+        elif key == "flags" and flags is None:
+            flags = frozenset(value.split())
+        elif key == "physical id":
+            physical_id = value
+        elif key == "core id":
+            cores.add((physical_id, value))
+    logical = processors or fallback_cpus
+    return CpuCapabilities(model=model or fallback_model, flags=flags or frozenset(), logical_cpus=logical,
+                           physical_cores=len(cores) or logical)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_capabilities() -> CpuCapabilities:
+    """Returns this machine's CpuCapabilities, read once from /proc/cpuinfo (the platform's names elsewhere). The
+    one CPU-capabilities reader: kernels, benchmarks and chapters ask it. Chapter 08."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            text = cpuinfo.read()
+    except OSError:
+        text = ""
+    return parse_cpuinfo(text, fallback_model=platform.processor() or platform.machine() or "unknown",
+                         fallback_cpus=os.cpu_count() or 1)

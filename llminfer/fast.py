@@ -45,7 +45,7 @@ from .model import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, apply_ro
 from .quant.linear import QuantizedLinear
 
 __all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "NativeDecoderLayer",
-           "NativeDecoderStack", "use_native_kernels", "use_huge_pages", "on_huge_pages", "huge_page_empty",
+           "NativeDecoderStack", "use_native_kernels", "use_huge_pages",
            "uses_native_kernels", "optimize_decode", "FastDecoder", "compile_decode", "COMPILE_OPTIONS"]
 
 # inductor settings of the compiled step: weights frozen as constants (prepacked for the matmul kernels),

@@ -21,7 +21,7 @@ from . import costs
 from .config import ModelConfig
 from .device import check_fits, dtype_bytes
 
-__all__ = ["Cache", "KVCache", "kv_cache_bytes", "dtype_bytes"]
+__all__ = ["Cache", "KVCache", "kv_cache_bytes"]
 
 
 def kv_cache_bytes(config: ModelConfig, seq_len: int, batch_size: int = 1, dtype: torch.dtype = torch.float16) -> int:

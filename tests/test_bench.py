@@ -80,8 +80,14 @@ def test_report_holds_every_contender_and_the_scaling(quick_report):
     assert _positive(report["ratios"]["cache_vs_no_cache"]["paired_median"])
     assert [row["context_len"] for row in report["scaling"]] == [16, 32]
     for row in report["scaling"]:
-        assert row["flop_speedup"] >= row["roofline_speedup"] >= 1
+        # on any machine the roofline sits between the two pure limits: recomputing reads at least the weights
+        # (bytes_recompute / bytes_cached, just under 1) and costs at most its extra FLOPs (flop_speedup)
+        lowest = row["bytes_recompute"] / row["bytes_cached"] * (1 - 1e-9)          # equal when both read-bound
+        assert lowest <= row["roofline_speedup"] <= row["flop_speedup"] * (1 + 1e-9)     # equal when compute-bound
+        assert row["bytes_recompute"] < row["bytes_cached"] and row["flops_recompute"] > row["flops_cached"]
         assert row["speedup"] == pytest.approx(row["recompute_s"] / row["cached_s"])
+    short, longer = report["scaling"]
+    assert 1 < short["flop_speedup"] < longer["flop_speedup"]     # recompute's extra work grows with context
     assert [t["target"] for t in report["targets"]] == [1.2, 0.8, 0.7]
     assert [t["met"] is None for t in report["targets"]] == [True, False, False]   # no transformers: no ratio
 
@@ -179,6 +185,30 @@ def test_paired_ratio_and_roofline():
     rows = [{"flops_cached": 10.0, "bytes_cached": 100.0, "flops_recompute": 1000.0, "bytes_recompute": 100.0}]
     figures.add_roofline(rows, matmul_rate=10.0, bandwidth=100.0)     # cached: 1 s of bytes; recompute: 100 s of FLOPs
     assert rows[0]["roofline_speedup"] == 100.0
+
+
+def _scaling_rows(cfg, contexts, elem):
+    return [{"context_len": n, "flops_cached": llminfer.costs.decode_step_flops(cfg, cached_len=n),
+             "flops_recompute": llminfer.costs.forward_flops(cfg, n + 1, 0, logits_positions=1),
+             "bytes_cached": llminfer.costs.decode_step_bytes(cfg, cached_len=n, dtype_bytes=elem),
+             "bytes_recompute": llminfer.costs.weight_bytes(cfg, elem)} for n in contexts]
+
+
+@pytest.mark.parametrize("flops_per_byte", [1, 8, 30, 100, 300])    # an old CPU up to a GPU's matmul/bandwidth
+@pytest.mark.parametrize("elem", [4, 2])
+def test_the_roofline_says_the_cache_pays_at_long_context_on_any_machine(flops_per_byte, elem):
+    cfg = llminfer.get_preset("smollm2-135m")
+    rows = _scaling_rows(cfg, [16, 32, 128, 512, 2048], elem)
+    figures.add_roofline(rows, matmul_rate=flops_per_byte * 1e9, bandwidth=1e9)
+    for row in rows:
+        lowest = row["bytes_recompute"] / row["bytes_cached"] * (1 - 1e-9)          # equal when both read-bound
+        assert lowest <= row["roofline_speedup"] <= row["flops_recompute"] / row["flops_cached"] * (1 + 1e-9)
+    # a short recompute costs about one weight read, like a cached step: on a machine with a high matmul rate
+    # against its bandwidth the roofline puts it at 0.99 (no gain), never far below 1
+    assert rows[0]["roofline_speedup"] > 0.98
+    if flops_per_byte * elem > 2 * 17:     # 2 FLOPs a weight per position take less time than reading the weight
+        assert rows[0]["roofline_speedup"] < 1.01
+    assert rows[-1]["roofline_speedup"] > 3            # at 2048 positions recomputing costs several cached steps
 
 
 def test_the_transformers_contender_returns_a_generation_result():

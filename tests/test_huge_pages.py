@@ -1,18 +1,24 @@
-"""llminfer.fast.use_huge_pages: a model's weights moved into one huge-page-backed block, unchanged."""
+"""llminfer.fast.use_huge_pages: a model's weights moved into one huge-page-backed block (llminfer.device's),
+unchanged."""
 from __future__ import annotations
 
 import copy
+import mmap
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 import llminfer
 from llminfer import fast
+from llminfer.device import on_huge_pages
 
 from small_models import SMALL_CONFIGS, random_model
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+MADVISE = hasattr(mmap, "MADV_HUGEPAGE")          # Linux: memory can be asked for on huge pages
+NOT_LINUX = "no madvise(MADV_HUGEPAGE) on this platform: nothing moves onto huge pages"
 
 
 def _huge_kib_around(address: int) -> int:
@@ -33,10 +39,10 @@ def test_weights_move_with_their_values_ties_and_names():
     ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     params = {name: p for name, p in model.named_parameters()}
     fast.use_huge_pages(model, min_bytes=0)
-    if not hasattr(__import__("mmap"), "MADV_HUGEPAGE"):          # not Linux: nothing moves
-        assert not any(fast.on_huge_pages(p) for p in model.parameters())
-        return
-    assert all(fast.on_huge_pages(p) for p in model.parameters())
+    if not MADVISE:
+        assert not any(on_huge_pages(p) for p in model.parameters())
+        pytest.skip(NOT_LINUX + " (checked); the rest of this test needs it")
+    assert all(on_huge_pages(p) for p in model.parameters())
     assert {name: p for name, p in model.named_parameters()} == params          # the same Parameter objects
     assert model.lm_head.weight is model.embed_tokens.weight                    # still tied
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
@@ -65,9 +71,9 @@ def test_quantized_codes_move_and_small_models_stay_by_default():
     fast.use_huge_pages(model)                        # below the default 8 MiB: left where it is
     assert [p.data_ptr() for p in model.parameters()] == before
     fast.use_huge_pages(model, min_bytes=0)
-    if hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
+    if MADVISE:
         codes = [m.qweight for m in model.modules() if isinstance(m, llminfer.quant.QuantizedLinear)]
-        assert codes and all(fast.on_huge_pages(c) for c in codes)
+        assert codes and all(on_huge_pages(c) for c in codes)
 
 
 def test_the_kernel_backs_a_large_model_with_huge_pages():
@@ -78,10 +84,10 @@ def test_the_kernel_backs_a_large_model_with_huge_pages():
     fast.use_native_kernels(model)                                              # moves it (huge_pages=True)
     weight = model.embed_tokens.weight
     mode = THP.read_text() if THP.exists() else "[never]"
-    if "[never]" in mode or not hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
-        assert not fast.on_huge_pages(weight) or _huge_kib_around(weight.data_ptr()) == 0
-        return
-    assert fast.on_huge_pages(weight)
+    if "[never]" in mode or not MADVISE:
+        assert not on_huge_pages(weight) or _huge_kib_around(weight.data_ptr()) == 0
+        pytest.skip(f"transparent huge pages are {mode.strip()} here, or {NOT_LINUX}: no 2 MiB pages to find")
+    assert on_huge_pages(weight)
     assert _huge_kib_around(weight.data_ptr()) >= 2048, mode
 
 
@@ -95,9 +101,9 @@ def test_tensors_that_share_memory_keep_sharing_it():
     half.data = torch.cat([half.data, half.data])[: half.shape[0]]            # a view of a larger block
     fast.use_huge_pages(model, min_bytes=0)
     assert mlp.up_proj.weight.data_ptr() == mlp.gate_proj.weight.data_ptr()
-    assert not fast.on_huge_pages(mlp.up_proj.weight) and not fast.on_huge_pages(half)
-    if hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
-        assert fast.on_huge_pages(model.layers[1].self_attn.k_proj.weight)   # the rest moved
+    assert not on_huge_pages(mlp.up_proj.weight) and not on_huge_pages(half)
+    if MADVISE:
+        assert on_huge_pages(model.layers[1].self_attn.k_proj.weight)   # the rest moved
 
 
 def test_the_record_of_a_block_goes_with_it():
@@ -105,8 +111,8 @@ def test_the_record_of_a_block_goes_with_it():
     fast.use_huge_pages(model, min_bytes=0)
     weight = model.layers[0].mlp.down_proj.weight
     start = weight.untyped_storage().data_ptr()
-    if not fast.on_huge_pages(weight):
-        return                                                              # not Linux: nothing was moved
+    if not on_huge_pages(weight):
+        pytest.skip(NOT_LINUX)
     del model, weight
     import gc
     gc.collect()

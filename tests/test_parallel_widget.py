@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from llminfer.parallel import cost_model, widget
+from llminfer.parallel import cost_model
+from llminfer.widgets import parallel as widget
 
 
 def test_projection_is_the_cost_model():

@@ -415,8 +415,8 @@ def test_shutdown_past_the_drain_timeout_ends_streams_cleanly(bundled):
 
 def test_metrics_poller_records_series(server):
     from llminfer.serve.metrics import MetricsPoller, parse_metrics
-    with MetricsPoller(server[0].url, interval_s=0.02) as poller:
-        time.sleep(0.2)
+    with MetricsPoller(server[0].url, interval_s=0.02) as poller:          # waits for 3 scrapes, not for a time
+        assert wait_until(lambda: len(poller.series("llminfer_engine_steps_total")[0]) >= 3, timeout_s=30)
     times, steps = poller.series("llminfer_engine_steps_total")
     assert len(times) >= 3 and times == sorted(times) and poller.errors == 0
     assert steps[0] == parse_metrics(httpx.get(server[0].url + "/metrics").text)["llminfer_engine_steps_total"]

@@ -4,6 +4,8 @@
     figures     MFU, MBU, ratios and the roofline, as pure functions of timings
     report      the machine, the JSON, the terminal table and the plot
     transformers_contender   transformers `generate` on the same weights, as a GenerationResult
+    decode      `python -m llminfer.bench.decode`: decode by precision against the bandwidth ceiling (chapter 08)
+    engine      `python -m llminfer.bench.engine`: batching, chunked prefill, prefix caching (chapters 05-06)
 """
 from .measure import Settings, check_settings, estimate_bytes, main, parse_args, run, shape_config
 

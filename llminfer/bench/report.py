@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..device import free_memory_bytes
+from ..device import cpu_capabilities, free_memory_bytes
 from .figures import paired_ratio, utilisation
 
 __all__ = ["load_average", "machine", "device_slug", "assemble", "table", "plot", "write", "TARGETS"]
@@ -40,17 +40,6 @@ def load_average() -> list[float] | None:
         return None
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine(device: torch.device) -> dict:
     """Returns a description of the machine: processor or GPU, cores, memory, versions."""
     try:
@@ -58,7 +47,10 @@ def machine(device: torch.device) -> dict:
         transformers_version = transformers.__version__
     except ImportError:
         transformers_version = None
-    info = {"cpu": _cpu_model(), "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    cpu = cpu_capabilities()
+    info = {"cpu": cpu.model, "cpu_isa": cpu.isa_level, "cpu_vector_flags": cpu.vector_flags(),
+            "cpu_cores": os.cpu_count(), "cpu_physical_cores": cpu.physical_cores,
+            "torch_threads": torch.get_num_threads(),
             "memory_available_gib": round(free_memory_bytes("cpu") / 2**30, 1), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers_version,
             "llminfer": __version__, "device": str(device)}
@@ -70,7 +62,7 @@ def machine(device: torch.device) -> dict:
 
 def device_slug(device: torch.device) -> str:
     """Returns the file name stem for device: e.g. 'nvidia-h200', or 'cpu-amd-epyc'."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu " + _cpu_model()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu " + cpu_capabilities().model
     name = re.sub(r"\(r\)|\(tm\)|processor|\d+-core|cpu @.*", "", name.lower())
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-").replace("cpu-cpu", "cpu")
 

@@ -50,14 +50,6 @@ class AttentionMetadata:
         """Positions each sequence holds after this step: context + new tokens."""
         return [c + q for c, q in zip(self.context_lens, self.query_lens)]
 
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(q for q in self.query_lens if q > 1)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(1 for q in self.query_lens if q == 1)
-
     def check(self) -> None:
         """Raises ValueError if the lists disagree or a block table is too short for its positions."""
         n = len(self.query_lens)

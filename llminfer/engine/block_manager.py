@@ -155,10 +155,6 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[Block] = ()) -> bool:
-        """True if the pool can give seq room for num_new_tokens more positions (after computed_blocks)."""
-        return self._new_blocks_needed(seq, num_new_tokens, computed_blocks) <= self._free_after_touch(computed_blocks)
-
     def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int, computed_blocks) -> int:
         held = len(seq.block_table) + len(computed_blocks)
         start = seq.num_computed_tokens + len(computed_blocks) * self.block_size

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from ..attention import Registry
 from .attention_metadata import AttentionMetadata
 
 __all__ = ["register_paged_kernel", "get_paged_kernel", "paged_kernels", "default_paged_kernel",
@@ -112,30 +113,22 @@ def flex_attention_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     return fn(q, keys, values, block_mask=mask, enable_gqa=q.shape[1] != n_kv_heads)
 
 
-_KERNELS: dict[str, Callable] = {"gather": gather_attention, "flex": flex_attention_paged}
+_KERNELS = Registry("paged-attention kernel", {"gather": gather_attention, "flex": flex_attention_paged})
 
 
 def register_paged_kernel(name: str, fn: Callable, replace: bool = False) -> None:
     """Makes fn selectable as PagedKVCache(kernel=name). Chapter 07 registers its Triton kernel here."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a paged-attention kernel needs a non-empty string name, got {name!r}")
-    if not callable(fn):
-        raise ValueError(f"paged-attention kernel {name!r} must be callable, got {type(fn).__name__}")
-    if name in _KERNELS and not replace and _KERNELS[name] is not fn:
-        raise ValueError(f"a paged-attention kernel called {name!r} is already registered; pass replace=True")
-    _KERNELS[name] = fn
+    _KERNELS.register(name, fn, replace)
 
 
 def get_paged_kernel(name: str) -> Callable:
     """Returns the paged-attention kernel registered as name ('gather', 'flex', ...)."""
-    if name not in _KERNELS:
-        raise ValueError(f"unknown paged-attention kernel {name!r}; registered: {', '.join(sorted(_KERNELS))}")
-    return _KERNELS[name]
+    return _KERNELS.get(name)
 
 
 def paged_kernels() -> list[str]:
     """Names of the registered paged-attention kernels."""
-    return sorted(_KERNELS)
+    return _KERNELS.names()
 
 
 def default_paged_kernel(device: torch.device | str) -> str:

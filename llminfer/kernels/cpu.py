@@ -151,18 +151,9 @@ def isa() -> str:
 
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux lists them in /proc/cpuinfo (empty where there is no such file)."""
-    if "flags" not in _state:
-        flags: frozenset[str] = frozenset()
-        try:
-            with open("/proc/cpuinfo") as cpuinfo:
-                for line in cpuinfo:
-                    if line.startswith("flags"):
-                        flags = frozenset(line.split(":", 1)[1].split())
-                        break
-        except OSError:
-            pass
-        _state["flags"] = flags
-    return _state["flags"]
+    from ..device import cpu_capabilities
+
+    return cpu_capabilities().flags
 
 
 def bfloat16_in_hardware() -> bool:

@@ -33,10 +33,6 @@ class FloatFormat:
         return float(torch.finfo(self.dtype).max)
 
     @property
-    def smallest_normal(self) -> float:
-        return float(torch.finfo(self.dtype).tiny)
-
-    @property
     def relative_step(self) -> float:
         """The gap between 1 and the next value (machine epsilon): the relative rounding step."""
         return float(torch.finfo(self.dtype).eps)

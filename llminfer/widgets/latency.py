@@ -175,20 +175,6 @@ def plot_runs(ax, runs: dict) -> None:
     ax.legend()
 
 
-def plot_sweep(ax, sweep: dict, label: str = "this machine", references: list[dict] = ()) -> None:
-    """Step time against context length for a sweep, with any reference results dashed. Chapter 04."""
-    ax.plot(sweep["context_len"], [s * 1e3 for s in sweep["recomputed_s"]], "o-", label=f"{label}, without cache")
-    ax.plot(sweep["context_len"], [s * 1e3 for s in sweep["cached_s"]], "s-", label=f"{label}, with cache")
-    for ref in references:
-        ax.plot(ref["context_len"], [s * 1e3 for s in ref["recomputed_s"]], "o--", alpha=0.6,
-                label=f"{ref['name']}, without cache")
-        ax.plot(ref["context_len"], [s * 1e3 for s in ref["cached_s"]], "s--", alpha=0.6,
-                label=f"{ref['name']}, with cache")
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("ms per step")
-    ax.legend(fontsize="small")
-
-
 @dataclass
 class LatencyState:
     """What the timing widget shows: the refusal message, or the runs and their summary. Chapter 04."""

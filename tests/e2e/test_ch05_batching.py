@@ -12,7 +12,7 @@ NOTEBOOK = "05_batching.ipynb"
 @pytest.fixture(scope="module")
 def widget_output_tokens() -> int:
     """Output tokens of the widget's workload (16 requests, seed 1): a sequential run makes one per step."""
-    from llminfer.engine import benchmark
+    from llminfer.bench import engine as benchmark
     from llminfer.engine.workload import make_workload
 
     settings = dict(benchmark.DEFAULT_WORKLOAD, n_requests=16, seed=1)

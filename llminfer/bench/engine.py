@@ -1,4 +1,4 @@
-"""The measurements of chapters 05 and 06, as functions, and `python -m llminfer.engine.benchmark`. Chapter 05.
+"""The measurements of chapters 05 and 06, as functions, and `python -m llminfer.bench.engine`. Chapter 05.
 
     batch_sweep(model, [1, 2, 4, 8])          decode-step time and tokens/s against batch size
     compare_policies(model, workload)         sequential, static, continuous on one workload
@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..device import resolve_device, synchronize
+from ..device import cpu_capabilities, resolve_device, synchronize
+from ..engine.llm_engine import LLMEngine
+from ..engine.sampling_params import SamplingParams
+from ..engine.workload import make_workload, replay, summarize
 from ..timing import time_fn
-from .llm_engine import LLMEngine
-from .sampling_params import SamplingParams
-from .workload import make_workload, replay, summarize
 
 __all__ = ["NARROW_LLAMA", "DEFAULT_WORKLOAD", "DEFAULT_ENGINE", "SLO", "TARGETS", "batch_sweep", "latency_target",
            "compare_policies", "chunked_prefill_trade", "prefix_cache_trade", "memory_accounting", "machine_info",
@@ -190,15 +190,9 @@ def machine_info(device) -> dict:
     """The CPU's name and its vector flags (or the GPU's name): ratios travel between machines, times do not."""
     info = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "python": platform.python_version()}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        name = re.search(r"model name\s*:\s*(.+)", text)
-        flags = re.search(r"flags\s*:\s*(.+)", text)
-        info["cpu"] = name.group(1).strip() if name else platform.processor()
-        wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma", "f16c")
-        info["cpu_flags"] = [f for f in wanted if flags and f in flags.group(1).split()]
-    except OSError:
-        info["cpu"] = platform.processor()
+    cpu = cpu_capabilities()
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma", "f16c")
+    info.update(cpu=cpu.model, cpu_isa=cpu.isa_level, cpu_flags=[f for f in wanted if f in cpu.flags])
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info

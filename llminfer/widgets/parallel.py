@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import cost_model
-from .plan import tensor_parallel_plan
+from ..parallel import cost_model
+from ..parallel.plan import tensor_parallel_plan
 
 __all__ = ["Projection", "project", "projection_html", "measure_here", "measurement_html", "build_parallel_widget"]
 
@@ -88,7 +88,7 @@ def _prompt(n_tokens: int = 16) -> list[list[int]]:
     """The bundled model's ids of 'The capital of France is', repeated to n_tokens."""
     from llminfer.checkpoint import _load_tokenizer, _locate
 
-    from .loading import read_config
+    from ..parallel.loading import read_config
 
     folder = _locate("tiny-capitals")
     ids = _load_tokenizer(folder, read_config(folder)).encode("The capital of France is")
@@ -102,8 +102,8 @@ def measure_here(mode: str, link: cost_model.Link | None = None, repeats: int = 
     (one process's step) / 2 + the collectives' α–β time on link (None: measured first, briefly). PP: a prefill
     of 16 sequences of 96 tokens in 1 and 4 micro-batches, the measured bubble against (p − 1) / (m + p − 1).
     """
-    from . import workers
-    from .pipeline import ideal_bubble_fraction
+    from ..parallel import workers
+    from ..parallel.pipeline import ideal_bubble_fraction
 
     if mode not in ("tp", "pp"):
         raise ValueError(f"mode must be 'tp' or 'pp', got {mode!r}")
@@ -214,7 +214,8 @@ def build_parallel_widget(measured_link: cost_model.Link | None = None, default:
         control.observe(refresh, names="value")
     run_button.on_click(run)
     refresh()
-    box.shape_pick, box.tp_pick, box.pp_pick, box.link_pick, box.gpu_pick = shape_pick, tp_pick, pp_pick, link_pick, gpu_pick
+    box.shape_pick, box.tp_pick, box.pp_pick = shape_pick, tp_pick, pp_pick
+    box.link_pick, box.gpu_pick = link_pick, gpu_pick
     box.batch, box.context, box.dtype_pick, box.projection_view = batch, context, dtype_pick, projection_view
     box.mode_pick, box.run_button, box.result_view = mode_pick, run_button, result_view
     return box

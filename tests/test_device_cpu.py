@@ -1,0 +1,102 @@
+"""The one CPU-capabilities reader (`llminfer.device`): the classes of CPU the benchmarks have run on, read from
+/proc/cpuinfo texts in tests/fixtures/cpuinfo (written for these tests in Linux's format, with the flags each
+class of CPU reports), and the kernels and reports asking it rather than the file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from llminfer import device
+from llminfer.device import parse_cpuinfo
+
+FIXTURES = Path(__file__).parent / "fixtures" / "cpuinfo"
+
+
+def fixture(name: str):
+    return parse_cpuinfo((FIXTURES / f"{name}.txt").read_text())
+
+
+@pytest.mark.parametrize("name, model, isa, logical, physical, bf16", [
+    ("amd_epyc_avx2", "AMD EPYC", "avx2", 2, 2, False),
+    ("amd_zen4_avx512_bf16", "AMD EPYC 9R14", "avx512_bf16", 2, 1, True),
+    ("intel_xeon_avx512_bf16_vnni", "Intel(R) Xeon(R) Platinum 8380H CPU @ 2.90GHz", "avx512_bf16", 4, 2, True),
+    ("intel_xeon_amx", "Intel(R) Xeon(R) Platinum 8488C", "amx", 4, 2, True),
+])
+def test_each_cpu_class_is_read_from_its_cpuinfo(name, model, isa, logical, physical, bf16):
+    cpu = fixture(name)
+    assert cpu.model == model and cpu.isa_level == isa
+    assert cpu.logical_cpus == logical and cpu.physical_cores == physical
+    assert cpu.bfloat16_in_hardware is bf16
+    assert {"avx2", "fma"} <= cpu.flags and "bugs" not in cpu.flags and "spectre_v1" not in cpu.flags
+
+
+def test_the_avx2_epyc_has_no_avx512_and_the_zen4_no_amx():
+    epyc, zen4, cooper, sapphire = (fixture(n) for n in ("amd_epyc_avx2", "amd_zen4_avx512_bf16",
+                                                         "intel_xeon_avx512_bf16_vnni", "intel_xeon_amx"))
+    assert epyc.vector_flags() == ["avx", "avx2", "f16c", "fma"]
+    assert "avx512f" in zen4.flags and "avx512_vnni" in zen4.flags and not zen4.flags & {"amx_tile", "amx_bf16"}
+    assert "avx512_vnni" in cooper.flags and "amx_tile" not in cooper.flags
+    assert {"amx_bf16", "amx_tile", "amx_int8"} <= set(sapphire.vector_flags())
+    # the levels are ordered: each class sits where its flags put it
+    order = [name for name, _ in device.ISA_LEVELS]
+    assert [order.index(c.isa_level) for c in (epyc, zen4, sapphire)] == sorted(
+        order.index(c.isa_level) for c in (epyc, zen4, sapphire))
+
+
+@pytest.mark.parametrize("flags, isa", [
+    ("sse4_2 avx", "portable"),
+    ("avx avx2", "portable"),                            # the vector loops need FMA too
+    ("avx avx2 fma", "avx2"),
+    ("avx2 fma avx512f avx512bw", "avx512"),
+    ("avx2 fma avx512f avx512_vnni", "avx512_vnni"),     # a Cascade Lake: int8 dot products, no bfloat16
+    ("avx2 fma avx512f avx512_vnni avx512_bf16", "avx512_bf16"),
+    ("avx2 fma avx512f avx512_bf16 amx_tile amx_bf16", "amx"),
+    ("avx2 fma avx512f amx_tile", "avx512"),             # AMX tiles without their bfloat16 instructions
+])
+def test_the_isa_level_is_the_highest_whose_flags_are_all_there(flags, isa):
+    cpu = parse_cpuinfo(f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n")
+    assert cpu.isa_level == isa
+
+
+def test_a_cpuinfo_without_x86_fields_gives_the_fallbacks():
+    arm = parse_cpuinfo((FIXTURES / "arm_neoverse.txt").read_text(), fallback_model="aarch64")
+    assert arm.model == "aarch64" and arm.flags == frozenset() and arm.isa_level == "portable"
+    assert arm.logical_cpus == arm.physical_cores == 2 and not arm.bfloat16_in_hardware
+    empty = parse_cpuinfo("", fallback_model="unknown", fallback_cpus=3)
+    assert (empty.model, empty.logical_cpus, empty.physical_cores, empty.isa_level) == ("unknown", 3, 3, "portable")
+
+
+def test_as_dict_is_json():
+    cpu = fixture("intel_xeon_amx")
+    data = json.loads(json.dumps(cpu.as_dict()))
+    assert data["isa_level"] == "amx" and data["model"] == cpu.model and data["physical_cores"] == 2
+    assert data["vector_flags"] == sorted(data["vector_flags"]) and "sse2" not in data["vector_flags"]
+
+
+def test_this_machine_is_read_once_and_the_kernels_and_reports_ask_the_same_reader():
+    from llminfer.bench import engine, report
+    from llminfer.kernels import cpu as cpu_kernels
+
+    here = device.cpu_capabilities()
+    assert device.cpu_capabilities() is here                       # read once
+    assert here.logical_cpus >= 1 and here.physical_cores >= 1 and here.model
+    assert cpu_kernels.cpu_flags() == here.flags
+    assert cpu_kernels.bfloat16_in_hardware() == here.bfloat16_in_hardware
+    machine = report.machine(torch.device("cpu"))
+    assert machine["cpu"] == here.model and machine["cpu_isa"] == here.isa_level
+    info = engine.machine_info("cpu")
+    assert info["cpu"] == here.model and set(info["cpu_flags"]) <= here.flags
+
+
+def test_a_machine_is_reported_as_its_cpuinfo_says(monkeypatch):
+    from llminfer.bench import engine, report
+
+    monkeypatch.setattr(report, "cpu_capabilities", lambda: fixture("intel_xeon_amx"))
+    monkeypatch.setattr(engine, "cpu_capabilities", lambda: fixture("intel_xeon_amx"))
+    assert report.machine(torch.device("cpu"))["cpu_isa"] == "amx"
+    assert report.device_slug(torch.device("cpu")) == "cpu-intel-xeon-platinum-8488c"
+    assert engine.machine_info("cpu")["cpu_flags"] == ["avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile",
+                                                       "fma", "f16c"]
