@@ -31,12 +31,14 @@ from typing import Callable
 import torch
 from torch.utils.benchmark.utils.timer import timer as _benchmark_clock
 
-from .device import as_device, check_fits, dtype_bytes, free_memory_bytes, huge_page_empty, synchronize
+from .device import (as_device, check_fits, cpu_capabilities, dtype_bytes, free_memory_bytes, huge_page_empty,
+                     synchronize)
 
 __all__ = ["TimingResult", "Ceiling", "synchronize", "time_fn", "free_memory_bytes",
            "check_fits", "measure_copy_bandwidth", "measure_matvec_bandwidth",
            "measure_matmul_flops", "measure_ceilings", "measure_bandwidth", "dtype_bytes",
-           "CeilingProbe", "ceiling_probes", "copy_probe", "matvec_probe", "matmul_probe", "load_per_core"]
+           "CeilingProbe", "ceiling_probes", "copy_probe", "matvec_probe", "matmul_probe", "load_per_core",
+           "machine_summary"]
 
 
 def load_per_core() -> float:
@@ -45,6 +47,21 @@ def load_per_core() -> float:
         return os.getloadavg()[0] / (os.cpu_count() or 1)
     except OSError:
         return float("nan")
+
+
+def machine_summary(device=None) -> str:
+    """Return the line a timing cell prints first: the processor, its vector class, threads and load. Chapter 01.
+
+    Timings differ between machines by more than any effect a chapter measures, so every chapter that times
+    something says where it ran, and how busy the machine was while it did.
+    """
+    device = as_device(device or "cpu")
+    cpu = cpu_capabilities()
+    line = (f"{cpu.model} ({cpu.isa_level} class, {cpu.logical_cpus} CPUs) · torch threads {torch.get_num_threads()}"
+            f" · load {load_per_core():.2f} per core")
+    if device.type == "cuda":
+        line = f"{torch.cuda.get_device_name(device)} · host: {line}"
+    return line
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Timing and measured ceilings."""
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,3 +106,14 @@ def test_cuda_events_time_gpu_work():
     assert len(result.times_s) == 5 and result.median_s > 0
     copy = timing.measure_copy_bandwidth("cuda", torch.bfloat16, nbytes=64 << 20, repeats=3)
     assert copy.rate > 1e10            # any CUDA device copies faster than 10 GB/s
+
+
+def test_the_machine_line_names_the_cpu_its_class_threads_and_load(monkeypatch):
+    from llminfer import device as device_module
+    fixture = (Path(__file__).parent / "fixtures" / "cpuinfo" / "amd_zen4_avx512_bf16.txt").read_text()
+    monkeypatch.setattr(timing, "cpu_capabilities", lambda: device_module.parse_cpuinfo(fixture))
+    monkeypatch.setattr(timing, "load_per_core", lambda: 0.25)
+    line = timing.machine_summary("cpu")
+    zen4 = device_module.parse_cpuinfo(fixture)
+    assert line == (f"{zen4.model} (avx512_bf16 class, {zen4.logical_cpus} CPUs) · torch threads "
+                    f"{torch.get_num_threads()} · load 0.25 per core")
