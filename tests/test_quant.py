@@ -218,18 +218,18 @@ def test_loading_int4_where_there_is_no_kernel_and_no_fallback_is_refused(tmp_pa
     quant.save_pretrained(model, tmp_path)
     monkeypatch.setattr(quant_linear, "has_kernel", lambda bits, device: False)
     monkeypatch.setattr(quant_linear.native_cpu, "available", lambda: False)
-    from llminfer.quant import checkpoint as quant_checkpoint
-    opened = quant_checkpoint.safe_open
+    from llminfer import checkpoint as reader      # the one checkpoint reader opens the weight files
+    opened = reader.safe_open
 
     def must_not_open(*args, **kwargs):
         raise AssertionError("a weight file was opened before the kernel check")
 
-    monkeypatch.setattr(quant_checkpoint, "safe_open", must_not_open)
+    monkeypatch.setattr(reader, "safe_open", must_not_open)
     with pytest.raises(ValueError, match=r"no packed int4 kernel .* kernel='auto'"):
         quant.load_pretrained(tmp_path, kernel="packed")
     with pytest.raises(ValueError, match=r"no native kernel .* kernel='auto'"):
         quant.load_pretrained(tmp_path, kernel="native")
-    monkeypatch.setattr(quant_checkpoint, "safe_open", opened)
+    monkeypatch.setattr(reader, "safe_open", opened)
     loaded, _ = quant.load_pretrained(tmp_path, kernel="auto")      # the fallback gives the same numbers
     ids = torch.tensor([[2, 7, 1, 8]])
     torch.testing.assert_close(loaded(ids), model(ids), atol=1e-5, rtol=1e-5)
