@@ -1,8 +1,15 @@
-"""Loading and saving Hugging Face-format model folders (safetensors only), the bundled model, random presets. Chapter 00.
+"""The one checkpoint reader: safetensors folders (sharded too) and llama.cpp GGUF files; saving in Hugging Face's
+layout; the bundled and installed models; random weights of a published shape. Chapter 00.
 
 Models are built on the meta device (no memory) and each weight is then read, converted to the target dtype
 and placed on the target device one tensor at a time, so loading needs about the weights' own size in that
 dtype, never a float32 copy of the whole model beside it.
+
+    checkpoint = open_checkpoint("tiny-capitals")      # config and tensor table, from the headers alone
+    check_layout(checkpoint, expected_shapes(checkpoint.config))   # every tensor there, at its shape
+    model = read_model(checkpoint, transform)           # transform: shard for a rank, keep quantized blocks
+
+`load_pretrained` is those three steps with no transform; `llminfer.parallel` and `llminfer.quant` pass theirs.
 """
 from __future__ import annotations
 
