@@ -230,12 +230,15 @@ def test_greedy_tokens_equal_llama_cpp(path, ours):
 
 # --- files that are refused, each before any tensor is read ---------------------------------------------------
 
-TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48)
+TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64)
 
 
-def _write(path, arch="llama", with_tokenizer=True, embedding_length=None, odd_type=None, template=None):
-    """A small llama GGUF with random weights (and a tiny byte-level BPE vocabulary)."""
+def _write(path, arch="llama", with_tokenizer=True, embedding_length=None, odd_type=None, template=None,
+           matrices="F32"):
+    """A small llama GGUF with random weights (matrices in F32, Q4_1 or Q8_0, the embedding in Q8_0 unless F32),
+    and a tiny byte-level BPE vocabulary."""
     import gguf
+    import gguf.quants
     rng = np.random.default_rng(0)
     c = TINY
     head_dim = c["dim"] // c["n_heads"]
@@ -273,6 +276,9 @@ def _write(path, arch="llama", with_tokenizer=True, embedding_length=None, odd_t
         data = (rng.standard_normal(shape) * 0.1).astype(np.float32)
         if odd_type == "I32" and name == "blk.1.ffn_up.weight":
             writer.add_tensor(name, data.astype(np.int32))
+        elif matrices != "F32" and data.ndim == 2:
+            kind = getattr(gguf.GGMLQuantizationType, "Q8_0" if name == "token_embd.weight" else matrices)
+            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, data)
     writer.write_header_to_file()
@@ -300,6 +306,23 @@ def test_a_small_gguf_loads_with_its_tokenizer(tmp_path, reads):
     assert model.config.n_layers == 2 and model.config.tie_embeddings and len(reads) == 1 + 2 * 9 + 1
     assert tokenizer.encode("ab a") == [tokenizer.backend.token_to_id("ab"), tokenizer.backend.token_to_id("Ġa")]
     assert tokenizer.apply_chat_template([{"role": "user", "content": "ab"}]) == [30]
+
+
+@pytest.mark.parametrize("matrices", ["Q4_1", "Q8_0"])
+def test_kept_blocks_of_a_small_file_equal_its_dequantized_weights(tmp_path, matrices):
+    from llminfer import quant
+    path = _write(tmp_path / "q.gguf", matrices=matrices)
+    float_model, _ = llminfer.load_pretrained(path, load_tokenizer=False)
+    kept, _ = quant.load_pretrained(path, load_tokenizer=False)
+    layers = quant.quantized_modules(kept)
+    assert len(layers) == 2 * 7 + 1 and {m.group_size for m in layers.values()} == {32}
+    assert {m.bits for name, m in layers.items() if name != "lm_head"} == {4 if matrices == "Q4_1" else 8}
+    floats = dict(float_model.named_modules())
+    for name, layer in layers.items():      # q and k included: the rotary rows are reordered with their blocks
+        assert torch.equal(layer.dequantized_weight(torch.float32), floats[name].weight), name
+    ids = torch.arange(10)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(kept(ids), float_model(ids), atol=1e-4, rtol=1e-4)
 
 
 def test_llminfer_gguf_writer_round_trips_through_the_reader(tmp_path):

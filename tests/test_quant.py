@@ -261,3 +261,17 @@ def test_kl_of_a_model_against_itself_is_zero(bundled):
     model, tokenizer = bundled
     sentences = accuracy.load_held_out()[:20]
     assert abs(accuracy.kl_from_reference(model, model, tokenizer, sentences)) < 1e-6
+
+
+def test_offsets_give_code_times_scale_plus_offset_exactly():
+    """GGUF's Q4_1 stores w = q·scale + minimum; a layer given offsets computes exactly that, without a zero point."""
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (16, 64), dtype=torch.uint8, generator=generator)
+    scales, offsets = torch.rand(16, 2, generator=generator), torch.randn(16, 2, generator=generator)
+    expected = (codes.float().view(16, 2, 32) * scales[..., None] + offsets[..., None]).view(16, 64)
+    layer = QuantizedLinear(64, 16, 4, 32, codes, scales, None, kernel="dequantize", offsets=offsets)
+    assert torch.equal(layer.dequantized_weight(), expected)
+    x = torch.randn(3, 64, generator=generator)
+    torch.testing.assert_close(layer(x), x @ expected.T)
+    with pytest.raises(ValueError, match="replace zeros"):
+        QuantizedLinear(64, 16, 8, 32, codes.to(torch.int8), scales, None, offsets=offsets)
