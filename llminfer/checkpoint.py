@@ -332,6 +332,13 @@ class ReadTransform:
     """How a reader changes the model as it fills it; this base changes nothing. Subclasses shard for a rank
     (chapter 10) or keep quantized blocks (chapter 08). Chapter 00."""
 
+    def layout(self, checkpoint: Checkpoint) -> dict:
+        """Keyword arguments for check_layout (e.g. stored_types) where this transform reads other tensors."""
+        return {}
+
+    def check(self, checkpoint: Checkpoint, device) -> None:
+        """Raises ValueError, before any tensor is read, if the transform cannot apply to this checkpoint here."""
+
     def prepare(self, model: Transformer) -> Transformer:
         """The model (on meta, no memory yet) changed before reading: modules split, dropped or renamed."""
         return model
@@ -568,12 +575,17 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_pretrained(path_or_name: str | Path, device: str | torch.device | None = None,
-                    dtype: torch.dtype | None = None, load_tokenizer: bool = True):
+                    dtype: torch.dtype | None = None, load_tokenizer: bool = True,
+                    transform: ReadTransform | None = None):
     """Returns (model, tokenizer) from a HF-format folder, a .gguf file, a bundled or installed model's name or a
-    hub id. Chapter 00."""
+    hub id; transform changes the model as it is read, e.g. llminfer.quant.keep_quantized(). Chapter 00."""
     device = resolve_device(device)
     dtype = _check_dtype(dtype)
     checkpoint = open_checkpoint(path_or_name)
+    expected = expected_shapes(checkpoint.config)
+    check_layout(checkpoint, expected, **(transform.layout(checkpoint) if transform is not None else {}))
+    if transform is not None:
+        transform.check(checkpoint, device)
     tokenizer, missing = None, None
     if load_tokenizer:
         try:
@@ -582,10 +594,10 @@ def load_pretrained(path_or_name: str | Path, device: str | torch.device | None 
             if checkpoint.format != "gguf" or "holds no tokenizer" not in str(exc):
                 raise
             missing = exc
-    check_fits(checkpoint.config.n_params() * dtype_bytes(dtype), device,
-               f"the weights of {checkpoint.name} in {dtype}")
-    check_layout(checkpoint, expected_shapes(checkpoint.config))
-    model = read_model(checkpoint, device=device, dtype=dtype)
+    if transform is None:
+        check_fits(checkpoint.config.n_params() * dtype_bytes(dtype), device,
+                   f"the weights of {checkpoint.name} in {dtype}")
+    model = read_model(checkpoint, transform, device=device, dtype=dtype)
     if missing is not None:
         warnings.warn(f"{missing}. The weights are loaded; the tokenizer returned is None", stacklevel=2)
     return model, tokenizer

@@ -313,7 +313,9 @@ def test_kept_blocks_of_a_small_file_equal_its_dequantized_weights(tmp_path, mat
     from llminfer import quant
     path = _write(tmp_path / "q.gguf", matrices=matrices)
     float_model, _ = llminfer.load_pretrained(path, load_tokenizer=False)
-    kept, _ = quant.load_pretrained(path, load_tokenizer=False)
+    kept, _ = llminfer.load_pretrained(path, load_tokenizer=False, transform=quant.keep_quantized())
+    assert quant.quantized_modules(quant.load_pretrained(path, load_tokenizer=False)[0]).keys() == \
+        quant.quantized_modules(kept).keys()
     layers = quant.quantized_modules(kept)
     assert len(layers) == 2 * 7 + 1 and {m.group_size for m in layers.values()} == {32}
     assert {m.bits for name, m in layers.items() if name != "lm_head"} == {4 if matrices == "Q4_1" else 8}
@@ -323,6 +325,18 @@ def test_kept_blocks_of_a_small_file_equal_its_dequantized_weights(tmp_path, mat
     ids = torch.arange(10)[None]
     with torch.no_grad():
         torch.testing.assert_close(kept(ids), float_model(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_keep_quantized_refuses_what_it_cannot_keep(tmp_path, reads, monkeypatch):
+    from llminfer import quant
+    from llminfer.quant import linear
+    with pytest.raises(ValueError, match=r"keeps the blocks of a GGUF file; .* safetensors checkpoint"):
+        llminfer.load_pretrained("tiny-capitals", transform=quant.keep_quantized())
+    monkeypatch.setattr(linear, "has_kernel", lambda bits, device: False)
+    with pytest.raises(ValueError, match=r"no packed int4 kernel"):
+        llminfer.load_pretrained(_write(tmp_path / "q.gguf", matrices="Q4_1"),
+                                 transform=quant.keep_quantized("packed"))
+    assert reads == []
 
 
 def test_llminfer_gguf_writer_round_trips_through_the_reader(tmp_path):

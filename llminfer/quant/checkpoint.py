@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from ..checkpoint import (ReadTransform, check_layout, expected_shapes, model_folder, open_checkpoint, read_config,
-                          read_json_object, read_model)
+from ..checkpoint import (ReadTransform, check_layout, model_folder, open_checkpoint, read_config, read_json_object,
+                          read_model)
 from ..config import ModelConfig
 from ..device import dtype_bytes, resolve_device
 from ..gguf_reader import QUANTIZED_BLOCKS, read_gguf_blocks
@@ -30,7 +30,7 @@ from ..tokenizer import Tokenizer
 from .linear import KERNELS, QuantizedLinear, choose_kernel, quantized_modules
 from .weights import check_scheme
 
-__all__ = ["save_pretrained", "load_pretrained", "FORMAT"]
+__all__ = ["save_pretrained", "load_pretrained", "FORMAT", "KeepQuantized", "keep_quantized"]
 
 FORMAT = "llminfer-weight-only"
 _FILE = "model.safetensors"
@@ -211,13 +211,25 @@ def load_pretrained(folder: str | Path, device: str | torch.device | None = None
     return model, tokenizer
 
 
-class _GGUFBlocksOnRead(ReadTransform):
+class KeepQuantized(ReadTransform):
     """The reader's transform for a GGUF file kept quantized: each Q4_1 linear becomes int4 with group 32 and its
     scale and minimum, each Q8_0 one int8 with group 32, from the file's blocks (values exactly the dequantized
     file's); other tensors are dequantized to the model's dtype. Chapter 08."""
 
-    def __init__(self, kernel: str):
+    def __init__(self, kernel: str = "auto"):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
         self.kernel = kernel
+
+    def check(self, checkpoint, device) -> None:
+        self.checkpoint = checkpoint
+        if checkpoint.format != "gguf":
+            raise ValueError(f"keep_quantized keeps the blocks of a GGUF file; {checkpoint.source} is a "
+                             f"{checkpoint.format} checkpoint. Quantize a float model with llminfer.quant.quantize")
+        for name, entry in checkpoint.tensors.items():           # every kernel check before any tensor is read
+            if entry.stored in QUANTIZED_BLOCKS and len(entry.shape) == 2 and name != "embed_tokens.weight":
+                bits, group = QUANTIZED_BLOCKS[entry.stored]
+                choose_kernel(bits, group, entry.shape[1], entry.shape[0], device, self.kernel)
 
     def replace(self, name, module, checkpoint, dtype, device):
         if not isinstance(module, nn.Linear):    # a tied head reads the embedding's Q8_0 blocks as its own layer
@@ -233,20 +245,31 @@ class _GGUFBlocksOnRead(ReadTransform):
                                kernel=self.kernel, offsets=minimums)
 
     def local_bytes(self, model, dtype) -> int:
-        return sum(p.numel() for p in model.parameters()) * dtype_bytes(dtype)
+        """The model's bytes once read: block layers at one byte a code plus a scale (and minimum) per 32, the rest
+        in dtype (a tied embedding both ways: a float table and the head's codes)."""
+        total = 0
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                entry = self.checkpoint.tensors[self.checkpoint.source_name(name + ".weight")]
+                if entry.stored in QUANTIZED_BLOCKS:
+                    total += module.weight.numel() * (1 + 2 * dtype_bytes(dtype) / 32)
+                    continue
+            for param_name, param in module.named_parameters(recurse=False):
+                if not (isinstance(module, nn.Linear) and param is getattr(model.embed_tokens, "weight", None)):
+                    total += param.numel() * dtype_bytes(dtype)
+        return int(total)
+
+
+def keep_quantized(kernel: str = "auto") -> KeepQuantized:
+    """The transform for llminfer.load_pretrained(gguf_file, transform=keep_quantized()). Chapter 08."""
+    return KeepQuantized(kernel)
 
 
 def _load_gguf(path: Path, device, kernel: str, load_tokenizer: bool):
-    checkpoint = open_checkpoint(path)
-    config = checkpoint.config
-    check_layout(checkpoint, expected_shapes(config))
-    for name, entry in checkpoint.tensors.items():               # every kernel check before any tensor is read
-        if entry.stored in QUANTIZED_BLOCKS and len(entry.shape) == 2 and name != "embed_tokens.weight":
-            bits, group = QUANTIZED_BLOCKS[entry.stored]
-            choose_kernel(bits, group, entry.shape[1], entry.shape[0], device, kernel)
-    tokenizer = checkpoint.load_tokenizer() if load_tokenizer else None
-    model = read_model(checkpoint, _GGUFBlocksOnRead(kernel), device, torch.float32)
-    kinds = {entry.stored for entry in checkpoint.tensors.values() if entry.stored in QUANTIZED_BLOCKS}
+    from ..checkpoint import load_pretrained as load
+
+    model, tokenizer = load(path, device, torch.float32, load_tokenizer, transform=KeepQuantized(kernel))
+    kinds = {"Q4_1" if m.bits == 4 else "Q8_0" for m in quantized_modules(model).values()}
     model.quantization = {"scheme": "gguf:" + "+".join(sorted(kinds)), "bits": 4 if "Q4_1" in kinds else 8,
                           "group_size": 32, "include_head": True}
     model._rope_cache = None
