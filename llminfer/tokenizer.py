@@ -1,6 +1,15 @@
-"""A thin wrapper over `tokenizers.Tokenizer`, read from a tokenizer.json. Chapter 01."""
+"""A thin wrapper over `tokenizers.Tokenizer` (from a tokenizer.json or a GGUF file's metadata), and chat templates
+rendered in a sandbox. Chapter 01.
+
+A chat model is trained on conversations laid out in one fixed format, with special tokens that mark who speaks;
+a prompt must lay out the messages the same way. Checkpoints ship that format as a Jinja template
+(`tokenizer_config.json`'s chat_template, or a GGUF file's tokenizer.chat_template); `ChatTemplate` renders it the
+way transformers' `apply_chat_template` does: an immutable sandboxed Jinja environment, trim_blocks and
+lstrip_blocks, the variables messages, bos_token, eos_token and add_generation_prompt.
+"""
 from __future__ import annotations
 
+import json
 import operator
 from pathlib import Path
 
@@ -8,16 +17,102 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer as _HFTokenizer
 
-__all__ = ["Tokenizer"]
+__all__ = ["Tokenizer", "ChatTemplate", "PLAIN_TEMPLATE", "message_text", "CHAT_ROLES"]
 
 _BOS_NAMES = ("<bos>", "<s>", "<|begin_of_text|>", "<|im_start|>", "<|endoftext|>")
 _EOS_NAMES = ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>", "<|im_end|>")
+
+# The roles of OpenAI's chat messages; a template decides which of them it accepts.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# A model that knows no roles (the bundled tiny-capitals) continues text: the contents joined by newlines.
+PLAIN_TEMPLATE = (   # the newline is a Jinja string: trim_blocks would eat a bare one after a block tag
+    "{% for message in messages %}{{ message['content'] }}{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}"
+)
+
+
+def message_text(content) -> str:
+    """A message's content as text: a string as it is; a list of parts, its text parts joined. Chapter 11."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"message content part of type {kind!r} is not supported; this server takes text "
+                             "parts only ({\"type\": \"text\", \"text\": ...})")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _checked_messages(messages) -> list[dict]:
+    """messages with each content as text; ValueError for a message without a known role or without content."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got "
+                         f"{messages!r}")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] is a {type(message).__name__}; each message is a dict with 'role' "
+                             "and 'content'")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}] has the role {role!r}; known roles are {', '.join(CHAT_ROLES)}")
+        if "content" not in message:
+            raise ValueError(f"messages[{i}] (role {role!r}) has no 'content'; give it the text, e.g. "
+                             "{'role': 'user', 'content': 'Hello'}")
+        checked.append({**message, "content": message_text(message["content"])})
+    return checked
+
+
+class ChatTemplate:
+    """A compiled chat template: `render(messages)` gives the prompt string. Chapter 11."""
+
+    def __init__(self, source: str = PLAIN_TEMPLATE, bos_token: str = "", eos_token: str = "",
+                 origin: str = "plain"):
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as exc:
+            raise ValueError(f"the chat template from {origin} does not compile: {exc}") from None
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.origin = origin
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt for `messages` (dicts with 'role' and 'content'), ready to tokenize."""
+        from jinja2 import TemplateError
+        from jinja2.exceptions import SecurityError
+
+        plain = _checked_messages(messages)
+        try:
+            return self._template.render(messages=plain, bos_token=self.bos_token, eos_token=self.eos_token,
+                                         add_generation_prompt=add_generation_prompt)
+        except (TemplateError, SecurityError) as exc:
+            raise ValueError(f"the chat template ({self.origin}) refused these messages: {exc}") from None
+        except Exception as exc:   # the template's own code failed (a bad index, a type error) in the sandbox
+            raise ValueError(f"the chat template ({self.origin}) failed on these messages: "
+                             f"{type(exc).__name__}: {exc}") from None
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate(origin={self.origin!r}, {len(self.source)} characters)"
 
 
 class Tokenizer:
     """Text to token ids and back; `tokens` shows the pieces a text was cut into. Chapter 01."""
 
-    def __init__(self, backend: _HFTokenizer, bos_token_id: int | None = None, eos_token_id: int | None = None):
+    def __init__(self, backend: _HFTokenizer, bos_token_id: int | None = None, eos_token_id: int | None = None,
+                 chat_template: str | None = None, add_bos_token: bool = False):
         self.backend = backend
         # Two views of one tokenizer: `_plain` reads a special token's spelling in the text ("<eos>") as the
         # characters it is made of; `_special` turns it into the special id, for callers who ask with allow_special.
@@ -34,6 +129,22 @@ class Tokenizer:
                                  f"ids; pass an id 0..{self.vocab_size - 1}, or None to look the token up by name")
         self.bos_token_id = bos_token_id if bos_token_id is not None else self._find(_BOS_NAMES)
         self.eos_token_id = eos_token_id if eos_token_id is not None else self._find(_EOS_NAMES)
+        self.add_bos_token = add_bos_token          # whether the checkpoint's own tokenizer starts a text with BOS
+        self.chat_template = None if chat_template is None else ChatTemplate(
+            chat_template, self._spelling(self.bos_token_id), self._spelling(self.eos_token_id), "the checkpoint")
+
+    def _spelling(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.backend.id_to_token(token_id) or ""
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = True) -> list[int] | str:
+        """The token ids (or, tokenize=False, the text) of messages laid out by the checkpoint's chat template,
+        special tokens as their ids. Chapter 01."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template (the checkpoint ships none); encode a plain "
+                             "prompt with tokenizer.encode(text), or build a llminfer.tokenizer.ChatTemplate")
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, allow_special=True) if tokenize else text
 
     @classmethod
     def from_file(cls, path: str | Path, bos_token_id: int | None = None,

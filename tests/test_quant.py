@@ -218,18 +218,18 @@ def test_loading_int4_where_there_is_no_kernel_and_no_fallback_is_refused(tmp_pa
     quant.save_pretrained(model, tmp_path)
     monkeypatch.setattr(quant_linear, "has_kernel", lambda bits, device: False)
     monkeypatch.setattr(quant_linear.native_cpu, "available", lambda: False)
-    from llminfer.quant import checkpoint as quant_checkpoint
-    opened = quant_checkpoint.safe_open
+    from llminfer import checkpoint as reader      # the one checkpoint reader opens the weight files
+    opened = reader.safe_open
 
     def must_not_open(*args, **kwargs):
         raise AssertionError("a weight file was opened before the kernel check")
 
-    monkeypatch.setattr(quant_checkpoint, "safe_open", must_not_open)
+    monkeypatch.setattr(reader, "safe_open", must_not_open)
     with pytest.raises(ValueError, match=r"no packed int4 kernel .* kernel='auto'"):
         quant.load_pretrained(tmp_path, kernel="packed")
     with pytest.raises(ValueError, match=r"no native kernel .* kernel='auto'"):
         quant.load_pretrained(tmp_path, kernel="native")
-    monkeypatch.setattr(quant_checkpoint, "safe_open", opened)
+    monkeypatch.setattr(reader, "safe_open", opened)
     loaded, _ = quant.load_pretrained(tmp_path, kernel="auto")      # the fallback gives the same numbers
     ids = torch.tensor([[2, 7, 1, 8]])
     torch.testing.assert_close(loaded(ids), model(ids), atol=1e-5, rtol=1e-5)
@@ -261,3 +261,17 @@ def test_kl_of_a_model_against_itself_is_zero(bundled):
     model, tokenizer = bundled
     sentences = accuracy.load_held_out()[:20]
     assert abs(accuracy.kl_from_reference(model, model, tokenizer, sentences)) < 1e-6
+
+
+def test_offsets_give_code_times_scale_plus_offset_exactly():
+    """GGUF's Q4_1 stores w = q·scale + minimum; a layer given offsets computes exactly that, without a zero point."""
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (16, 64), dtype=torch.uint8, generator=generator)
+    scales, offsets = torch.rand(16, 2, generator=generator), torch.randn(16, 2, generator=generator)
+    expected = (codes.float().view(16, 2, 32) * scales[..., None] + offsets[..., None]).view(16, 64)
+    layer = QuantizedLinear(64, 16, 4, 32, codes, scales, None, kernel="dequantize", offsets=offsets)
+    assert torch.equal(layer.dequantized_weight(), expected)
+    x = torch.randn(3, 64, generator=generator)
+    torch.testing.assert_close(layer(x), x @ expected.T)
+    with pytest.raises(ValueError, match="replace zeros"):
+        QuantizedLinear(64, 16, 8, 32, codes.to(torch.int8), scales, None, offsets=offsets)

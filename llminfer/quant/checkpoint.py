@@ -18,17 +18,19 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..checkpoint import (ReadTransform, check_layout, model_folder, open_checkpoint, read_config, read_json_object,
+                          read_model)
 from ..config import ModelConfig
-from ..device import resolve_device
+from ..device import dtype_bytes, resolve_device
+from ..gguf_reader import QUANTIZED_BLOCKS, read_gguf_blocks
 from ..model import Transformer
 from ..tokenizer import Tokenizer
-from .linear import KERNELS, QuantizedLinear, quantized_modules
+from .linear import KERNELS, QuantizedLinear, choose_kernel, quantized_modules
 from .weights import check_scheme
 
-__all__ = ["save_pretrained", "load_pretrained", "FORMAT"]
+__all__ = ["save_pretrained", "load_pretrained", "FORMAT", "KeepQuantized", "keep_quantized"]
 
 FORMAT = "llminfer-weight-only"
 _FILE = "model.safetensors"
@@ -124,23 +126,51 @@ def _expected_quantized(config: ModelConfig, bits: int, group_size: int | None,
     return expected
 
 
+_SAFETENSORS_TYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8",
+                      torch.uint8: "U8"}
+
+
+class _QuantizedOnRead(ReadTransform):
+    """The reader's transform for a quantized checkpoint: each quantized layer is built from its stored codes,
+    scales and zeros (as stored, in no other dtype), the float weights are read as the reader reads them."""
+
+    def __init__(self, expected: dict, bits: int, group_size: int | None, kernel: str, include_head: bool):
+        self.expected, self.bits, self.group_size, self.kernel = expected, bits, group_size, kernel
+        self.include_head = include_head
+
+    def replace(self, name, module, checkpoint, dtype, device):
+        if name not in self.expected:
+            return None
+        state = {field: checkpoint.tensors[f"{name}.{field}"].read(None, device) for field in self.expected[name]}
+        state.setdefault("zeros", None)
+        state.setdefault("bias", None)
+        return QuantizedLinear.from_state(state, self.bits, self.group_size, self.kernel)
+
+    def local_bytes(self, model, dtype) -> int:
+        return 0          # the quantized checkpoint is its own size; the float parts are a small share of it
+
+
 def load_pretrained(folder: str | Path, device: str | torch.device | None = None, kernel: str = "auto",
                     load_tokenizer: bool = True) -> tuple[Transformer, Tokenizer | None]:
-    """Returns (model, tokenizer) from a folder written by save_pretrained, checked before building. Chapter 08.
+    """Returns (model, tokenizer) from a folder written by save_pretrained, or a GGUF file (or installed model's name)
+    with its Q4_1 / Q8_0 blocks kept as they are stored, checked before building. Chapter 08.
 
     kernel='packed' refuses, before reading any weight, a device without the packed int4/int8 kernel;
     'auto' falls back to dequantizing on the fly there.
     """
-    folder = Path(folder)
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
     device = resolve_device(device)
+    source = model_folder(folder)
+    if source.is_file():
+        return _load_gguf(source, device, kernel, load_tokenizer)
+    folder = source
     config_path, weights_path = folder / "config.json", folder / _FILE
     for path in (config_path, weights_path):
         if not path.is_file():
             raise FileNotFoundError(f"no {path.name} in {folder}; a quantized model folder holds config.json and "
                                     f"{_FILE} written by llminfer.quant.save_pretrained")
-    hf = json.loads(config_path.read_text())
+    hf = read_json_object(config_path)
     info = hf.get("quantization_config")
     if not isinstance(info, dict) or info.get("quant_method") != FORMAT:
         raise ValueError(f"{config_path} has no llminfer quantization_config; this is not a quantized llminfer "
@@ -151,61 +181,96 @@ def load_pretrained(folder: str | Path, device: str | torch.device | None = None
     if dtype_name not in _DTYPES:
         raise ValueError(f"{config_path} gives torch_dtype={dtype_name!r}; expected one of {', '.join(_DTYPES)}")
     dtype = _DTYPES[dtype_name]
-    config = ModelConfig.from_hf({k: v for k, v in hf.items() if k != "quantization_config"})
+    config = read_config(folder)
     expected = _expected_quantized(config, bits, group_size, dtype, include_head)
-    if kernel in ("packed", "native"):                            # before any weight is read
-        from .linear import _choose_kernel
+    if kernel in ("packed", "native"):                            # before any weight file is opened
         for name, fields in expected.items():
             n, k = fields["scales"][0][0], fields["qweight"][0][1] * (2 if bits == 4 else 1)
-            _choose_kernel(bits, group_size, k, n, device, kernel)
+            choose_kernel(bits, group_size, k, n, device, kernel)
+    checkpoint = open_checkpoint(folder)
     with torch.device("meta"):
-        model = Transformer(config)
-    float_names = {name: tuple(p.shape) for name, p in model.named_parameters()
-                   if name.rpartition(".")[0] not in expected}
-    with safe_open(str(weights_path), framework="pt") as f:
-        stored = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()}
-    wanted = {f"{_hf(m)}.{field}": spec for m, fields in expected.items() for field, spec in fields.items()}
-    wanted.update({_hf(n): (shape, dtype) for n, shape in float_names.items()})
-    for name, (shape, want_dtype) in wanted.items():
-        if name not in stored:
-            raise ValueError(f"{weights_path.name} has no tensor {name!r} (expected shape {shape} from config.json "
-                             f"and int{bits}{'' if group_size is None else f', group_size={group_size}'})")
-        if stored[name][0] != shape:
-            raise ValueError(f"tensor {name!r} has shape {stored[name][0]} in {weights_path.name} but config.json "
-                             f"implies {shape}; the weights and config.json do not belong together")
-    unexpected = sorted(set(stored) - set(wanted))
-    if unexpected:
-        raise ValueError(f"{weights_path.name} holds tensors this configuration does not use: {unexpected[:5]}; "
-                         "is config.json for a different model or quantization?")
-
-    def read(f, name: str) -> torch.Tensor:
-        tensor = f.get_tensor(name)
-        want = wanted[name][1]
-        if tensor.dtype != want:
-            raise ValueError(f"tensor {name!r} is stored as {tensor.dtype}, expected {want}")
-        return tensor.to(device)
-
-    with safe_open(str(weights_path), framework="pt") as f:
-        for name, shape in float_names.items():
-            module_name, _, attr = name.rpartition(".")
-            module = model.get_submodule(module_name)
-            setattr(module, attr, nn.Parameter(read(f, _hf(name)), requires_grad=False))
-        if config.tie_embeddings and not include_head:
-            model.lm_head.weight = model.embed_tokens.weight
-        for name, fields in expected.items():
-            state = {field: read(f, f"{_hf(name)}.{field}") for field in fields}
-            state.setdefault("zeros", None)
-            state.setdefault("bias", None)
-            parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), attr,
-                    QuantizedLinear.from_state(state, bits, group_size, kernel))
+        skeleton = Transformer(config)
+    wanted = {f"{m}.{field}": spec for m, fields in expected.items() for field, spec in fields.items()}
+    wanted.update({name: (tuple(p.shape), dtype) for name, p in skeleton.named_parameters()
+                   if name.rpartition(".")[0] not in expected})
+    if config.tie_embeddings and include_head:
+        wanted.setdefault("embed_tokens.weight", ((config.vocab_size, config.dim), dtype))
+    what = f"config.json and int{bits}{'' if group_size is None else f', group_size={group_size}'}"
+    for name, (shape, _want) in wanted.items():                  # the messages name the quantization too
+        if name not in checkpoint.tensors:
+            raise ValueError(f"{weights_path.name} has no tensor {_hf(name)!r} (expected shape {shape} from {what})")
+    check_layout(checkpoint, {name: shape for name, (shape, _) in wanted.items()},
+                 stored_types=lambda name: (_SAFETENSORS_TYPES[wanted[name][1]],))
+    model = read_model(checkpoint, _QuantizedOnRead(expected, bits, group_size, kernel, include_head), device, dtype)
     model.quantization = {"scheme": f"int{bits}", "bits": bits, "group_size": group_size,
                           "include_head": include_head}
     model._rope_cache = None
     tokenizer = None
     if load_tokenizer and (folder / "tokenizer.json").is_file():
-        gen_path = folder / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        tokenizer = Tokenizer.from_file(folder / "tokenizer.json", gen.get("bos_token_id", config.bos_token_id),
-                                        gen.get("eos_token_id", config.eos_token_id))
-    return model.eval(), tokenizer
+        tokenizer = checkpoint.load_tokenizer()
+    return model, tokenizer
+
+
+class KeepQuantized(ReadTransform):
+    """The reader's transform for a GGUF file kept quantized: each Q4_1 linear becomes int4 with group 32 and its
+    scale and minimum, each Q8_0 one int8 with group 32, from the file's blocks (values exactly the dequantized
+    file's); other tensors are dequantized to the model's dtype. Chapter 08."""
+
+    def __init__(self, kernel: str = "auto"):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
+        self.kernel = kernel
+
+    def check(self, checkpoint, device) -> None:
+        self.checkpoint = checkpoint
+        if checkpoint.format != "gguf":
+            raise ValueError(f"keep_quantized keeps the blocks of a GGUF file; {checkpoint.source} is a "
+                             f"{checkpoint.format} checkpoint. Quantize a float model with llminfer.quant.quantize")
+        for name, entry in checkpoint.tensors.items():           # every kernel check before any tensor is read
+            if entry.stored in QUANTIZED_BLOCKS and len(entry.shape) == 2 and name != "embed_tokens.weight":
+                bits, group = QUANTIZED_BLOCKS[entry.stored]
+                choose_kernel(bits, group, entry.shape[1], entry.shape[0], device, self.kernel)
+
+    def replace(self, name, module, checkpoint, dtype, device):
+        if not isinstance(module, nn.Linear):    # a tied head reads the embedding's Q8_0 blocks as its own layer
+            return None
+        entry = checkpoint.tensors[checkpoint.source_name(name + ".weight")]
+        if entry.stored not in QUANTIZED_BLOCKS:
+            return None
+        bits, group = QUANTIZED_BLOCKS[entry.stored]
+        codes, scales, minimums = read_gguf_blocks(entry.path, entry.gguf, entry.rope_heads)
+        codes, scales = codes.to(device), scales.to(device=device, dtype=dtype)
+        minimums = None if minimums is None else minimums.to(device=device, dtype=dtype)
+        return QuantizedLinear(module.in_features, module.out_features, bits, group, codes, scales, None,
+                               kernel=self.kernel, offsets=minimums)
+
+    def local_bytes(self, model, dtype) -> int:
+        """The model's bytes once read: block layers at one byte a code plus a scale (and minimum) per 32, the rest
+        in dtype (a tied embedding both ways: a float table and the head's codes)."""
+        total = 0
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                entry = self.checkpoint.tensors[self.checkpoint.source_name(name + ".weight")]
+                if entry.stored in QUANTIZED_BLOCKS:
+                    total += module.weight.numel() * (1 + 2 * dtype_bytes(dtype) / 32)
+                    continue
+            for param_name, param in module.named_parameters(recurse=False):
+                if not (isinstance(module, nn.Linear) and param is getattr(model.embed_tokens, "weight", None)):
+                    total += param.numel() * dtype_bytes(dtype)
+        return int(total)
+
+
+def keep_quantized(kernel: str = "auto") -> KeepQuantized:
+    """The transform for llminfer.load_pretrained(gguf_file, transform=keep_quantized()). Chapter 08."""
+    return KeepQuantized(kernel)
+
+
+def _load_gguf(path: Path, device, kernel: str, load_tokenizer: bool):
+    from ..checkpoint import load_pretrained as load
+
+    model, tokenizer = load(path, device, torch.float32, load_tokenizer, transform=KeepQuantized(kernel))
+    kinds = {"Q4_1" if m.bits == 4 else "Q8_0" for m in quantized_modules(model).values()}
+    model.quantization = {"scheme": "gguf:" + "+".join(sorted(kinds)), "bits": 4 if "Q4_1" in kinds else 8,
+                          "group_size": 32, "include_head": True}
+    model._rope_cache = None
+    return model, tokenizer

@@ -63,10 +63,10 @@ def _native_fits(bits: int, group_size: int | None, in_features: int, device) ->
     return shape_ok and native_cpu.available()
 
 
-def _choose_kernel(bits: int, group_size: int | None, in_features: int, out_features: int, device,
-                   kernel: str) -> str:
+def choose_kernel(bits: int, group_size: int | None, in_features: int, out_features: int, device,
+                  kernel: str) -> str:
     """'native', 'int8pack', 'int4pack' or 'dequantize' for a layer; ValueError if kernel='packed' or
-    'native' cannot be had."""
+    'native' cannot be had. Chapter 08."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
     if kernel in ("auto", "native") and bits in (8, 4) and _native_fits(bits, group_size, in_features, device):
@@ -92,6 +92,9 @@ def _choose_kernel(bits: int, group_size: int | None, in_features: int, out_feat
     if kernel == "dequantize" or not available:
         return "dequantize"
     return "int8pack" if bits == 8 else "int4pack"
+
+
+_choose_kernel = choose_kernel
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -139,13 +142,22 @@ class QuantizedLinear(nn.Module):
     Held as canonical data (what a checkpoint stores): `codes` (N, K) ints, `scales` (N, n_groups) and, for
     the asymmetric formats, `zeros` (N, n_groups), all in the model's dtype; w = q·scale for int8 and
     w = (q - 2^(b-1))·scale + zero below. The kernel keeps them in its own packed layout.
+
+    A format stored as w = q·scale + minimum (GGUF's Q4_1) passes `offsets` (the minimums) instead of zeros: the
+    layer then computes exactly q·scale + offset, with zero = offset + 2^(b-1)·scale kept for the checkpoint and
+    the packed kernel (one rounding there).
     """
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None,
                  codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 bias: torch.Tensor | None = None, kernel: str = "auto"):
+                 bias: torch.Tensor | None = None, kernel: str = "auto", offsets: torch.Tensor | None = None):
         super().__init__()
         check_scheme(bits, group_size, in_features)
+        if offsets is not None:
+            if bits == 8 or zeros is not None:
+                raise ValueError("offsets (w = q·scale + offset) are for the asymmetric formats and replace zeros; "
+                                 f"got bits={bits} with{'' if zeros is None else ' zeros and'} offsets")
+            zeros = offsets + 2 ** (bits - 1) * scales
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size = bits, group_size
         self.kernel = _choose_kernel(bits, group_size, in_features, out_features, codes.device, kernel)
@@ -174,13 +186,16 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", stored.contiguous())    # (N, K) or (N, K/2) nibbles for int4
             self.register_buffer("scales", scales.contiguous())     # (N, n_groups)
             self.register_buffer("zeros", None if zeros is None else zeros.contiguous())
+        self.register_buffer("offsets", None if offsets is None or self.kernel == "int4pack" else
+                             offsets.contiguous())                  # (N, n_groups): w = q·scale + offset exactly
         if self.kernel == "native":
             # the kernel's float32 terms: w = q·scale (int8) or q·scale + offset, offset = zero - 8·scale (int4)
             scale32 = scales.float()
             self.kernel_group = in_features if group_size is None else group_size
             self.register_buffer("kernel_scale", (scale32[:, 0] if bits == 8 else scale32).contiguous(),
                                  persistent=False)
-            self.register_buffer("kernel_offset", None if bits == 8 else
+            self.register_buffer("kernel_offset", None if bits == 8 else offsets.float().contiguous()
+                                 if offsets is not None else
                                  (zeros.float() - 2 ** (bits - 1) * scale32).contiguous(), persistent=False)
 
     # --- building ------------------------------------------------------------------------------------
@@ -276,6 +291,8 @@ class QuantizedLinear(nn.Module):
         codes = self.codes().float().reshape(self.out_features, n_groups, -1)
         if zeros is None:
             w = codes * scales.float()[..., None]
+        elif self.offsets is not None:
+            w = codes * scales.float()[..., None] + self.offsets.float()[..., None]
         else:
             w = (codes - 2 ** (self.bits - 1)) * scales.float()[..., None] + zeros.float()[..., None]
         return w.reshape(self.out_features, self.in_features).to(dtype or self.dtype)
@@ -308,7 +325,7 @@ class QuantizedLinear(nn.Module):
                                                            self.scales_and_zeros)        # (tokens, N)
         elif self.kernel != "dequantize":              # prefill: dequantize once, then one float matmul
             y = F.linear(x2, self.dequantized_weight(x2.dtype))
-        elif self.bits == 8:
+        elif self.bits == 8 and self.scales.shape[1] == 1:
             y = F.linear(x2, self.qweight.to(x2.dtype)) * self.scales[:, 0]              # scale per output
         else:
             y = F.linear(x2, self._dequantize_fallback(x2.dtype))
@@ -317,11 +334,7 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _dequantize_fallback(self, dtype: torch.dtype) -> torch.Tensor:
-        codes = _unpack_nibbles(self.qweight) if self.bits == 4 else self.qweight
-        n_groups = self.scales.shape[1]
-        codes = codes.float().reshape(self.out_features, n_groups, -1)                  # (N, groups, group)
-        w = (codes - 2 ** (self.bits - 1)) * self.scales.float()[..., None] + self.zeros.float()[..., None]
-        return w.reshape(self.out_features, self.in_features).to(dtype)
+        return self.dequantized_weight(dtype)
 
     def extra_repr(self) -> str:
         group = "per channel" if self.group_size is None else f"group_size={self.group_size}"

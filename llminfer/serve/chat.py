@@ -18,64 +18,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..tokenizer import PLAIN_TEMPLATE, ChatTemplate, message_text
+
 __all__ = ["PLAIN_TEMPLATE", "ChatTemplate", "load_chat_template", "message_text"]
-
-PLAIN_TEMPLATE = (   # the newline is a Jinja string: trim_blocks would eat a bare one after a block tag
-    "{% for message in messages %}{{ message['content'] }}{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}"
-)
-
-
-def message_text(content) -> str:
-    """A message's content as text: a string as it is; a list of parts, its text parts joined."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for part in content:
-        kind = part.get("type")
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise ValueError(f"message content part of type {kind!r} is not supported; this server takes text "
-                             "parts only ({\"type\": \"text\", \"text\": ...})")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-class ChatTemplate:
-    """A compiled chat template: `render(messages)` gives the prompt string. Chapter 11."""
-
-    def __init__(self, source: str = PLAIN_TEMPLATE, bos_token: str = "", eos_token: str = "",
-                 origin: str = "plain"):
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-        try:
-            self._template = env.from_string(source)
-        except TemplateError as exc:
-            raise ValueError(f"the chat template from {origin} does not compile: {exc}") from None
-        self.source = source
-        self.bos_token = bos_token
-        self.eos_token = eos_token
-        self.origin = origin
-
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt for `messages` (dicts with 'role' and 'content'), ready to tokenize."""
-        from jinja2 import TemplateError
-        plain = [{**m, "content": message_text(m.get("content"))} for m in messages]
-        try:
-            return self._template.render(messages=plain, bos_token=self.bos_token, eos_token=self.eos_token,
-                                         add_generation_prompt=add_generation_prompt)
-        except TemplateError as exc:
-            raise ValueError(f"the chat template ({self.origin}) refused these messages: {exc}") from None
-
-    def __repr__(self) -> str:
-        return f"ChatTemplate(origin={self.origin!r}, {len(self.source)} characters)"
 
 
 def _token_text(value) -> str:
@@ -89,6 +34,11 @@ def load_chat_template(folder: str | Path | None) -> ChatTemplate:
     """The checkpoint's own template (tokenizer_config.json's chat_template, or chat_template.jinja), else PLAIN_TEMPLATE."""
     if folder is None:
         return ChatTemplate()
+    if Path(folder).is_file() and Path(folder).suffix == ".gguf":     # a GGUF file carries its own template
+        from ..gguf_reader import gguf_tokenizer, read_header
+        template = gguf_tokenizer(read_header(folder)).chat_template
+        return ChatTemplate() if template is None else ChatTemplate(
+            template.source, template.bos_token, template.eos_token, origin=Path(folder).name)
     jinja_file = Path(folder) / "chat_template.jinja"              # newer checkpoints keep it in its own file
     path = Path(folder) / "tokenizer_config.json"
     if not path.is_file():
