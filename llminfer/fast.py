@@ -8,8 +8,9 @@ model's forward or its checkpoint format:
   (dim → (H + 2·H_kv)·D) matrix and gate and up one (dim → 2·hidden) matrix, made from the loaded weights.
   Fewer, larger matrix–vector products: one pass over x instead of three, fewer kernel launches. The fused
   modules call the same cache protocol (`cache.attend`) and give the same numbers as the unfused ones.
-* `compile_decode(model)`: a `FastDecoder` whose one-token step is the model's own forward over a static
-  KV cache (the one CUDA graphs use), compiled by `torch.compile` (inductor). With `freeze=True` inductor
+* `compile_decode(model)`: a `StaticDecoder` (`llminfer.cuda_graphs`) whose one-token step is the model's own
+  forward over a static KV cache (the one CUDA graphs use), compiled by `torch.compile` (inductor); the caller
+  passes it to the token loop, `llminfer.generate(model, ids, step=decoder)`. With `freeze=True` inductor
   takes the weights as constants and prepacks them for its matmul kernels, and the whole step's small
   element-wise work (norms, RoPE, SwiGLU, the cache write) fuses into a few loops. Compiling takes tens of
   seconds; inductor's on-disk cache makes a second compile of the same model in a new process faster.
@@ -30,29 +31,19 @@ which stream faster.
 """
 from __future__ import annotations
 
-import time
-import types
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .cuda_graphs import static_decode
+from .cuda_graphs import StaticDecoder
 from .device import huge_page_empty, on_huge_pages
-from .generate import GenerationResult, TokenTimer, as_token_batch, check_sampling, sample_next
 from .kernels import cpu as native_cpu
 from .model import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, apply_rope
 from .quant.linear import QuantizedLinear
 
 __all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "NativeDecoderLayer",
            "NativeDecoderStack", "use_native_kernels", "use_huge_pages",
-           "uses_native_kernels", "optimize_decode", "FastDecoder", "compile_decode", "COMPILE_OPTIONS"]
-
-# inductor settings of the compiled step: weights frozen as constants (prepacked for the matmul kernels),
-# and no size assertions in the generated wrapper (the shapes are static; each assertion is Python work in
-# every step). max_autotune (benchmarking matmul templates per shape) is left off: on a 2-core CPU it
-# multiplies the compile time by several for the same step.
-COMPILE_OPTIONS = {"freezing": True, "size_asserts": False}
+           "uses_native_kernels", "optimize_decode", "compile_decode"]
 
 
 def _concat_linears(layers: list[nn.Module]) -> nn.Module:
@@ -381,163 +372,24 @@ def optimize_decode(model: nn.Module) -> nn.Module:
     return use_native_kernels(fuse_projections(model))
 
 
-class FastDecoder:
-    """Decoding whose one-token steps run the model's forward compiled over a static KV cache. Chapter 08.
-
-    `generate(ids, max_new_tokens)` returns a GenerationResult timed like `llminfer.generate`. The prefill
-    runs eagerly through the same forward; each later token calls the compiled step. `compile_s` is the
-    time the first compiled call took (tracing, code generation, autotuning), or 0.0 uncompiled.
-    specialize=True (inductor only) drops the guards on the model's modules: the step is then tied to the
-    model as it was compiled, and a changed model needs a new decoder.
-    """
-
-    def __init__(self, model, batch_size: int = 1, max_seq_len: int | None = None, compile: bool = True,
-                 options: dict | None = None, dynamic: bool = False, backend: str = "inductor",
-                 specialize: bool = True):
-        max_seq_len = model.config.max_seq_len if max_seq_len is None else max_seq_len
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        self.model = model
-        self.cache = model.new_cache(batch_size, max_seq_len)      # checks the size against free memory
-        self.cache.static = True                                    # fixed shapes: one compiled graph for every step
-        self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=model.device)     # (B, 1)
-        self.position = torch.zeros(1, dtype=torch.long, device=model.device)              # (1,)
-        self.compiled = compile
-        self.options = dict(COMPILE_OPTIONS if options is None else options) if backend == "inductor" else None
-        self.compile_s = 0.0
-        self.threads = torch.get_num_threads()
-        model.rope_tables(model.config.max_seq_len)                 # grown now, never inside the compiled step
-        options = self.options
-        if options is not None and specialize:
-            # no guards on the model's modules: checking them before every step costs more than a millisecond
-            # for a 30-layer model. The step is specialised to the model as it is now; changing the model
-            # (its weights' identity, its attention backend) afterwards needs a new decoder.
-            options = dict(options, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)
-        # Each decoder compiles its own copy of the step's code: torch.compile keeps its compiled graphs (and
-        # their guards) per code object, and without module guards two decoders sharing one code object
-        # could run each other's graphs.
-        step = types.FunctionType(FastDecoder._forward.__code__.replace(
-            co_name=f"decode_step_{id(self):x}", co_qualname=f"FastDecoder.decode_step_{id(self):x}"),
-            FastDecoder._forward.__globals__)
-        step = types.MethodType(step, self)
-        self._step = torch.compile(step, backend=backend, options=options, dynamic=dynamic,
-                                   fullgraph=True) if compile else self._forward
-        # Specialised, the step also takes the model's tensors (weights, cache buffers) as part of the graph
-        # rather than as inputs gathered from the modules before every call: dynamo's `install_free_tensors`,
-        # set while the step is traced. That gathering cost about 0.2 ms of each step (3% of a bfloat16 step
-        # of a 135M model).
-        self._trace_options = {"install_free_tensors": True} if compile and options is not None and specialize else {}
-        self._traced = not compile
-
-    def _forward(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        return self.model(token, positions=position, cache=self.cache)[:, -1]         # (B, vocab)
-
-    @torch.inference_mode()
-    def warmup(self) -> float:
-        """Compiles the step now (if not yet) and returns the seconds it took; the cache is left empty."""
-        if self.compiled and self.compile_s == 0.0:
-            if torch.get_num_threads() != self.threads:
-                raise RuntimeError(f"the decoder was made with {self.threads} threads but torch now uses "
-                                   f"{torch.get_num_threads()}; compiled CPU code keeps its thread count, so "
-                                   "make the decoder under the thread count it will run with")
-            self.position.fill_(0)
-            start = time.perf_counter()
-            self._traced_step()
-            self.compile_s = time.perf_counter() - start
-        self.cache.reset()
-        return self.compile_s
-
-    @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Eager forward over the prompt (B, T) into the empty static cache; returns the last logits (B, vocab)."""
-        self.cache.reset()
-        positions = torch.arange(ids.shape[1], device=self.model.device)
-        logits = self.model(ids, positions=positions, cache=self.cache, last_only=True)[:, -1]
-        self.cache.length = ids.shape[1]
-        return logits
-
-    @torch.inference_mode()
-    def decode(self, token: torch.Tensor) -> torch.Tensor:
-        """Returns logits (B, vocab) for token (B,) at position cache.length: one compiled step."""
-        return static_decode(self.cache, self.token, self.position, token,
-                             lambda: self._step(self.token, self.position) if self._traced else self._traced_step())
-
-    def _traced_step(self) -> torch.Tensor:
-        """The step's first compiled call, which traces and compiles it, under the decoder's tracing options."""
-        import torch._dynamo
-
-        with torch._dynamo.config.patch(**self._trace_options):
-            logits = self._step(self.token, self.position)
-        self._traced = True
-        return logits
-
-    def fits(self, batch: int, prompt_len: int, max_new_tokens: int) -> bool:
-        """Whether a request of this shape can run here (llminfer.generate asks before handing it over)."""
-        return (batch == self.cache.batch_size and max_new_tokens >= 1
-                and prompt_len + max_new_tokens - 1 <= self.cache.capacity
-                and torch.get_num_threads() == self.threads)
-
-    @torch.inference_mode()
-    def generate(self, input_ids, max_new_tokens: int = 16, eos_token_id: int | None = None,
-                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None) -> GenerationResult:
-        """Up to max_new_tokens after the prompt, with TTFT/ITL timings; greedy by default. Chapter 08."""
-        check_sampling(max_new_tokens, temperature, top_k, top_p)
-        ids = as_token_batch(input_ids)
-        batch, prompt_len = ids.shape
-        if batch != self.cache.batch_size:
-            raise ValueError(f"the decoder was built for batch_size={self.cache.batch_size}, got {batch} "
-                             "sequences; make a FastDecoder for this batch")
-        if max_new_tokens < 1 or prompt_len + max_new_tokens - 1 > self.cache.capacity:
-            raise ValueError(f"{prompt_len} prompt tokens + {max_new_tokens} new need "
-                             f"{prompt_len + max_new_tokens - 1} cache positions, the decoder's cache holds "
-                             f"{self.cache.capacity}; pass a larger max_seq_len or fewer tokens (at least 1)")
-        self.model.check_token_ids(ids)
-        self.warmup()
-        device = self.model.device
-        generator = None
-        if temperature > 0:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(seed if seed is not None else torch.seed())
-        timer = TokenTimer(device)
-        timer.start()
-        token = sample_next(self.prefill(ids.to(device)), temperature, top_k, top_p, generator)   # (B,)
-        made = [token]
-        finished = token == eos_token_id if eos_token_id is not None else None                     # (B,)
-        timer.token()
-        for _ in range(1, max_new_tokens):
-            if finished is not None and bool(finished.all()):         # a host read, only when stopping on EOS
-                break
-            token = sample_next(self.decode(token), temperature, top_k, top_p, generator)
-            if finished is not None:
-                token = torch.where(finished, torch.full_like(token, eos_token_id), token)
-                finished |= token == eos_token_id
-            made.append(token)
-            timer.token()
-        rows = torch.stack(made, dim=1).tolist()
-        if eos_token_id is not None:                 # as llminfer.generate: each row ends at its first EOS
-            rows = [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
-        return timer.result(rows[0] if len(rows) == 1 else rows, prompt_len)
-
-
 def compile_decode(model, batch_size: int = 1, max_seq_len: int | None = None, fuse: bool = True,
                    compile: bool = True, options: dict | None = None, warmup: bool = True,
-                   backend: str = "inductor", native: bool = True, attach: bool = True) -> FastDecoder:
+                   backend: str = "inductor", native: bool = True) -> StaticDecoder:
     """Fuses the projections and switches to the native CPU kernels (in place: products, decode attention,
-    and the layer stack in one native call a step), and returns a FastDecoder with its step compiled. Chapter 08.
+    and the layer stack in one native call a step), and returns a StaticDecoder whose step is compiled
+    (compile=False: left eager). Chapter 08.
 
     warmup=True compiles at once; `decoder.compile_s` says how long it took (a second compile of the same
-    model in a new process reads inductor's on-disk cache and is faster). attach=True sets
-    `model.compiled_decoder`, so `llminfer.generate(model, ...)` decodes through it whenever a request fits
-    (same batch size, within max_seq_len, same thread count); `model.compiled_decoder = None` detaches it.
+    model in a new process reads inductor's on-disk cache and is faster). The model keeps no reference to
+    the decoder: pass it where it should run, `llminfer.generate(model, ids, step=decoder)` or
+    `decoder.generate(ids)` (a request must fit its batch size and max_seq_len, under the same thread count).
     """
     if fuse:
         fuse_projections(model)
     if native:
         use_native_kernels(model)
-    decoder = FastDecoder(model, batch_size, max_seq_len, compile=compile, options=options, backend=backend)
+    decoder = StaticDecoder(model, batch_size, max_seq_len, mode="compiled" if compile else "eager",
+                            options=options, backend=backend)
     if warmup:
         decoder.warmup()
-    if attach:
-        model.compiled_decoder = decoder
     return decoder

@@ -1,21 +1,26 @@
-"""Prefill, decode and the generation loop, with a timestamp for every token. Chapter 01.
+"""Prefill, decode, the one request check and the one token loop, with a timestamp for every token. Chapter 01.
 
 With the cache: one forward over the prompt (prefill), then one single-token forward per new token
 (decode). Without it: a forward over *all* tokens so far at every step, recomputing every earlier
 token's K and V — the waste that chapter 03 counts and chapter 04 removes.
 
-Every loop in the package that makes tokens (this one, the CUDA-graph decoder, the benchmark's
-contenders, the latency widget) returns a `GenerationResult` timed by a `TokenTimer`, so their
-numbers mean the same thing. The names follow vLLM's benchmark: TTFT is the time to the first
-token, ITL each gap between consecutive tokens, TPOT (end-to-end − TTFT) / (tokens − 1), E2E the
-time to the last token.
+`token_loop` is the one loop that turns logits into tokens: it seeds the sampler, samples, stops rows at
+EOS and times every token into a `GenerationResult`. How a step runs is a strategy it is handed, an
+object with `prepare(ids, max_new_tokens)`, `prefill(ids)` and `decode(token)`: `EagerSteps` (the model's
+forward, with or without a cache) by default, or `cuda_graphs.StaticDecoder` (the same forward over a
+static cache, run eagerly, compiled by torch.compile or replayed from a CUDA graph), which the caller
+passes as `generate(model, ids, step=decoder)`. `check_request` is the one check of a request (ids,
+lengths, EOS, sampling settings) that generate, the static decoder, speculative decoding and the engines
+run before any compute.
+
+The timing names follow vLLM's benchmark: TTFT is the time to the first token, ITL each gap between
+consecutive tokens, TPOT (end-to-end − TTFT) / (tokens − 1), E2E the time to the last token.
 """
 from __future__ import annotations
 
 import math
 import numbers
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -24,10 +29,15 @@ import torch
 from . import costs
 from .device import check_fits, dtype_bytes, synchronize
 from .kv_cache import Cache
-from .model import Transformer
+from .model import Transformer, check_token_ids
 
-__all__ = ["GenerationResult", "TokenTimer", "prefill", "decode_step", "generate", "sample_next",
-           "check_sampling", "as_token_batch", "synchronize"]
+__all__ = ["GenerationResult", "TokenTimer", "is_int", "check_sampling", "check_capacity", "check_request",
+           "as_token_batch", "prefill", "decode_step", "probabilities", "sample_next", "new_generator", "trim_at_eos", "EagerSteps",
+           "token_loop", "generate", "MIN_TEMPERATURE"]
+
+# The smallest temperature sampling takes: the smallest normal float32. Logits are divided by it in float32,
+# so a smaller one (1e-300, say) becomes 0 there and every logit turns into inf or nan.
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
 
 
 @dataclass
@@ -52,20 +62,6 @@ class GenerationResult:
         """Time per output token after the first: (E2E − TTFT) / (tokens − 1); nan with one token."""
         n = self.num_output_tokens
         return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else float("nan")
-
-    @property
-    def prompt_len(self) -> int:
-        return self.num_prompt_tokens
-
-    @property
-    def token_latencies_s(self) -> list[float]:
-        warnings.warn("GenerationResult.token_latencies_s is deprecated; use itl_s", DeprecationWarning, stacklevel=2)
-        return self.itl_s
-
-    @property
-    def total_s(self) -> float:
-        warnings.warn("GenerationResult.total_s is deprecated; use e2e_s", DeprecationWarning, stacklevel=2)
-        return self.e2e_s
 
 
 class TokenTimer:
@@ -97,34 +93,44 @@ class TokenTimer:
         return GenerationResult(token_ids, ttft, itl, e2e, num_prompt_tokens, use_cache, logits or [])
 
 
-# --- validation: every user value checked before any compute -------------------------------------------
+# --- the one request check: every user value checked before any compute ---------------------------------
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """Whether value is an integer (a bool is not). Chapter 01."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_sampling(max_new_tokens: int = 1, temperature: float = 0.0, top_k: int | None = None,
-                   top_p: float | None = None) -> None:
-    """Raise ValueError naming the first sampling setting that cannot work. Chapter 01."""
-    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+                   top_p: float | None = None, seed: int | None = None, eos_token_id: int | None = None,
+                   vocab_size: int | None = None) -> None:
+    """Raise ValueError naming the first sampling or stopping setting that cannot work. Chapter 01.
+
+    The EOS id is checked against vocab_size where it is known (an engine's SamplingParams are made
+    before they meet a model)."""
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature):
         raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature={temperature!r} is below {MIN_TEMPERATURE:.3g}, the smallest temperature "
+                         "sampling can divide float32 logits by (the scaled logits would overflow to inf and nan); "
+                         "pass temperature=0 for greedy decoding, which such a temperature amounts to")
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)
                               or not 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
-
-
-def _check_eos(eos_token_id, vocab_size: int) -> None:
+    if seed is not None and not is_int(seed):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
     if eos_token_id is None:
         return
-    if not _is_int(eos_token_id):
+    if not is_int(eos_token_id):
         raise ValueError(f"eos_token_id must be an integer token id or None, got {eos_token_id!r}")
-    if not 0 <= eos_token_id < vocab_size:
+    if vocab_size is None and eos_token_id < 0:
+        raise ValueError(f"eos_token_id must be a token id >= 0 or None, got {eos_token_id!r}")
+    if vocab_size is not None and not 0 <= eos_token_id < vocab_size:
         raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary of {vocab_size} ids "
                          f"(0..{vocab_size - 1}), so generation would never stop on it; pass the tokenizer's "
                          "eos_token_id")
@@ -143,7 +149,7 @@ def as_token_batch(input_ids) -> torch.Tensor:
             if isinstance(row, (str, bytes)):
                 raise ValueError("input_ids must be token ids, got text; encode text first with tokenizer.encode(text)")
             for value in row:
-                if not _is_int(value):
+                if not is_int(value):
                     raise ValueError(f"input_ids must hold integer token ids, got {value!r} "
                                      f"({type(value).__name__}); pass ids from tokenizer.encode(text)")
         try:
@@ -156,8 +162,50 @@ def as_token_batch(input_ids) -> torch.Tensor:
     if ids.dim() == 1:
         ids = ids[None, :]                                              # (1, T)
     if ids.dim() != 2 or ids.shape[1] == 0:
-        raise ValueError("the prompt must hold at least one token, got an empty prompt")
+        raise ValueError("the prompt is empty; a request needs at least one token (e.g. the BOS token)")
     return ids.long()
+
+
+def check_capacity(prompt_len: int, max_new_tokens: int, capacity: int) -> None:
+    """Raise ValueError unless a request makes at least one token and fits a fixed cache of `capacity`
+    positions (its last token is sampled, never written). Chapter 04."""
+    if max_new_tokens < 1:
+        raise ValueError(f"a decoder with a fixed cache makes at least one token, got max_new_tokens={max_new_tokens}")
+    if prompt_len + max_new_tokens - 1 > capacity:
+        raise ValueError(f"{prompt_len} prompt tokens + {max_new_tokens} new need {prompt_len + max_new_tokens - 1} "
+                         f"cache positions, the decoder's cache holds {capacity}; pass a larger max_seq_len or fewer "
+                         "tokens (at least 1)")
+
+
+def check_request(config, input_ids, max_new_tokens: int = 16, eos_token_id: int | None = None,
+                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                  seed: int | None = None, capacity: int | None = None, single: bool = False) -> torch.Tensor:
+    """The one request check: returns the prompt as (B, T) long ids once ids, lengths, EOS and sampling
+    settings are valid, else raises ValueError naming the value, the limit and the fix. Chapter 01.
+
+    The prompt and its max_new_tokens must fit the model's context (config.max_seq_len), or, for a decoder
+    with a fixed cache, `capacity` positions (the last token is sampled, never written). single=True refuses
+    a batch (an engine request is one sequence).
+    """
+    check_sampling(max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, config.vocab_size)
+    if isinstance(input_ids, torch.Tensor) and single and input_ids.dim() > 1 and input_ids.shape[0] != 1:
+        raise ValueError(f"a request is one sequence, a 1-D list of token ids, got a tensor of shape "
+                         f"{tuple(input_ids.shape)}; pass one prompt per request (loop over the prompts)")
+    ids = as_token_batch(input_ids)
+    batch, prompt_len = ids.shape
+    if single and batch != 1:
+        raise ValueError(f"a request is one sequence, a 1-D list of token ids, got a batch of {batch}; pass one "
+                         "prompt per request (loop over the prompts)")
+    if capacity is not None:
+        check_capacity(prompt_len, max_new_tokens, capacity)
+    else:
+        limit = config.max_seq_len
+        if prompt_len + max_new_tokens > limit:
+            raise ValueError(f"a prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = "
+                             f"{prompt_len + max_new_tokens} positions exceed the model's context (max_seq_len="
+                             f"{limit}); pass max_new_tokens <= {max(limit - prompt_len, 0)} or shorten the prompt")
+    check_token_ids(ids, config.vocab_size)                 # the one vocabulary check (one host read)
+    return ids
 
 
 # --- the two phases -----------------------------------------------------------------------------------
@@ -171,8 +219,7 @@ def prefill(model: Transformer, input_ids: torch.Tensor, cache: Cache) -> torch.
 
 
 @torch.inference_mode()
-def decode_step(model: Transformer, token_ids: torch.Tensor, cache: Cache, start_pos: int | None = None,
-                check_ids: bool = True) -> torch.Tensor:
+def decode_step(model: Transformer, token_ids: torch.Tensor, cache: Cache, check_ids: bool = True) -> torch.Tensor:
     """One new token per sequence at position cache.length; returns its logits (B, vocab). Chapter 01.
 
     check_ids=False skips the vocabulary check (a host sync) for ids the loop sampled itself.
@@ -181,26 +228,25 @@ def decode_step(model: Transformer, token_ids: torch.Tensor, cache: Cache, start
         token_ids = as_token_batch(token_ids).view(-1)
     if token_ids.dim() == 1:
         token_ids = token_ids[:, None]                                  # (B, 1)
-    if start_pos is not None:
-        warnings.warn("decode_step(start_pos=...) is deprecated: the cache owns its length", DeprecationWarning,
-                      stacklevel=3)
-        if start_pos != cache.length:
-            raise ValueError(f"start_pos={start_pos} but the cache holds {cache.length} positions, so the token goes "
-                             f"at position {cache.length}; drop start_pos, or call cache.truncate({start_pos}) first")
     if check_ids:
         model.check_token_ids(token_ids)
     return model(token_ids, cache=cache)[:, -1]
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token ids (B,) from logits (B, vocab): argmax when temperature is 0, else a filtered sample. Chapter 01."""
-    check_sampling(1, temperature, top_k, top_p)
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+# --- the loop's pieces: sampling, seeding, EOS ------------------------------------------------------------
+
+def probabilities(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                  top_p: float | None = None) -> torch.Tensor:
+    """softmax(logits / temperature) over the last dimension, in float32, after the top-k and top-p filters;
+    same shape as logits (..., vocab). Chapter 01.
+
+    The largest logit is subtracted before dividing, so any temperature down to MIN_TEMPERATURE gives
+    finite numbers (the others become -inf, probability 0) instead of inf / inf = nan.
+    """
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature     # <= 0, the largest exactly 0
     if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
@@ -209,9 +255,35 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
         drop_sorted = before >= top_p                  # keep the smallest prefix that reaches top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return logits.softmax(dim=-1)
 
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ids (B,) from logits (B, vocab): argmax when temperature is 0, else a filtered sample. Chapter 01."""
+    check_sampling(1, temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(probabilities(logits, temperature, top_k, top_p), 1, generator=generator)[:, 0]
+
+
+def new_generator(device, temperature: float, seed: int | None) -> torch.Generator | None:
+    """The sampler's random generator on device, seeded with seed (or afresh); None for greedy. Chapter 01."""
+    if temperature == 0:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else torch.seed())
+    return generator
+
+
+def trim_at_eos(token_ids: list[int], eos_token_id: int | None) -> list[int]:
+    """The tokens up to and including the first EOS (all of them without one). Chapter 01."""
+    if eos_token_id is None or eos_token_id not in token_ids:
+        return token_ids
+    return token_ids[: token_ids.index(eos_token_id) + 1]
+
+
+# --- the step strategies and the one loop -----------------------------------------------------------------
 
 def _check_memory(model: Transformer, batch: int, prompt_len: int, max_new_tokens: int, use_cache: bool) -> None:
     config, element = model.config, dtype_bytes(model.dtype)
@@ -224,66 +296,93 @@ def _check_memory(model: Transformer, batch: int, prompt_len: int, max_new_token
                fix="use a smaller batch, a shorter prompt or fewer new tokens")
 
 
-@torch.inference_mode()
-def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache: bool = True,
-             eos_token_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int | None = None, return_logits: bool = False) -> GenerationResult:
-    """Generate up to max_new_tokens after the prompt; returns the tokens and their timings. Chapter 01."""
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
-    _check_eos(eos_token_id, model.config.vocab_size)
-    if seed is not None and not _is_int(seed):
-        raise ValueError(f"seed must be an integer or None, got {seed!r}")
-    ids = as_token_batch(input_ids)
-    batch, prompt_len = ids.shape
-    limit = model.config.max_seq_len
-    if prompt_len + max_new_tokens > limit:
-        raise ValueError(
-            f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = {prompt_len + max_new_tokens} "
-            f"positions exceed the model's max_seq_len={limit}; pass max_new_tokens <= {max(limit - prompt_len, 0)} "
-            "or shorten the prompt"
-        )
-    model.check_token_ids(ids)                              # the one vocabulary check, before the cache is made
-    _check_memory(model, batch, prompt_len, max_new_tokens, use_cache)
-    decoder = getattr(model, "compiled_decoder", None)      # llminfer.fast.compile_decode: the compiled step
-    if decoder is not None and use_cache and not return_logits and decoder.fits(batch, prompt_len, max_new_tokens):
-        return decoder.generate(ids, max_new_tokens, eos_token_id, temperature, top_k, top_p, seed)
-    device = model.device
-    ids = ids.to(device)
-    cache = model.new_cache(batch, max_seq_len=max(prompt_len + max_new_tokens - 1, prompt_len)) if use_cache else None
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed if seed is not None else torch.seed())
+class EagerSteps:
+    """The loop's default step: the model's forward over a fresh KV cache, or without one over every token
+    so far (the recomputation of chapter 03). Chapter 01."""
 
+    def __init__(self, model: Transformer, use_cache: bool = True):
+        self.model = model
+        self.use_cache = use_cache
+        self.cache = None
+        self.context = None
+
+    def prepare(self, ids: torch.Tensor, max_new_tokens: int) -> None:
+        """Checks the memory the request needs, then allocates its cache (before the clock starts)."""
+        batch, prompt_len = ids.shape
+        _check_memory(self.model, batch, prompt_len, max_new_tokens, self.use_cache)
+        self.cache = (self.model.new_cache(batch, max_seq_len=max(prompt_len + max_new_tokens - 1, prompt_len))
+                      if self.use_cache else None)
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, vocab) after the prompt (B, T)."""
+        if self.use_cache:
+            return prefill(self.model, ids, self.cache)
+        self.context = ids                                                  # (B, T) grows by a token a step
+        return self.model(ids, last_only=True)[:, -1]
+
+    def decode(self, token: torch.Tensor) -> torch.Tensor:
+        """Logits (B, vocab) after one more token (B,)."""
+        if self.use_cache:
+            return decode_step(self.model, token, self.cache, check_ids=False)
+        self.context = torch.cat([self.context, token[:, None]], dim=1)
+        return self.model(self.context, last_only=True)[:, -1]             # recompute everything
+
+
+@torch.inference_mode()
+def token_loop(steps, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
+               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+               seed: int | None = None, return_logits: bool = False) -> GenerationResult:
+    """The one token loop: up to max_new_tokens after the checked prompt ids (B, T), each step run by
+    `steps` (prepare, prefill, decode); returns the tokens and their timings. Chapter 01.
+
+    Rows stop at their first EOS (a finished row keeps emitting EOS until every row is done).
+    """
+    steps.prepare(ids, max_new_tokens)
+    device = steps.model.device
+    ids = ids.to(device)
+    batch, prompt_len = ids.shape
+    generator = new_generator(device, temperature, seed)
     new_tokens = torch.empty(batch, max_new_tokens, dtype=torch.long, device=device)  # (B, N)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     all_logits: list[torch.Tensor] = []
     timer = TokenTimer(device)
     n_made = 0
     timer.start()
-    context = ids                                           # (B, T) grows without a cache
     for step in range(max_new_tokens):
-        if use_cache:
-            logits = (prefill(model, ids, cache) if step == 0
-                      else decode_step(model, new_tokens[:, step - 1], cache, check_ids=False))
-        else:
-            logits = model(context, last_only=True)[:, -1]  # recompute everything
-        token = sample_next(logits, temperature, top_k, top_p, generator)                  # (B,)
+        logits = steps.prefill(ids) if step == 0 else steps.decode(new_tokens[:, step - 1])           # (B, vocab)
+        token = sample_next(logits, temperature, top_k, top_p, generator)                              # (B,)
         if eos_token_id is not None:
             token = torch.where(finished, torch.full_like(token, eos_token_id), token)
             finished |= token == eos_token_id
         new_tokens[:, step] = token
-        if not use_cache:
-            context = torch.cat([context, token[:, None]], dim=1)
         if return_logits:
-            all_logits.append(logits.float().cpu())
+            all_logits.append(logits.detach().to("cpu", torch.float32, copy=True))  # a copy: a graph reuses its output
         n_made = step + 1
         done = eos_token_id is not None and bool(finished.all())   # reading the flag waits for the GPU
         timer.token()
         if done:
             break
+    rows = [trim_at_eos(row, eos_token_id) for row in new_tokens[:, :n_made].tolist()]
+    return timer.result(rows[0] if batch == 1 else rows, prompt_len, getattr(steps, "use_cache", True), all_logits)
 
-    rows = new_tokens[:, :n_made].tolist()
-    if eos_token_id is not None:
-        rows = [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
-    return timer.result(rows[0] if batch == 1 else rows, prompt_len, use_cache, all_logits)
+
+def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache: bool = True,
+             eos_token_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int | None = None, return_logits: bool = False,
+             step=None) -> GenerationResult:
+    """Generate up to max_new_tokens after the prompt; returns the tokens and their timings. Chapter 01.
+
+    step: how each step runs; None is the model's eager forward (`EagerSteps`), or pass a decoder made for
+    this model, e.g. `llminfer.fast.compile_decode(model)`'s compiled step.
+    """
+    ids = check_request(model.config, input_ids, max_new_tokens, eos_token_id, temperature, top_k, top_p, seed)
+    if step is None:
+        step = EagerSteps(model, use_cache)
+    elif getattr(step, "model", None) is not model:
+        raise ValueError(f"step= runs the steps of {type(getattr(step, 'model', None)).__name__} object "
+                         f"{id(getattr(step, 'model', None)):#x}, not of this model; make the decoder for this "
+                         "model (e.g. compile_decode(model)) or drop step=")
+    elif not use_cache:
+        raise ValueError("a step strategy decodes over its own cache, so use_cache=False cannot apply; drop step= "
+                         "to recompute without a cache")
+    return token_loop(step, ids, max_new_tokens, eos_token_id, temperature, top_k, top_p, seed, return_logits)

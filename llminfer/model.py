@@ -6,7 +6,6 @@ checkpoint maps onto this module name for name.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import torch.nn as nn
@@ -16,9 +15,19 @@ from .attention import get_backend
 from .config import ModelConfig
 from .kv_cache import Cache, KVCache
 
-__all__ = ["Transformer", "DecoderStack", "RMSNorm", "rope_frequencies", "apply_rope"]
+__all__ = ["Transformer", "DecoderStack", "RMSNorm", "rope_frequencies", "apply_rope", "check_token_ids"]
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError if any id lies outside 0..vocab_size-1 (one host sync: once per request). Chapter 01."""
+    lo, hi = torch.aminmax(input_ids.detach())
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the vocabulary of {vocab_size} ids (valid ids are "
+                         f"0..{vocab_size - 1}); was the text encoded by this model's own tokenizer?")
 
 
 class RMSNorm(nn.Module):
@@ -146,9 +155,6 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        # A compiled one-token step (llminfer.fast.compile_decode attaches it); generate() runs its decode
-        # through it whenever the request fits it. None: the eager forward.
-        self.compiled_decoder = None
         self.set_attention_backend(attn_backend or getattr(config, "attn_backend", "sdpa"))
 
     @property
@@ -210,24 +216,16 @@ class Transformer(nn.Module):
 
     def check_token_ids(self, input_ids: torch.Tensor) -> None:
         """Raise ValueError if any id lies outside the vocabulary (one host sync: call it once per request)."""
-        lo, hi = torch.aminmax(input_ids.detach())
-        lo, hi = int(lo), int(hi)
-        if lo < 0 or hi >= self.config.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"token id {bad} is outside the vocabulary of {self.config.vocab_size} ids "
-                             f"(valid ids are 0..{self.config.vocab_size - 1}); was the text encoded by this "
-                             "model's own tokenizer?")
+        check_token_ids(input_ids, self.config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache: Cache | None = None,
-                last_only: bool = False, **deprecated) -> torch.Tensor:
+                last_only: bool = False) -> torch.Tensor:
         """Logits (B, T, vocab), or (B, 1, vocab) with last_only; writes K/V into `cache`. Chapter 01.
 
         The one forward: prefill (T prompt tokens), decode (T = 1), verification of T guessed tokens,
         CUDA-graph capture (a static cache and a positions tensor) and the paged engine all call it.
         positions=None continues from the cache's length (or from 0 without a cache).
         """
-        if deprecated:
-            positions = self._legacy_start_pos(deprecated, positions, cache, input_ids)
         self.check_input(input_ids, positions, cache)
         input_ids = input_ids.to(self.device)
         batch, seq_len = input_ids.shape
@@ -254,22 +252,6 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]                                               # (B, 1, dim)
         return self.lm_head(self.norm(x))                               # (B, T, vocab)
-
-    def _legacy_start_pos(self, deprecated: dict, positions, cache, input_ids) -> torch.Tensor | None:
-        unknown = set(deprecated) - {"start_pos"}
-        if unknown:
-            raise TypeError(f"forward() got unexpected keyword argument(s) {sorted(unknown)}")
-        warnings.warn("forward(start_pos=...) is deprecated: the cache owns its length; pass positions=None "
-                      "(or a positions tensor)", DeprecationWarning, stacklevel=3)
-        start_pos = deprecated["start_pos"]
-        if positions is not None:
-            raise ValueError("pass positions or start_pos, not both")
-        held = cache.length if cache is not None else 0
-        if start_pos != held:
-            raise ValueError(f"start_pos={start_pos} but the cache holds {held} positions; the new tokens go at "
-                             f"position {held}. Drop start_pos (the cache tracks it), or call "
-                             f"cache.truncate({start_pos}) first to overwrite from there")
-        return None
 
     @torch.no_grad()
     def use_decode_layout(self) -> "Transformer":

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .device import synchronize
-from .generate import GenerationResult, TokenTimer, _check_eos, _is_int, as_token_batch, check_sampling
+from .generate import (GenerationResult, TokenTimer, check_request, is_int, new_generator, probabilities, sample_next,
+                       trim_at_eos)
 from .model import Transformer
 
 __all__ = ["Drafter", "PromptLookupDrafter", "DraftModelDrafter", "EarlyExitDrafter", "SpeculativeResult",
@@ -87,7 +88,7 @@ class PromptLookupDrafter(Drafter):
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         for label, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{label} must be a positive integer, got {value!r}")
         if min_ngram > max_ngram:
             raise ValueError(f"min_ngram={min_ngram} is larger than max_ngram={max_ngram}; pass min_ngram <= max_ngram")
@@ -181,7 +182,7 @@ class DraftModelDrafter(Drafter):
             if temperature == 0:
                 token = int(logits.argmax())
             else:
-                q = torch.softmax(logits.float() / temperature, dim=-1)
+                q = probabilities(logits, temperature)                               # (vocab,)
                 token = int(torch.multinomial(q, 1, generator=generator))
                 probs.append(q)
             drafts.append(token)
@@ -213,7 +214,7 @@ class EarlyExitDrafter(DraftModelDrafter):
         if not isinstance(model, Transformer):
             raise ValueError(f"model must be an llminfer Transformer, got {type(model).__name__}")
         total = model.config.n_layers
-        if not _is_int(n_layers) or not 1 <= n_layers < total:
+        if not is_int(n_layers) or not 1 <= n_layers < total:
             raise ValueError(f"n_layers must be an integer in 1..{total - 1} (the target has {total} layers; all "
                              f"of them would be the target itself), got {n_layers!r}")
         super().__init__(_shallow_copy(model, n_layers), name=f"early exit ({n_layers} of {total} layers)")
@@ -338,7 +339,7 @@ def first_token_draws(target_probs: torch.Tensor, draft_probs: torch.Tensor, n_d
     `acceptance_step` runs on all n at once. accept_all=True is a deliberately wrong rule (every guess
     stands) whose output follows q instead of p: the negative control of the exactness test.
     """
-    if not _is_int(n_draws) or n_draws < 1:
+    if not is_int(n_draws) or n_draws < 1:
         raise ValueError(f"n_draws must be a positive integer, got {n_draws!r}")
     guesses = _sample_shared(draft_probs, n_draws, generator)[:, None]          # (n, 1) x ~ q
     if accept_all:
@@ -398,7 +399,7 @@ def step_costs(model: Transformer, drafter: Drafter, context_ids: list[int], rep
     """
     import statistics
 
-    if not _is_int(repeats) or repeats < 1 or not _is_int(warmup) or warmup < 0:
+    if not is_int(repeats) or repeats < 1 or not is_int(warmup) or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats!r}, warmup={warmup!r}")
     if len(context_ids) < 2 or len(context_ids) >= model.config.max_seq_len:
         raise ValueError(f"context_ids must hold 2..{model.config.max_seq_len - 1} tokens, got {len(context_ids)}")
@@ -493,7 +494,7 @@ def verify(model: Transformer, cache, last_token: int, drafts: list[int], temper
     if temperature == 0:
         n_accepted, next_token = greedy_acceptance(logits, guesses)
     else:
-        p = torch.softmax(logits.float() / temperature, dim=-1)                   # (1, n + 1, vocab)
+        p = probabilities(logits, temperature)                                    # (1, n + 1, vocab)
         q = None if draft_probs is None else draft_probs[None]                    # (1, n, vocab)
         n_accepted, next_token = acceptance_step(p, guesses, q, generator)
     n, token = int(n_accepted[0]), int(next_token[0])                            # the step's one host read
@@ -502,7 +503,7 @@ def verify(model: Transformer, cache, last_token: int, drafts: list[int], temper
 
 
 def _check_k(num_speculative_tokens, max_seq_len: int) -> None:
-    if not _is_int(num_speculative_tokens) or num_speculative_tokens < 1:
+    if not is_int(num_speculative_tokens) or num_speculative_tokens < 1:
         raise ValueError(f"num_speculative_tokens must be an integer >= 1 (the guesses per step), got "
                          f"{num_speculative_tokens!r}; for plain decoding use llminfer.generate")
     if num_speculative_tokens >= max_seq_len:
@@ -521,32 +522,17 @@ def generate(model: Transformer, input_ids, drafter: Drafter, num_speculative_to
     over the cache, the rejected positions are rolled back, and one token of the target's own is added.
     Pass `tokenizer` (the target's) to have a draft model's tokenizer compared with it.
     """
-    check_sampling(max_new_tokens, temperature)
-    _check_eos(eos_token_id, model.config.vocab_size)
-    if seed is not None and not _is_int(seed):
-        raise ValueError(f"seed must be an integer or None, got {seed!r}")
-    limit = model.config.max_seq_len
-    _check_k(num_speculative_tokens, limit)
+    ids = check_request(model.config, input_ids, max_new_tokens, eos_token_id, temperature, seed=seed, single=True)
+    _check_k(num_speculative_tokens, model.config.max_seq_len)
     if not callable(getattr(drafter, "propose", None)):
         raise ValueError(f"drafter must have a propose(context_ids, k) method, got {type(drafter).__name__}; use "
                          "PromptLookupDrafter(), DraftModelDrafter(draft_model) or EarlyExitDrafter(model, n)")
-    ids = as_token_batch(input_ids)
-    batch, prompt_len = ids.shape
-    if batch != 1:
-        raise ValueError(f"speculative.generate decodes one sequence, got a batch of {batch}; loop over the prompts")
-    if prompt_len + max_new_tokens > limit:
-        raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = "
-                         f"{prompt_len + max_new_tokens} positions exceed the model's max_seq_len={limit}; pass "
-                         f"max_new_tokens <= {max(limit - prompt_len, 0)} or shorten the prompt")
-    model.check_token_ids(ids)
+    prompt_len = ids.shape[1]
     check = getattr(drafter, "check_compatible", None)
     if check is not None:
         check(model, tokenizer, prompt_len + max_new_tokens)
     device = model.device
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed if seed is not None else torch.seed())
+    generator = new_generator(device, temperature, seed)
     cache = model.new_cache(1, max_seq_len=max(prompt_len + max_new_tokens - 1, prompt_len))
     if hasattr(drafter, "start"):
         drafter.start(prompt_len + max_new_tokens)
@@ -563,11 +549,8 @@ def generate(model: Transformer, input_ids, drafter: Drafter, num_speculative_to
     if max_new_tokens == 0:
         return SpeculativeResult([], 0.0, [], 0.0, prompt_len, drafter=getattr(drafter, "name", ""),
                                  num_speculative_tokens=num_speculative_tokens)
-    logits = model(ids, cache=cache, last_only=True)[0, -1]                          # (vocab,) the prefill
-    if temperature == 0:
-        first = int(logits.argmax())
-    else:
-        first = int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=generator))
+    logits = model(ids, cache=cache, last_only=True)[:, -1]                          # (1, vocab) the prefill
+    first = int(sample_next(logits, temperature, generator=generator)[0])
     tokens.append(first)
     kinds.append(TARGET)
     context.append(first)
@@ -593,9 +576,9 @@ def generate(model: Transformer, input_ids, drafter: Drafter, num_speculative_to
         new_kinds = [ACCEPTED] * n + [TARGET if not drafts else BONUS if n == len(drafts) else RESAMPLED]
         judged = len(drafts)
         if eos_token_id is not None and eos_token_id in new:                         # stop at the first EOS
-            cut = new.index(eos_token_id) + 1
-            new, new_kinds = new[:cut], new_kinds[:cut]
-            judged = min(judged, cut)                                                # guesses past it do not count
+            new = trim_at_eos(new, eos_token_id)
+            new_kinds = new_kinds[:len(new)]
+            judged = min(judged, len(new))                                           # guesses past it do not count
         drafted_per_step.append(judged)
         accepted_per_step.append(new_kinds.count(ACCEPTED))
         for token_id, kind in zip(new, new_kinds):

@@ -277,30 +277,33 @@ def test_the_native_backend_sends_long_inputs_to_sdpa(monkeypatch):
     torch.testing.assert_close(step, full[:, :, -1:], atol=1e-5, rtol=1e-5)
 
 
-# --- generate runs the attached compiled step ---------------------------------------------------------
+# --- generate runs the compiled step it is handed ----------------------------------------------------------
 
-def test_generate_runs_the_compiled_decoder_when_the_request_fits(monkeypatch):
+def test_generate_runs_the_compiled_step_it_is_passed_and_nothing_else(monkeypatch):
     model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
     reference = random_model(SMALL_CONFIGS["llama-gqa-tied"])
     ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(4))
     decoder = fast.compile_decode(model, max_seq_len=24, backend="eager")
-    assert model.compiled_decoder is decoder and model.attn_backend == "native"
+    assert model.attn_backend == "native" and not hasattr(model, "compiled_decoder")   # no hook on the model
     steps = []
     real = decoder.decode
     monkeypatch.setattr(decoder, "decode", lambda token: steps.append(1) or real(token))
     expected = llminfer.generate(reference, ids, max_new_tokens=9)
-    got = llminfer.generate(model, ids, max_new_tokens=9)
+    got = llminfer.generate(model, ids, max_new_tokens=9, step=decoder)
     assert got.token_ids == expected.token_ids and len(steps) == 8 and got.num_prompt_tokens == 7
     # EOS ends the row there, as in the eager loop
     eos = expected.token_ids[3]
-    assert llminfer.generate(model, ids, max_new_tokens=9, eos_token_id=eos).token_ids == \
+    assert llminfer.generate(model, ids, max_new_tokens=9, eos_token_id=eos, step=decoder).token_ids == \
         llminfer.generate(reference, ids, max_new_tokens=9, eos_token_id=eos).token_ids
-    # a request that does not fit (longer than the decoder's cache, or another batch) runs eagerly
+    # without step= the model's eager forward runs: the transform left no hook behind
     steps.clear()
-    long = llminfer.generate(model, ids, max_new_tokens=20)
-    assert steps == [] and long.token_ids == llminfer.generate(reference, ids, max_new_tokens=20).token_ids
-    model.compiled_decoder = None
-    llminfer.generate(model, ids, max_new_tokens=4)
+    assert llminfer.generate(model, ids, max_new_tokens=20).token_ids == \
+        llminfer.generate(reference, ids, max_new_tokens=20).token_ids and steps == []
+    # a request that does not fit the decoder is refused before any compute, not run some other way
+    with pytest.raises(ValueError, match=r"need 26 cache positions, the decoder's cache holds 24"):
+        llminfer.generate(model, ids, max_new_tokens=20, step=decoder)
+    with pytest.raises(ValueError, match="not of this model"):
+        llminfer.generate(reference, ids, max_new_tokens=4, step=decoder)
     assert steps == []
 
 
@@ -311,7 +314,7 @@ def test_two_compiled_decoders_keep_their_own_models():
     ids = torch.randint(0, first.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(6))
     expected = [llminfer.generate(m, ids, max_new_tokens=6).token_ids for m in (first, second)]
     assert expected[0] != expected[1]
-    decoders = [fast.compile_decode(m, max_seq_len=16, attach=False) for m in (first, second)]
+    decoders = [fast.compile_decode(m, max_seq_len=16) for m in (first, second)]
     assert [d.generate(ids, 6).token_ids for d in decoders] == expected
     assert [d.generate(ids, 6).token_ids for d in reversed(decoders)] == expected[::-1]
 

@@ -135,6 +135,52 @@ def test_sample_next_validates_its_settings(kwargs, message):
         llminfer.sample_next(torch.zeros(1, 5), **kwargs)
 
 
+def test_a_vanishing_temperature_is_refused_or_sampled_safely():
+    """1e-300 becomes 0 in float32 (logits / 0 = inf, softmax nan): refused up front, naming value, limit and fix.
+    Down to the limit, sampling stays finite and picks the argmax."""
+    from llminfer.generate import MIN_TEMPERATURE, probabilities
+    logits = torch.tensor([[3.0, 90.0, -7.0, 89.5]])
+    with pytest.raises(ValueError, match=r"temperature=1e-300 is below 1\.18e-38.*pass temperature=0"):
+        llminfer.sample_next(logits, temperature=1e-300)
+    for tiny in (MIN_TEMPERATURE, 1e-37, 1e-20):
+        probs = probabilities(logits, tiny)
+        assert torch.isfinite(probs).all() and probs.argmax() == 1 and float(probs.max()) == 1.0
+        assert int(llminfer.sample_next(logits, tiny, generator=torch.Generator().manual_seed(0))) == 1
+    # the unshifted division that the probabilities avoid overflows at 1e-37
+    assert torch.isnan((logits / 1e-37).softmax(-1)).any()
+
+
+def test_generate_refuses_a_vanishing_temperature_before_compute(guarded_model):
+    with pytest.raises(ValueError, match=r"temperature=1e-300 is below"):
+        llminfer.generate(guarded_model, [1, 2], temperature=1e-300)
+
+
+def test_the_one_request_check_serves_every_caller():
+    """check_request returns the checked (B, T) ids, and names the first bad value; single=True refuses a batch,
+    capacity= measures the request against a fixed cache instead of the model's context."""
+    from llminfer.generate import check_request
+    config = SMALL_CONFIGS["llama-mha-untied"]
+    ids = check_request(config, [[1, 2, 3], [4, 5, 6]], 4)
+    assert ids.dtype == torch.long and ids.tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert check_request(config, torch.tensor([7, 8]), 1, single=True).tolist() == [[7, 8]]
+    with pytest.raises(ValueError, match=r"a request is one sequence.*got a batch of 2"):
+        check_request(config, [[1, 2], [3, 4]], 1, single=True)
+    with pytest.raises(ValueError, match=r"1-D list of token ids, got a tensor of shape \(2, 3\)"):
+        check_request(config, torch.ones(2, 3, dtype=torch.long), 1, single=True)
+    with pytest.raises(ValueError, match=r"3 prompt tokens \+ 7 new need 9 cache positions, the decoder's cache "
+                                         r"holds 8"):
+        check_request(config, [1, 2, 3], 7, capacity=8)
+    assert check_request(config, [1, 2, 3], 6, capacity=8).shape == (1, 3)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        check_request(config, [1, 2], 1, seed=1.5)
+    with pytest.raises(ValueError, match="top_k"):
+        check_request(config, [1, 2], 1, temperature=1.0, top_k=0)
+    with pytest.raises(ValueError, match=r"eos_token_id=97 is outside the vocabulary of 97"):
+        check_request(config, [1, 2], 1, eos_token_id=97)
+    with pytest.raises(ValueError, match="token id 97 is outside the vocabulary"):
+        check_request(config, [1, 97], 1)
+
+
 def test_a_cache_that_cannot_fit_is_refused_before_allocating(monkeypatch):
     """The refusal depends on the reported free memory, not on the test machine's RAM."""
     monkeypatch.setattr(llminfer.device, "free_memory_bytes", lambda device: 8 * 2**30)   # an 8 GiB machine
@@ -188,12 +234,12 @@ def test_prefill_and_decode_run_without_autograd():
     assert not logits.requires_grad and logits.grad_fn is None and cache.length == 4
 
 
-def test_decode_step_takes_no_position_and_refuses_a_stale_one():
+def test_decode_step_takes_its_position_from_the_cache():
     model = random_model(SMALL_CONFIGS["llama-mha-untied"])
     cache = model.new_cache(max_seq_len=8)
     token = llminfer.prefill(model, torch.tensor([[1, 2, 3]]), cache).argmax(-1)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="start_pos=1 but the cache holds 3"):
-        llminfer.decode_step(model, token, cache, start_pos=1)
+    with pytest.raises(TypeError):
+        llminfer.decode_step(model, token, cache, start_pos=3)     # the deprecated argument is gone
     assert cache.length == 3
     with pytest.raises(ValueError, match="token id 97"):
         llminfer.decode_step(model, torch.tensor([97]), cache)
@@ -208,8 +254,7 @@ def test_timing_fields_follow_the_vllm_definitions():
     assert result.e2e_s == pytest.approx(result.ttft_s + sum(result.itl_s))
     assert result.tpot_s == pytest.approx((result.e2e_s - result.ttft_s) / 5)
     assert result.num_prompt_tokens == 3
-    with pytest.warns(DeprecationWarning):
-        assert result.token_latencies_s == result.itl_s
+    assert not any(hasattr(result, name) for name in ("token_latencies_s", "total_s", "prompt_len"))  # gone
     one = llminfer.generate(model, [1, 2, 3], max_new_tokens=1)
     assert one.itl_s == [] and one.e2e_s == one.ttft_s and one.tpot_s != one.tpot_s   # nan
 

@@ -107,8 +107,6 @@ def test_writing_past_capacity_is_refused_before_compute():
         model(torch.zeros(2, 1, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="longer than the model's max_seq_len"):
         model.new_cache(max_seq_len=10_000)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="start_pos=7 but the cache holds 6"):
-        model(torch.zeros(1, 1, dtype=torch.long), cache=cache, start_pos=7)
     assert cache.length == 6
 
 

@@ -91,3 +91,105 @@ def test_nothing_imports_the_tooling_and_the_graph_is_acyclic():
 def test_every_module_is_placed_in_the_map():
     placed = set(CORE) | set(ON_TOP) | set(AROUND)
     assert set(graph()) <= placed, f"modules missing from the map: {sorted(set(graph()) - placed)}"
+
+
+# --- no hooks set from above ------------------------------------------------------------------------------------
+
+def _attribute_writes(tree: ast.AST) -> dict[str, int]:
+    """Attribute names a module sets on objects other than its own `self`/`cls` (obj.name = ..., obj.name += ...,
+    setattr(obj, "name", ...), object.__setattr__(obj, "name", ...)), with a line of each."""
+    found: dict[str, int] = {}
+
+    def foreign(node) -> bool:
+        return not (isinstance(node, ast.Name) and node.id in ("self", "cls"))
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for item in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(item, ast.Attribute) and foreign(item.value):
+                    found.setdefault(item.attr, node.lineno)
+        if isinstance(node, ast.Call) and len(node.args) >= 3 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and foreign(node.args[0]):
+            func = node.func
+            if (isinstance(func, ast.Name) and func.id == "setattr") or \
+                    (isinstance(func, ast.Attribute) and func.attr == "__setattr__"):
+                found.setdefault(node.args[1].value, node.lineno)
+    return found
+
+
+def _attribute_probes(tree: ast.AST) -> dict[str, int]:
+    """Attribute names a module looks up by name, getattr(obj, "name"[, default]) or hasattr(obj, "name"):
+    the reads of an attribute that someone else may or may not have set."""
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str):
+            found.setdefault(node.args[1].value, node.lineno)
+    return found
+
+
+def hooks_set_from_above(sources: dict[str, list[tuple[str, str]]], edges: dict[str, set[str]]) -> list[str]:
+    """Each attribute a unit sets on a foreign object while a unit it imports (directly or not) probes for it.
+
+    sources: unit -> [(file name, source text)]; edges: unit -> units it imports."""
+    def below(unit, seen=None):
+        seen = set() if seen is None else seen
+        for target in edges.get(unit, ()):
+            if target not in seen:
+                seen.add(target)
+                below(target, seen)
+        return seen - {unit}
+
+    writes = {unit: [(name, _attribute_writes(ast.parse(text))) for name, text in files]
+              for unit, files in sources.items()}
+    probes = {unit: [(name, _attribute_probes(ast.parse(text))) for name, text in files]
+              for unit, files in sources.items()}
+    problems = []
+    for unit, files in writes.items():
+        for lower in sorted(below(unit)):
+            for file, written in files:
+                for lower_file, probed in probes.get(lower, []):
+                    for attr in sorted(set(written) & set(probed)):
+                        problems.append(f"{file}:{written[attr]} sets .{attr}, which {lower_file}:{probed[attr]} "
+                                        f"(llminfer.{lower}, below it) reads with getattr/hasattr: a hidden hook; pass "
+                                        "the object where it is needed instead")
+    return problems
+
+
+def _package_sources() -> dict[str, list[tuple[str, str]]]:
+    sources: dict[str, list[tuple[str, str]]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "__init__.py" or "models" in path.relative_to(PACKAGE).parts[:1]:
+            continue
+        sources.setdefault(_unit(path), []).append((str(path.relative_to(PACKAGE)), path.read_text()))
+    return sources
+
+
+def test_no_module_sets_an_attribute_that_a_module_below_it_reads():
+    """A transform returns the model and leaves no hook on it for the core to find (the gpt-fast rule)."""
+    problems = hooks_set_from_above(_package_sources(), graph())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_hook_rule_catches_compiled_decoder():
+    """The pattern this rule forbids, as it was: fast set model.compiled_decoder, generate probed for it."""
+    sources = {
+        "generate": [("generate.py", "def generate(model, ids):\n"
+                                     "    decoder = getattr(model, 'compiled_decoder', None)\n"
+                                     "    return decoder.generate(ids) if decoder is not None else ids\n")],
+        "fast": [("fast.py", "def compile_decode(model):\n"
+                             "    decoder = object()\n"
+                             "    model.compiled_decoder = decoder\n"
+                             "    return decoder\n")],
+    }
+    edges = {"fast": {"generate"}, "generate": set()}
+    problems = hooks_set_from_above(sources, edges)
+    assert len(problems) == 1 and ".compiled_decoder" in problems[0] and "fast.py:3" in problems[0]
+    # setattr() is the same write; the same names inside one class (self.x = ..., getattr(self, "x")) are not
+    sources["fast"] = [("fast.py", "def compile_decode(model):\n    setattr(model, 'compiled_decoder', 1)\n")]
+    assert len(hooks_set_from_above(sources, edges)) == 1
+    assert hooks_set_from_above(sources, {"fast": set(), "generate": set()}) == []     # unrelated units
+    sources["fast"] = [("fast.py", "class D:\n    def __init__(self):\n        self.compiled_decoder = 1\n")]
+    assert hooks_set_from_above(sources, edges) == []

@@ -9,6 +9,7 @@ import torch
 
 import llminfer
 from llminfer import fast
+from llminfer.cuda_graphs import StaticDecoder
 from llminfer.kernels import cpu
 from llminfer.model import DecoderStack
 from llminfer.quant.kv_cache import Int8KVCache
@@ -108,9 +109,9 @@ def test_a_prefill_runs_in_one_call(name, fmt, native_calls):
                 torch.testing.assert_close(nat_cache.get(layer)[i], ref_cache.get(layer)[i], atol=tolerance,
                                            rtol=tolerance)
     assert native_calls == [cpu.blocked_prefill(reference.dtype)] * 2 + [True]
-    # the compiled decoder's prefill (a static cache) takes it too, and gives the modules' last logits
+    # the static decoder's prefill takes it too, and gives the modules' last logits
     prompt = torch.randint(0, vocab, (1, 70), generator=g)
-    decoder = fast.FastDecoder(native, max_seq_len=96, compile=False)
+    decoder = StaticDecoder(native, max_seq_len=96)
     with torch.inference_mode():
         torch.testing.assert_close(decoder.prefill(prompt), reference(prompt)[:, -1], atol=tolerance, rtol=tolerance)
     assert native_calls[-1] is cpu.blocked_prefill(reference.dtype)
@@ -258,7 +259,7 @@ def test_attention_over_many_key_blocks(masked):
 def test_the_compiled_step_runs_the_stack_in_one_call(native_calls):
     reference, native = _pair("llama-gqa-tied", "fp32")
     ids = torch.randint(0, reference.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(9))
-    decoder = fast.compile_decode(native, max_seq_len=32, attach=False)
+    decoder = fast.compile_decode(native, max_seq_len=32)
     assert True in native_calls                              # traced once, into the graph
     assert decoder.generate(ids, max_new_tokens=12).token_ids == \
         llminfer.generate(reference, ids, max_new_tokens=12).token_ids

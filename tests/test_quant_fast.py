@@ -10,7 +10,8 @@ import torch
 
 import llminfer
 from llminfer import quant
-from llminfer.fast import FastDecoder, FusedAttention, FusedMLP, compile_decode, fuse_projections, is_fused
+from llminfer.cuda_graphs import StaticDecoder
+from llminfer.fast import FusedAttention, FusedMLP, compile_decode, fuse_projections, is_fused
 from llminfer.quant import activation_aware, formats
 from llminfer.quant.kv_cache import Int8KVCache, int8_kv_bytes_per_token, int8_roundtrip
 
@@ -54,7 +55,7 @@ def test_fusing_quantized_layers_keeps_their_numbers():
         torch.testing.assert_close(fused(ids), reference, atol=1e-5, rtol=1e-5)
 
 
-def test_fast_decoder_uncompiled_matches_generate():
+def test_static_decoder_uncompiled_matches_generate():
     model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
     ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
     expected = llminfer.generate(model, ids, max_new_tokens=8)
@@ -68,9 +69,9 @@ def test_fast_decoder_uncompiled_matches_generate():
     assert stopped.token_ids == expected.token_ids[:expected.token_ids.index(eos) + 1]
 
 
-def test_fast_decoder_refuses_bad_requests_before_compute():
+def test_static_decoder_refuses_bad_requests_before_compute():
     model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
-    decoder = FastDecoder(model, batch_size=1, max_seq_len=16, compile=False)
+    decoder = StaticDecoder(model, batch_size=1, max_seq_len=16)
     with pytest.raises(ValueError, match=r"need 19 cache positions, the decoder's cache holds 16"):
         decoder.generate(list(range(10)), max_new_tokens=10)
     with pytest.raises(ValueError, match=r"built for batch_size=1, got 2"):

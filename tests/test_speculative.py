@@ -277,7 +277,7 @@ def test_bad_num_speculative_tokens(target):
                 drafter=sp.PromptLookupDrafter(), num_speculative_tokens=k)
     refused(model, r"beyond the model's context of max_seq_len=128; pass num_speculative_tokens <= 127",
             input_ids=ids, drafter=sp.PromptLookupDrafter(), num_speculative_tokens=128)
-    refused(model, "exceed the model's max_seq_len", input_ids=ids, drafter=sp.PromptLookupDrafter(),
+    refused(model, r"exceed the model's context \(max_seq_len=128\)", input_ids=ids, drafter=sp.PromptLookupDrafter(),
             max_new_tokens=125)
     refused(model, "one sequence", input_ids=[ids, ids], drafter=sp.PromptLookupDrafter())
     refused(model, "propose", input_ids=ids, drafter="ngram")

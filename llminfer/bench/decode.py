@@ -34,7 +34,8 @@ import torch
 from .. import costs, timing
 from ..checkpoint import load_random
 from ..config import get_preset
-from ..fast import COMPILE_OPTIONS, compile_decode
+from ..cuda_graphs import COMPILE_OPTIONS
+from ..fast import compile_decode
 from ..generate import generate
 from ..quant.gguf_export import llama_cpp_available, llama_cpp_generate, load_llama_cpp, write_gguf
 from ..quant.linear import quantize, quantized_weight_bytes
@@ -150,9 +151,9 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
         weight_bytes = quantized_weight_bytes(model)
         element = timing.dtype_bytes(dtype or quant_dtype)
         _log(f"compiling llminfer {name}" if args.compile else f"preparing llminfer {name}")
-        decoder = compile_decode(model, max_seq_len=n_ctx, compile=args.compile, attach=False)
+        decoder = compile_decode(model, max_seq_len=n_ctx, compile=args.compile)
         if args.compile:                                  # the same fused model, its step left eager
-            plain = compile_decode(model, max_seq_len=n_ctx, compile=False, attach=False)
+            plain = compile_decode(model, max_seq_len=n_ctx, compile=False)
             label = f"llminfer fused {name}"
             contenders[label] = lambda d=plain: d.generate(ids, args.new_tokens)
             info[label] = {"precision": name, "weight_bytes": weight_bytes, "kv_element_bytes": element}

@@ -193,8 +193,9 @@ def bench_contenders(model, cfg, ids, settings, hf_model, probes) -> dict[str, d
         runners["transformers (no cache)"] = lambda: transformers_contender.generate(
             hf_model, ids, settings.recompute_new_tokens + 1, use_cache=False)
     if model.device.type == "cuda" and settings.cuda_graphs:
-        from ..cuda_graphs import GraphedDecoder
-        graphed = GraphedDecoder(model, batch_size=ids.shape[0], max_seq_len=ids.shape[1] + settings.new_tokens)
+        from ..cuda_graphs import StaticDecoder
+        graphed = StaticDecoder(model, batch_size=ids.shape[0], max_seq_len=ids.shape[1] + settings.new_tokens,
+                                mode="graph")
         runners["llminfer (CUDA graphs)"] = lambda: graphed.generate(ids, settings.new_tokens)
     for runner in runners.values():                        # warm-up: allocators, kernels, graph capture
         runner()

@@ -31,6 +31,8 @@ from typing import Sequence as SequenceType
 import torch
 
 from ..device import dtype_bytes, free_memory_bytes, synchronize
+from ..generate import check_request
+from ..generate import is_int as _is_int
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache, paged_cache_bytes
@@ -89,10 +91,6 @@ class EngineStats:
     @property
     def usage(self) -> float:
         return self.blocks_used / self.num_blocks
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class LLMEngine:
@@ -203,38 +201,14 @@ class LLMEngine:
     # --- requests ----------------------------------------------------------------------------------
 
     def _check_prompt(self, prompt_ids) -> list[int]:
-        if isinstance(prompt_ids, torch.Tensor):
-            if prompt_ids.dim() != 1:
-                raise ValueError(f"a prompt must be a 1-D list of token ids, got a tensor of shape "
-                                 f"{tuple(prompt_ids.shape)}; pass one prompt per request")
-            prompt_ids = prompt_ids.tolist()
-        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, SequenceType):
-            raise ValueError(f"a prompt must be a list of token ids, got {type(prompt_ids).__name__}; encode text "
-                             "first with tokenizer.encode(text)")
-        if len(prompt_ids) == 0:
-            raise ValueError("the prompt is empty; a request needs at least one token (e.g. the BOS token)")
-        vocab = self.config.vocab_size
-        for value in prompt_ids:
-            if not _is_int(value):
-                raise ValueError(f"a prompt must hold integer token ids, got {value!r} ({type(value).__name__})")
-            if not 0 <= value < vocab:
-                raise ValueError(f"token id {value} is outside the vocabulary of {vocab} ids (valid ids are "
-                                 f"0..{vocab - 1}); was the text encoded by this model's own tokenizer?")
-        return [int(v) for v in prompt_ids]
+        return check_request(self.config, prompt_ids, 0, single=True)[0].tolist()
 
     def _check_request(self, prompt: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        vocab = self.config.vocab_size
-        if params.eos_token_id is not None and params.eos_token_id >= vocab:
-            raise ValueError(f"eos_token_id={params.eos_token_id} is outside the vocabulary of {vocab} ids, so the "
-                             "request would never stop on it; pass the tokenizer's eos_token_id")
+        check_request(self.config, prompt, params.max_new_tokens, params.eos_token_id, params.temperature,
+                      params.top_k, params.top_p, params.seed)
         total = len(prompt) + params.max_new_tokens
-        limit = self.config.max_seq_len
-        if total > limit:
-            raise ValueError(f"a prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} "
-                             f"positions exceed the model's context (max_seq_len={limit}); pass max_new_tokens <= "
-                             f"{max(limit - len(prompt), 0)} or shorten the prompt")
         positions = total - 1                          # the last token is sampled, never run through the model
         needed = self.block_manager.blocks_needed(positions)
         if needed > self.num_blocks:

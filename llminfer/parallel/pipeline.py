@@ -22,11 +22,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from llminfer.device import synchronize
+from llminfer.generate import GenerationResult, TokenTimer
 from llminfer.kv_cache import KVCache
 
 from .plan import PipelinePlan, pipeline_plan, split_micro_batches
 
-__all__ = ["PipelineState", "StageEvent", "RecvActivations", "SendActivations", "pipeline_stage",
+__all__ = ["PipelineState", "StageEvent", "PipelineResult", "RecvActivations", "SendActivations", "pipeline_stage",
            "pipeline_generate", "bubble_fraction", "ideal_bubble_fraction"]
 
 
@@ -173,13 +174,20 @@ def pipeline_stage(model, stage: int, n_stages: int, group=None, ranks: list[int
     return model
 
 
+@dataclass
+class PipelineResult(GenerationResult):
+    """A GenerationResult of one pipeline stage, plus the StageEvents it recorded. Chapter 10."""
+
+    events: list[StageEvent] = field(default_factory=list)
+
+
 @torch.inference_mode()
 def pipeline_generate(model, input_ids: torch.Tensor, max_new_tokens: int, n_micro_batches: int = 1,
-                      record: bool = False, return_logits: bool = False) -> dict:
+                      record: bool = False, return_logits: bool = False) -> PipelineResult:
     """Greedy generation through the pipeline, micro-batch by micro-batch; call it on every stage. Chapter 10.
 
-    Returns {"token_ids": (B, N) list of lists, "logits": per step (B, vocab) float32 (last stage, with
-    return_logits), "events": the StageEvents recorded on this stage, "step_s": seconds per step}.
+    Returns the tokens (every stage has them), their timings, the logits per step (B, vocab) in float32 (on
+    the last stage, with return_logits) and the StageEvents recorded on this stage (with record).
     """
     state: PipelineState = model.parallel
     if not isinstance(state, PipelineState):
@@ -201,10 +209,11 @@ def pipeline_generate(model, input_ids: torch.Tensor, max_new_tokens: int, n_mic
     state.record, state.events = record, []
     caches = [model.new_cache(size, max_seq_len=prompt_len + max_new_tokens - 1) for size in sizes]
     chunks = list(input_ids.to(device).split(sizes))           # (b_m, T) each
-    token_rows, all_logits, step_s = [], [], []
+    token_rows, all_logits = [], []
+    timer = TokenTimer(device)
+    timer.start()
     for step in range(max_new_tokens):
         state.step = step
-        step_start = time.perf_counter()
         outputs = []
         for micro_batch, (chunk, cache) in enumerate(zip(chunks, caches)):
             state.micro_batch = micro_batch
@@ -224,12 +233,13 @@ def pipeline_generate(model, input_ids: torch.Tensor, max_new_tokens: int, n_mic
         else:
             next_ids = torch.empty(batch, dtype=torch.long, device=device)
         dist.broadcast(next_ids, src=state.ranks[-1], group=state.group)
-        synchronize(device)
-        step_s.append(time.perf_counter() - step_start)
+        timer.token()
         token_rows.append(next_ids.cpu())
         chunks = [part[:, None] for part in next_ids.split(sizes)]      # (b_m, 1) each
-    tokens = torch.stack(token_rows, dim=1).tolist()                     # (B, N)
-    return {"token_ids": tokens, "logits": all_logits, "events": list(state.events), "step_s": step_s}
+    rows = torch.stack(token_rows, dim=1).tolist()                       # (B, N)
+    base = timer.result(rows[0] if batch == 1 else rows, prompt_len, logits=all_logits)
+    return PipelineResult(base.token_ids, base.ttft_s, base.itl_s, base.e2e_s, prompt_len, logits=base.logits,
+                          events=list(state.events))
 
 
 def bubble_fraction(events: list[StageEvent], n_stages: int, step: int | None = None) -> float:

@@ -259,10 +259,10 @@ def pp_worker(ctx: WorkerContext, spec: RunSpec) -> dict:
         dist.barrier()
         result = pipeline_generate(model, prompt, spec.max_new_tokens, n_micro, record=record,
                                    return_logits=spec.return_logits and state.is_last)
-        result["logits"] = torch.stack(result["logits"]) if result["logits"] else None   # (N, B, vocab)
-        result["sent_bytes"] = state.sent_bytes
+        rows = result.token_ids if len(prompt) > 1 else [result.token_ids]
+        out["runs"][n_micro] = {"token_ids": rows, "events": result.events, "sent_bytes": state.sent_bytes,
+                                "logits": torch.stack(result.logits) if result.logits else None}   # (N, B, vocab)
         state.sent_bytes = 0
-        out["runs"][n_micro] = result
     return out
 
 

@@ -47,6 +47,7 @@ import torch
 
 from ..engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
 from ..engine.sequence import Sequence, SequenceStatus, StepOutput
+from ..generate import check_request
 from ..parallel.launch import end_processes, join_group, process_context, rendezvous_store
 
 __all__ = ["ModelSpec", "ShippingCache", "DisaggregatedEngine", "TransferRecord", "WorkerError",
@@ -494,12 +495,8 @@ class DisaggregatedEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
-        if not prompt:
-            raise ValueError("the prompt is empty; a request needs at least one token")
-        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary of {self.config.vocab_size} ids")
+        prompt = check_request(self.config, prompt_ids, params.max_new_tokens, params.eos_token_id, params.temperature,
+                               params.top_k, params.top_p, params.seed, single=True)[0].tolist()
         if len(prompt) + params.max_new_tokens > self.max_model_len:
             raise ValueError(f"a prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} exceeds "
                              f"max_model_len={self.max_model_len}; shorten the request")
