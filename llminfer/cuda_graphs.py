@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .generate import GenerationResult, TokenTimer, as_token_batch, prefill
+from .static_cache import StaticKVCache
 
 __all__ = ["GraphedDecoder", "static_decode"]
 
@@ -36,7 +37,7 @@ class GraphedDecoder:
 
     def __init__(self, model, batch_size: int = 1, max_seq_len: int | None = None):
         self.model = model
-        self.cache = model.new_cache(batch_size, max_seq_len)
+        self.cache = StaticKVCache.for_model(model, batch_size, max_seq_len)     # written at a positions tensor
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=model.device)   # (B, 1) static input
         self.position = torch.zeros(1, dtype=torch.long, device=model.device)            # (1,) static input
         self.graph = None
@@ -45,11 +46,7 @@ class GraphedDecoder:
     @torch.inference_mode()
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Returns logits (B, vocab) for token (B, 1) at `position` (1,), writing its K/V there: the model's forward."""
-        self.cache.static = True
-        try:
-            return self.model(token, positions=position, cache=self.cache)[:, -1]
-        finally:
-            self.cache.static = False
+        return self.model(token, positions=position, cache=self.cache)[:, -1]
 
     def capture(self, warmup: int = 3) -> None:
         """Records one decode step into a CUDA graph (after warm-up runs on a side stream)."""

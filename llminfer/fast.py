@@ -43,6 +43,7 @@ from .generate import GenerationResult, TokenTimer, as_token_batch, check_sampli
 from .kernels import cpu as native_cpu
 from .model import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, apply_rope
 from .quant.linear import QuantizedLinear
+from .static_cache import StaticKVCache
 
 __all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "NativeDecoderLayer",
            "NativeDecoderStack", "use_native_kernels", "use_huge_pages", "on_huge_pages", "huge_page_empty",
@@ -398,8 +399,8 @@ class FastDecoder:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         self.model = model
-        self.cache = model.new_cache(batch_size, max_seq_len)      # checks the size against free memory
-        self.cache.static = True                                    # fixed shapes: one compiled graph for every step
+        # fixed shapes: one compiled graph for every step; checks the size against free memory
+        self.cache = StaticKVCache.for_model(model, batch_size, max_seq_len)
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=model.device)     # (B, 1)
         self.position = torch.zeros(1, dtype=torch.long, device=model.device)              # (1,)
         self.compiled = compile
