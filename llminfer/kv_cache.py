@@ -64,18 +64,6 @@ def cache_shape(model) -> costs.KVShape:
     return costs.KVShape(len(model.layers), model.layers[0].self_attn.n_kv_heads, model.config.head_dim)
 
 
-def _check_max_seq_len(model, max_seq_len: int | None) -> int:
-    """max_seq_len, defaulting to the model's, refused if it is not a positive integer or exceeds the model's."""
-    limit = model.config.max_seq_len
-    max_seq_len = limit if max_seq_len is None else max_seq_len
-    if not _is_positive_int(max_seq_len):
-        raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
-    if max_seq_len > limit:
-        raise ValueError(f"a cache of {max_seq_len} positions is longer than the model's max_seq_len={limit}; "
-                         f"pass max_seq_len <= {limit}")
-    return max_seq_len
-
-
 class CacheBase:
     """The length a cache owns and the bookkeeping of one forward: begin, end, truncate, reset. Chapter 04.
 
@@ -92,6 +80,19 @@ class CacheBase:
         self._length = 0                 # positions 0 .. length-1 hold valid K/V
         self._start: int | None = None   # where the forward in flight writes (None: no forward in flight)
         self._n_new = 0
+
+    @staticmethod
+    def max_seq_len_for(model, max_seq_len: int | None) -> int:
+        """Returns the positions a cache for `model` holds: max_seq_len, by default the model's; refused if
+        it is not a positive integer or exceeds the model's."""
+        limit = model.config.max_seq_len
+        max_seq_len = limit if max_seq_len is None else max_seq_len
+        if not _is_positive_int(max_seq_len):
+            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+        if max_seq_len > limit:
+            raise ValueError(f"a cache of {max_seq_len} positions is longer than the model's max_seq_len={limit}; "
+                             f"pass max_seq_len <= {limit}")
+        return max_seq_len
 
     @property
     def length(self) -> int:
@@ -207,7 +208,7 @@ class KVCache(CacheBase):
     @classmethod
     def for_model(cls, model, batch_size: int = 1, max_seq_len: int | None = None) -> "KVCache":
         """A cache for the layers and K/V heads `model` holds (`cache_shape`), on its device and dtype. Chapter 04."""
-        max_seq_len = _check_max_seq_len(model, max_seq_len)
+        max_seq_len = cls.max_seq_len_for(model, max_seq_len)
         shape = cache_shape(model)
         return cls(shape.n_layers, batch_size, shape.n_kv_heads, max_seq_len, shape.head_dim, model.device,
                    model.dtype)

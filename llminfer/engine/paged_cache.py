@@ -26,7 +26,7 @@ import torch
 
 from .. import costs
 from ..device import check_fits, dtype_bytes
-from ..kv_cache import CacheBase, _is_positive_int, cache_shape
+from ..kv_cache import CacheBase, cache_shape
 from .attention_metadata import AttentionMetadata
 from .block_manager import BlockManager
 from .paged_attention import default_paged_kernel, gather_attention, get_paged_kernel
@@ -45,7 +45,7 @@ class PagedKVCache(CacheBase):
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, kernel: str | None = None):
         for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
                             ("num_blocks", num_blocks), ("block_size", block_size)):
-            if not _is_positive_int(value):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"PagedKVCache {name} must be a positive integer, got {value!r}")
         if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}; try {1 << block_size.bit_length()}")

@@ -18,7 +18,7 @@ import torch
 
 from .. import costs
 from ..device import check_fits, dtype_bytes
-from ..kv_cache import CacheBase, _check_max_seq_len, _is_positive_int, cache_shape
+from ..kv_cache import CacheBase, cache_shape
 
 __all__ = ["Int8KVCache", "int8_roundtrip"]
 
@@ -42,7 +42,7 @@ class Int8KVCache(CacheBase):
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, block_size: int = 32):
         for name, value in (("n_layers", n_layers), ("batch_size", batch_size), ("n_kv_heads", n_kv_heads),
                             ("max_seq_len", max_seq_len), ("head_dim", head_dim), ("block_size", block_size)):
-            if not _is_positive_int(value):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Int8KVCache {name} must be a positive integer, got {value!r}")
         super().__init__(batch_size)
         n_blocks = -(-max_seq_len // block_size)
@@ -69,7 +69,7 @@ class Int8KVCache(CacheBase):
     def for_model(cls, model, batch_size: int = 1, max_seq_len: int | None = None,
                   block_size: int = 32) -> "Int8KVCache":
         """A cache for the layers and K/V heads `model` holds, on its device, with scales in its dtype. Chapter 08."""
-        max_seq_len = _check_max_seq_len(model, max_seq_len)
+        max_seq_len = cls.max_seq_len_for(model, max_seq_len)
         shape = cache_shape(model)
         return cls(shape.n_layers, batch_size, shape.n_kv_heads, max_seq_len, shape.head_dim, model.device,
                    model.dtype, block_size)
