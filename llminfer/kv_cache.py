@@ -57,7 +57,7 @@ def _is_positive_int(value) -> bool:
 
 
 def cache_shape(model) -> costs.KVShape:
-    """The K/V a model's own layers write per position: how many layers, K/V heads and their width. Chapter 04.
+    """Returns the K/V shape a model's own layers write per position: layers, K/V heads, head_dim. Chapter 04.
 
     Read from the modules, so a tensor-parallel rank (its K/V heads) or a pipeline stage (its layers) gets
     the shape of the part it holds (chapter 10)."""
