@@ -10,7 +10,8 @@ from .checkpoint import bundled_models, load_pretrained, load_random, save_pretr
 from .device import resolve_device
 from .config import PRESET_SOURCES, PRESETS, ModelConfig, get_preset
 from .generate import GenerationResult, TokenTimer, decode_step, generate, prefill, sample_next
-from .kv_cache import Cache, KVCache, kv_cache_bytes
+from .costs import kv_cache_bytes
+from .kv_cache import Cache, KVCache
 from .model import Transformer
 from .device import free_memory_bytes
 from .tokenizer import Tokenizer

@@ -8,8 +8,11 @@ the bytes it has to read (memory-bound). Nothing here touches a tensor.
     forward_flops(cfg, n_tokens, start_pos)  FLOPs of one forward over n_tokens new positions
     prefill_flops(cfg, prompt_len)           FLOPs of the prefill (logits of the last position only)
     decode_step_flops(cfg, cached_len=n)     FLOPs of one decode step after n cached positions
+    weight_bytes(cfg, dtype_bytes)           every weight the model holds (its one byte count)
+    weight_bytes_read(cfg, dtype_bytes)      the weights a forward reads (an untied embedding is gathered)
     decode_step_bytes(cfg, cached_len=n, dtype_bytes=b)  bytes it reads: weights + K/V of n + 1 positions
-    kv_cache_bytes(cfg, seq_len, dtype_bytes)   the K/V a cache of seq_len positions holds
+    kv_cache_bytes(cfg, seq_len, dtype_bytes, batch_size)  the K/V a cache of seq_len positions holds (every
+                                             cache's size: contiguous, paged, int8, shipped between workers)
     activation_bytes(cfg, n_tokens, dtype_bytes)  peak activations of one forward
     generation_bytes(cfg, batch, prompt_len, new_tokens, dtype_bytes)  KV cache + activations of a generation
     decode_bytes(cfg, prompt_len, new_tokens) bytes read by a whole cached decode
@@ -20,15 +23,17 @@ Conventions: one multiply-add is 2 FLOPs; attention is causal, so a query at
 absolute position p scores p + 1 keys; element-wise work (norms, RoPE,
 softmax, SwiGLU gate) is left out, being a few FLOPs per activation against
 thousands per weight. `cfg` is any object with the ModelConfig fields
-vocab_size, dim, n_layers, n_heads, n_kv_heads, hidden_dim and head_dim.
+vocab_size, dim, n_layers, n_heads, n_kv_heads, hidden_dim and head_dim
+(for K/V bytes, n_layers, n_kv_heads and head_dim are enough: a `KVShape`).
 """
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = [
-    "head_dim_of", "layer_matmul_params", "matmul_params", "weight_bytes",
+    "head_dim_of", "layer_matmul_params", "matmul_params", "weight_bytes", "weight_bytes_read", "KVShape",
     "attention_flops", "forward_flops", "prefill_flops", "decode_step_flops",
     "kv_bytes_per_token", "kv_cache_bytes", "activation_bytes", "generation_bytes", "decode_step_bytes", "decode_bytes",
     "CacheVsRecompute", "cache_vs_recompute_flops", "roofline_seconds",
@@ -58,17 +63,25 @@ def matmul_params(cfg, with_head: bool = True) -> int:
 
 
 def weight_bytes(cfg, dtype_bytes: int) -> int:
-    """Returns the bytes of weights one decode step must read (the embedding table only if tied). Chapter 04.
-
-    A decode step reads every layer weight, the norms and the output head once;
-    an untied embedding table is only gathered (one row per token), so it is
-    not read in full. A tied table *is* the head and is counted once.
-    """
+    """Returns the bytes of every weight the model holds: layers, norms, embedding and head (a tied table
+    counted once). The one byte count of a model, in every chapter. Chapter 04."""
     head_dim = head_dim_of(cfg)
     bias = (cfg.n_heads + 2 * cfg.n_kv_heads) * head_dim if getattr(cfg, "qkv_bias", False) else 0
     norms = cfg.n_layers * 2 * cfg.dim + cfg.dim
-    params = matmul_params(cfg) + cfg.n_layers * bias + norms
+    embedding = 0 if getattr(cfg, "tie_embeddings", False) else cfg.vocab_size * cfg.dim
+    params = matmul_params(cfg) + cfg.n_layers * bias + norms + embedding
     return params * dtype_bytes
+
+
+def weight_bytes_read(cfg, dtype_bytes: int) -> int:
+    """Returns the bytes of weights a forward (a decode step) reads: `weight_bytes` less an untied embedding
+    table. Chapter 04.
+
+    A forward reads every layer weight, the norms and the output head once; an untied embedding table is only
+    gathered (one row per token), so it is not read in full. A tied table *is* the head and is read.
+    """
+    gathered = 0 if getattr(cfg, "tie_embeddings", False) else cfg.vocab_size * cfg.dim * dtype_bytes
+    return weight_bytes(cfg, dtype_bytes) - gathered
 
 
 def attention_flops(cfg, n_tokens: int, start_pos: int = 0) -> int:
@@ -120,16 +133,36 @@ def decode_step_flops(cfg, context_len: int | None = None, batch_size: int = 1, 
     return forward_flops(cfg, 1, cached_len, logits_positions=1, batch_size=batch_size)
 
 
-def kv_bytes_per_token(cfg, dtype_bytes: int) -> int:
-    """Returns the bytes of K and V that one cached position holds across all layers. Chapter 04."""
-    return 2 * cfg.n_layers * cfg.n_kv_heads * head_dim_of(cfg) * dtype_bytes
+class KVShape(NamedTuple):
+    """What sets a cache's K/V bytes per position: layers, K/V heads and their width. Chapter 04."""
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
 
 
-def kv_cache_bytes(cfg, seq_len: int, dtype_bytes: int, batch_size: int = 1) -> int:
-    """Returns the bytes of a K/V cache: 2 · layers · kv_heads · head_dim · seq_len · batch · bytes. Chapter 04."""
+def kv_cache_bytes(cfg, seq_len: int, dtype_bytes: int, batch_size: int = 1, *, scale_bytes: int = 0,
+                   scale_block: int = 1) -> int | float:
+    """Returns the bytes of K and V for seq_len positions of batch_size sequences: 2 · layers · kv_heads ·
+    head_dim · seq_len · batch · dtype_bytes. Every cache's size comes from here. Chapter 04.
+
+    A quantized cache (chapter 08: dtype_bytes=1 for int8 codes) also holds scales of scale_bytes each: one per
+    position and head for V, and one per channel for each scale_block positions of K (a fraction per position).
+    """
     if seq_len < 0 or batch_size < 1:
         raise ValueError(f"seq_len must be >= 0 and batch_size >= 1; got seq_len={seq_len}, batch_size={batch_size}")
-    return batch_size * seq_len * kv_bytes_per_token(cfg, dtype_bytes)
+    if scale_block < 1:
+        raise ValueError(f"scale_block must be >= 1 (positions sharing one key scale), got {scale_block}")
+    head_dim = head_dim_of(cfg)
+    heads = cfg.n_layers * cfg.n_kv_heads * batch_size * seq_len          # (layer, head, sequence, position)
+    nbytes = heads * 2 * head_dim * dtype_bytes
+    if scale_bytes:
+        return nbytes + heads * scale_bytes * (1 + head_dim / scale_block)
+    return nbytes
+
+
+def kv_bytes_per_token(cfg, dtype_bytes: int) -> int:
+    """Returns the bytes of K and V that one cached position holds across all layers. Chapter 04."""
+    return kv_cache_bytes(cfg, 1, dtype_bytes)
 
 
 def activation_bytes(cfg, n_tokens: int, dtype_bytes: int, batch_size: int = 1) -> int:
@@ -157,7 +190,7 @@ def decode_step_bytes(cfg, context_len: int | None = None, dtype_bytes: int | No
         raise TypeError("decode_step_bytes() needs dtype_bytes")
     if cached_len < 0 or batch_size < 1:
         raise ValueError(f"cached_len={cached_len}, batch_size={batch_size}: need cached_len >= 0, batch_size >= 1")
-    return weight_bytes(cfg, dtype_bytes) + batch_size * (cached_len + 1) * kv_bytes_per_token(cfg, dtype_bytes)
+    return weight_bytes_read(cfg, dtype_bytes) + kv_cache_bytes(cfg, cached_len + 1, dtype_bytes, batch_size)
 
 
 def decode_bytes(cfg, prompt_len: int, new_tokens: int, dtype_bytes: int, batch_size: int = 1) -> int:

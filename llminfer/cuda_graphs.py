@@ -24,6 +24,7 @@ import types
 import torch
 
 from .generate import GenerationResult, check_capacity, check_request, prefill, token_loop
+from .static_cache import StaticKVCache
 
 __all__ = ["StaticDecoder", "static_decode", "COMPILE_OPTIONS", "MODES"]
 
@@ -73,9 +74,9 @@ class StaticDecoder:
                                "(or 'compiled') elsewhere")
         self.model = model
         self.mode = mode
-        self.cache = model.new_cache(batch_size, max_seq_len)          # checks the size against free memory
-        self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=model.device)     # (B, 1) static input
-        self.position = torch.zeros(1, dtype=torch.long, device=model.device)              # (1,) static input
+        self.cache = StaticKVCache.for_model(model, batch_size, max_seq_len)     # written at a positions tensor
+        self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=model.device)   # (B, 1) static input
+        self.position = torch.zeros(1, dtype=torch.long, device=model.device)            # (1,) static input
         self.graph = None
         self.logits = None                                             # (B, vocab) the graph's static output
         self.compile_s = 0.0
@@ -117,11 +118,7 @@ class StaticDecoder:
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Returns logits (B, vocab) for token (B, 1) at `position` (1,), writing its K/V there: the model's forward
         over the static cache, compiled in mode 'compiled'."""
-        self.cache.static = True
-        try:
-            return self._compiled(token, position) if self.mode == "compiled" else self._forward(token, position)
-        finally:
-            self.cache.static = False
+        return self._compiled(token, position) if self.mode == "compiled" else self._forward(token, position)
 
     def _run(self) -> torch.Tensor:
         """The step over the fixed buffers: eager, compiled (traced on its first call), or a graph replay."""

@@ -172,8 +172,11 @@ class Transformer(nn.Module):
         return self
 
     def new_cache(self, batch_size: int = 1, max_seq_len: int | None = None) -> KVCache:
-        """A preallocated KVCache on this model's device and dtype. Chapter 04."""
-        return KVCache.for_config(self.config, batch_size, max_seq_len, device=self.device, dtype=self.dtype)
+        """A preallocated KVCache for the layers and K/V heads this model holds, on its device and dtype. Chapter 04.
+
+        It is sized from the modules, not the config, so a split model (a tensor-parallel rank's heads, a
+        pipeline stage's layers, chapter 10) gets a cache of its own part with no hook set on it."""
+        return KVCache.for_model(self, batch_size, max_seq_len)
 
     def rope_tables(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin tables (end, head_dim) in the model's dtype, computed once in float32 and grown on demand."""

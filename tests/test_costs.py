@@ -5,6 +5,7 @@ import pytest
 
 import llminfer
 from llminfer import costs
+from small_models import SMALL_CONFIGS
 
 # vocab 10, dim 4, 2 layers, 2 query heads and 1 K/V head of width 2, MLP width 8.
 TINY = SimpleNamespace(vocab_size=10, dim=4, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=8,
@@ -51,8 +52,12 @@ def test_speedup_grows_with_context():
 
 
 def test_decode_bytes_by_hand():
-    # 328 matmul weights + 2 layers x 2 norms x 4 + final norm 4 = 348 floats
-    assert costs.weight_bytes(TINY, 4) == 348 * 4
+    # 328 matmul weights + 2 layers x 2 norms x 4 + final norm 4 = 348 floats, all read by a decode step;
+    # the model also holds its untied 10 x 4 embedding table, of which a step gathers one row
+    assert costs.weight_bytes_read(TINY, 4) == 348 * 4
+    assert costs.weight_bytes(TINY, 4) == (348 + 40) * 4
+    assert costs.weight_bytes_read(SimpleNamespace(**{**vars(TINY), "tie_embeddings": True}), 4) == \
+        costs.weight_bytes(SimpleNamespace(**{**vars(TINY), "tie_embeddings": True}), 4) == 348 * 4
     # K and V, 2 layers, 1 head of width 2, float32
     assert costs.kv_bytes_per_token(TINY, 4) == 32
     # after 4 cached positions a step reads the K/V of 5 (the new one included)
@@ -83,9 +88,35 @@ def test_roofline_takes_the_slower_limit():
     assert costs.roofline_seconds(100, 1000, flops_per_s=10, bytes_per_s=10) == 100
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "llama-3.2-1b", "llama-3-8b"])
-def test_weight_bytes_match_the_configs_own_parameter_count(name):
+@pytest.mark.parametrize("name", ["smollm2-135m", "llama-3.2-1b", "llama-3-8b", "llama-3-70b"])
+def test_one_byte_count_for_a_model(name):
+    """weight_bytes is the parameter count (chapter 04's plot, chapter 10's memory); a step reads less untied."""
+    from llminfer.parallel import cost_model
     cfg = llminfer.get_preset(name)
-    embedding = cfg.vocab_size * cfg.dim
-    expected = cfg.n_params() if cfg.tie_embeddings else cfg.n_params() - embedding
-    assert costs.weight_bytes(cfg, 2) == 2 * expected
+    assert costs.weight_bytes(cfg, 2) == 2 * cfg.n_params()
+    assert cost_model.device_memory(cfg, dtype_bytes=2).weight_bytes == costs.weight_bytes(cfg, 2)
+    embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+    assert costs.weight_bytes_read(cfg, 2) == 2 * (cfg.n_params() - embedding)
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_CONFIGS))
+def test_weight_bytes_are_what_a_model_holds(name):
+    model = llminfer.Transformer(SMALL_CONFIGS[name])                 # float32; a tied table is one parameter
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert held == costs.weight_bytes(model.config, 4)
+
+
+def test_llama_3_8b_weighs_16_gb_in_bf16():
+    cfg = llminfer.get_preset("llama-3-8b")
+    assert round(costs.weight_bytes(cfg, 2) / 1e9, 1) == 16.1                   # embedding and head both held
+    assert round(costs.weight_bytes_read(cfg, 2) / 1e9, 1) == 15.0            # the embedding table is gathered
+
+
+def test_every_cache_size_is_one_formula():
+    assert costs.kv_cache_bytes(costs.KVShape(n_layers=2, n_kv_heads=1, head_dim=2), 7, 4, 3) == \
+        costs.kv_cache_bytes(TINY, 7, 4, batch_size=3) == 3 * 7 * 32
+    # int8 codes, a 2-byte scale per position and head for V, one per channel per 4 positions for K
+    int8 = costs.kv_cache_bytes(TINY, 8, 1, scale_bytes=2, scale_block=4)
+    assert int8 == 2 * 1 * 8 * (2 * 2 * 1 + 2 + 2 * 2 / 4)
+    with pytest.raises(ValueError, match="scale_block must be >= 1"):
+        costs.kv_cache_bytes(TINY, 8, 1, scale_bytes=2, scale_block=0)

@@ -4,6 +4,7 @@ import torch
 
 import llminfer
 from llminfer.cuda_graphs import StaticDecoder
+from llminfer.static_cache import StaticKVCache
 
 TINY = llminfer.ModelConfig(vocab_size=97, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, hidden_dim=80,
                             max_seq_len=64)
@@ -25,7 +26,7 @@ def test_static_step_matches_decode_step_on_cpu():
         got = static.decode(token)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         token = expected.argmax(-1)
-    assert static.cache.length == reference.length == 11 and not static.cache.static
+    assert static.cache.length == reference.length == 11 and isinstance(static.cache, StaticKVCache)
     # positions past the current one are masked: stale K/V there must not change the answer
     static.cache.truncate(10)
     reference.truncate(10)

@@ -9,7 +9,7 @@ import torch
 
 import llminfer
 from llminfer.engine import (AttentionMetadata, BlockManager, ModelRunner, PagedKVCache, SamplingParams, Sequence,
-                             get_paged_kernel, paged_cache_bytes, paged_kernels, register_paged_kernel)
+                             get_paged_kernel, paged_kernels, register_paged_kernel)
 from small_models import SMALL_CONFIGS, random_model
 
 
@@ -190,8 +190,8 @@ def test_paged_kernel_registry():
 def test_pool_bytes_and_refusals(model, monkeypatch):
     cfg = model.config
     cache = PagedKVCache.for_model(model, num_blocks=6, block_size=8)
-    assert cache.nbytes == paged_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 6, 8, torch.float32)
-    assert cache.nbytes == llminfer.kv_cache_bytes(cfg, 48, dtype=torch.float32)   # 48 positions, stored as blocks
+    assert cache.nbytes == llminfer.kv_cache_bytes(cfg, 48, 4) == 2 * cfg.n_layers * 48 * cfg.n_kv_heads * \
+        cfg.head_dim * 4                                                          # 48 positions, stored as blocks
     with pytest.raises(ValueError, match="power of two"):
         PagedKVCache.for_model(model, num_blocks=4, block_size=12)
     monkeypatch.setattr("llminfer.device.free_memory_bytes", lambda device: 1 << 20)

@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "llminfer"
 
 # The core, in dependency order: a module may import only those before it.
 CORE = ["device", "config", "costs", "attention", "kv_cache", "model", "tokenizer", "gguf_reader", "checkpoint",
-        "generate", "instrument", "timing", "cuda_graphs"]
+        "generate", "instrument", "timing", "static_cache", "cuda_graphs"]
 # Built on the core (may import it; the core never imports them).
 ON_TOP = ["engine", "kernels", "quant", "fast", "speculative", "parallel", "serve"]
 # Around everything: tooling and teaching aids, imported by nothing in the package but themselves.

@@ -13,6 +13,7 @@ from llminfer.cuda_graphs import StaticDecoder
 from llminfer.kernels import cpu
 from llminfer.model import DecoderStack
 from llminfer.quant.kv_cache import Int8KVCache
+from llminfer.static_cache import StaticKVCache
 
 from small_models import SMALL_CONFIGS, random_model
 
@@ -157,9 +158,8 @@ def test_a_static_cache_step_and_the_per_layer_op():
         ref_cache = reference.new_cache(1, 16)
         reference(ids, cache=ref_cache)
         expected = reference(ids[:, :1], cache=ref_cache)
-        cache = native.new_cache(1, 16)
+        cache = StaticKVCache.for_model(native, 1, 16)
         native(ids, cache=cache)
-        cache.static = True
         got = native(ids[:, :1], positions=torch.tensor([6]), cache=cache)
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
         # the same step through each layer's own op (a stack that cannot run whole falls back to them)
@@ -210,11 +210,10 @@ def test_the_stack_keeps_its_class_when_sliced():
 
 def test_bad_inputs_to_the_layer_ops_name_the_sizes():
     _, native = _pair("llama-gqa-tied", "fp32")
-    cache = native.new_cache(1, 16)
+    cache = StaticKVCache.for_model(native, 1, 16)
     cos, sin = native.rope_tables(16)
     x = torch.randn(1, 1, native.config.dim)
     with torch.inference_mode():
-        cache.static = True
         cache.begin(1, 1, torch.tensor([3]))
         call = list(native.layers._native_args(x, cos[3:4], sin[3:4], cache, native._backend))
         assert torch.ops.llminfer.decode_layers(*call).shape == x.shape

@@ -247,7 +247,7 @@ def test_device_memory_against_the_parameter_count():
     assert one.weight_bytes == shape.n_params() * 2                     # unsplit: the whole model
     tp8 = cost_model.device_memory(shape, 8, 1, context_len=8192, batch_size=1, dtype_bytes=2)
     assert abs(tp8.weight_bytes / (shape.n_params() * 2 / 8) - 1) < 0.001   # an eighth, norms aside
-    assert tp8.kv_bytes == llminfer.kv_cache_bytes(shape, 8192, 1, torch.bfloat16) / 8   # one K/V head each
+    assert tp8.kv_bytes == llminfer.kv_cache_bytes(shape, 8192, 2, 1) / 8   # one K/V head each
     tp16 = cost_model.device_memory(shape, 16, 1, context_len=8192, dtype_bytes=2)
     assert tp16.kv_bytes == tp8.kv_bytes                                  # 8 K/V heads: copies past TP 8
 

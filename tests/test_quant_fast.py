@@ -13,7 +13,7 @@ from llminfer import quant
 from llminfer.cuda_graphs import StaticDecoder
 from llminfer.fast import FusedAttention, FusedMLP, compile_decode, fuse_projections, is_fused
 from llminfer.quant import activation_aware, formats
-from llminfer.quant.kv_cache import Int8KVCache, int8_kv_bytes_per_token, int8_roundtrip
+from llminfer.quant.kv_cache import Int8KVCache, int8_roundtrip
 
 from small_models import SMALL_CONFIGS, random_model
 
@@ -127,7 +127,7 @@ def test_int8_kv_cache_follows_the_float_cache(bundled):
 def test_int8_kv_cache_memory_and_refusals():
     config = llminfer.get_preset("smollm2-135m")
     cache = Int8KVCache(config.n_layers, 1, config.n_kv_heads, 1024, config.head_dim, dtype=torch.bfloat16)
-    bf16_bytes = llminfer.kv_cache_bytes(config, 1024, dtype=torch.bfloat16)
+    bf16_bytes = llminfer.kv_cache_bytes(config, 1024, 2)
     assert 0.5 < cache.nbytes / bf16_bytes < 0.56                   # codes + scales + the residual block
     assert 1.9 < costs_ratio(config) < 2.0
     with pytest.raises(ValueError, match=r"block_size must be a positive integer"):
@@ -141,7 +141,7 @@ def test_int8_kv_cache_memory_and_refusals():
 
 def costs_ratio(config) -> float:
     from llminfer import costs
-    return costs.kv_bytes_per_token(config, 2) / int8_kv_bytes_per_token(config)
+    return costs.kv_bytes_per_token(config, 2) / costs.kv_cache_bytes(config, 1, 1, scale_bytes=2, scale_block=32)
 
 
 def test_keys_prefer_per_channel_scales(bundled):

@@ -9,7 +9,7 @@ import torch
 import llminfer
 from llminfer import costs
 from llminfer.engine import LLMEngine, SamplingParams
-from llminfer.serve.disagg import DisaggregatedEngine, ModelSpec, ShippingCache, kv_transfer_bytes
+from llminfer.serve.disagg import DisaggregatedEngine, ModelSpec, ShippingCache
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -44,7 +44,7 @@ def test_installed_kv_continues_exactly_like_a_local_prefill(bundled):
     ids = []
     for prompt in prompts:
         logits, kv, cache = shipped(model, prompt)
-        assert cache.sent_bytes == kv_transfer_bytes(model.config, len(prompt), 4) \
+        assert cache.sent_bytes == costs.kv_cache_bytes(model.config, len(prompt), 4) \
             == 2 * 4 * 2 * 32 * len(prompt) * 4                               # 2 · layers · kv heads · head_dim · P · 4
         first = int(logits.argmax(-1))
         if first == tokenizer.eos_token_id:
@@ -72,7 +72,8 @@ def test_install_waits_for_room_and_checks_shapes(bundled):
     assert engine.add_prefilled(list(range(3, 40)), params, 5, kv, 0.0, 0.0) is None   # max_num_seqs reached
     with pytest.raises(ValueError, match="expected"):
         engine.add_prefilled(list(range(3, 41)), params, 5, kv, 0.0, 0.0)
-    assert costs.kv_bytes_per_token(model.config, 4) == kv_transfer_bytes(model.config, 1, 4)
+    cfg = model.config
+    assert costs.kv_cache_bytes(cfg, 1, 4) == 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
 
 
 def test_workers_in_separate_processes_equal_the_colocated_engine(bundled):
@@ -87,7 +88,7 @@ def test_workers_in_separate_processes_equal_the_colocated_engine(bundled):
         assert [o.finish_reason for o in outputs] == [c.finish_reason for c in colocated]
         for output, prompt in zip(outputs, prompts):
             record = engine.transfers[output.request_id]
-            assert record.nbytes == kv_transfer_bytes(model.config, len(prompt), 4)
+            assert record.nbytes == costs.kv_cache_bytes(model.config, len(prompt), 4)
             assert output.ttft_s > 0 and len(output.itl_s) == len(output.token_ids) - 1
         long_running = engine.add_request(list(range(3, 20)), SamplingParams(max_new_tokens=100))
         while not engine.step(timeout_s=0.1):

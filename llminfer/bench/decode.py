@@ -171,7 +171,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
                            "kv_element_bytes": 2}        # llama.cpp's default KV cache is f16
     eager = copy.deepcopy(base)
     contenders["llminfer eager fp32"] = lambda: generate(eager, ids, args.new_tokens)
-    info["llminfer eager fp32"] = {"precision": "fp32", "weight_bytes": costs.weight_bytes(cfg, 4),
+    info["llminfer eager fp32"] = {"precision": "fp32", "weight_bytes": costs.weight_bytes_read(cfg, 4),
                                    "kv_element_bytes": 4}
     hf_note = "skipped"
     if args.transformers:
@@ -184,7 +184,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
                 break
             label = f"transformers {name}"
             contenders[label] = lambda m=hf_model: hf_generate(m, ids, args.new_tokens, use_cache=True)
-            info[label] = {"precision": name, "weight_bytes": costs.weight_bytes(cfg, timing.dtype_bytes(dtype)),
+            info[label] = {"precision": name, "weight_bytes": costs.weight_bytes_read(cfg, timing.dtype_bytes(dtype)),
                            "kv_element_bytes": timing.dtype_bytes(dtype)}
     probe_bytes = costs.weight_bytes(cfg, 4)
     matvec = timing.matvec_probe("cpu", torch.float32, probe_bytes)

@@ -246,7 +246,7 @@ def bench_scaling(model, cfg, settings, probes) -> list[dict]:
                      "flop_speedup": flops_recompute / flops_cached,
                      "flops_cached": flops_cached, "flops_recompute": flops_recompute,
                      "bytes_cached": costs.decode_step_bytes(cfg, cached_len=context, dtype_bytes=elem),
-                     "bytes_recompute": costs.weight_bytes(cfg, elem)})
+                     "bytes_recompute": costs.weight_bytes_read(cfg, elem)})
         del cache
     return rows
 

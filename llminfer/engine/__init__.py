@@ -23,7 +23,7 @@ from .block_manager import Block, BlockManager, PoolSnapshot, hash_block_tokens
 from .llm_engine import EngineStats, LLMEngine, StepRecord
 from .model_runner import ModelRunner
 from .paged_attention import get_paged_kernel, paged_kernels, register_paged_kernel
-from .paged_cache import PagedKVCache, paged_cache_bytes
+from .paged_cache import PagedKVCache
 from .protocol import Engine
 from .sampling_params import SamplingParams
 from .scheduler import POLICIES, Scheduler
@@ -32,6 +32,6 @@ from .sequence import RequestOutput, Sequence, SequenceStatus, StepOutput
 __all__ = [
     "LLMEngine", "SamplingParams", "RequestOutput", "StepOutput", "EngineStats", "StepRecord",
     "Sequence", "SequenceStatus", "Scheduler", "POLICIES", "BlockManager", "Block", "PoolSnapshot",
-    "hash_block_tokens", "AttentionMetadata", "PagedKVCache", "paged_cache_bytes", "ModelRunner",
+    "hash_block_tokens", "AttentionMetadata", "PagedKVCache", "ModelRunner",
     "register_paged_kernel", "get_paged_kernel", "paged_kernels", "Engine",
 ]

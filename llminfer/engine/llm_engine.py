@@ -30,12 +30,13 @@ from typing import Sequence as SequenceType
 
 import torch
 
+from ..costs import kv_cache_bytes
 from ..device import dtype_bytes, free_memory_bytes, synchronize
 from ..generate import check_request
 from ..generate import is_int as _is_int
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
-from .paged_cache import PagedKVCache, paged_cache_bytes
+from .paged_cache import PagedKVCache
 from .sampling_params import SamplingParams
 from .scheduler import POLICIES, Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus, StepOutput
@@ -120,7 +121,7 @@ class LLMEngine:
                              f"got {max_model_len!r}")
         if not 0 < kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must lie in (0, 1], got {kv_memory_fraction}")
-        per_block = paged_cache_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 1, block_size, model.dtype)
+        per_block = kv_cache_bytes(cfg, block_size, dtype_bytes(model.dtype))     # one block's K/V, all layers
         one_request = -(-max_model_len // block_size)
         if num_blocks is None:
             # as many blocks as the memory allows, but never more than max_num_seqs full-length requests use

@@ -24,24 +24,22 @@ from typing import Callable
 
 import torch
 
+from .. import costs
 from ..device import check_fits, dtype_bytes
+from ..kv_cache import CacheBase, cache_shape
 from .attention_metadata import AttentionMetadata
 from .block_manager import BlockManager
 from .paged_attention import default_paged_kernel, gather_attention, get_paged_kernel
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
-__all__ = ["PagedKVCache", "paged_cache_bytes"]
+__all__ = ["PagedKVCache"]
 
 
-def paged_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                      dtype: torch.dtype) -> int:
-    """Bytes of a block pool: 2 (K and V) · layers · blocks · block_size · kv_heads · head_dim · bytes. Chapter 06."""
-    return 2 * n_layers * num_blocks * block_size * n_kv_heads * head_dim * dtype_bytes(dtype)
-
-
-class PagedKVCache:
+class PagedKVCache(CacheBase):
     """K/V in num_blocks blocks of block_size positions per layer; the cache protocol over block tables. Chapter 06."""
+
+    kind = "PagedKVCache"
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, kernel: str | None = None):
@@ -55,7 +53,8 @@ class PagedKVCache:
         self.kernel_name = kernel or default_paged_kernel(self.device)
         self._kernel = get_paged_kernel(self.kernel_name)       # an unknown name is refused here
         self._auto_kernel = kernel is None
-        needed = paged_cache_bytes(n_layers, n_kv_heads, head_dim, num_blocks, block_size, dtype)
+        needed = costs.kv_cache_bytes(costs.KVShape(n_layers, n_kv_heads, head_dim), num_blocks * block_size,
+                                      dtype_bytes(dtype))                 # a pool's bytes: its positions' K/V
         check_fits(needed, self.device, f"a paged KV cache of {num_blocks} blocks × {block_size} positions × "
                    f"{n_layers} layers", fix="pass a smaller num_blocks")
         shape = (num_blocks, block_size, n_kv_heads, head_dim)
@@ -64,18 +63,16 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self._metadata: AttentionMetadata | None = None
         # standalone use (no engine): this cache keeps its own block tables for a batch of sequences
-        self._blocks: BlockManager | None = None
+        super().__init__(batch_size=0)           # set by the first forward of a batch
+        self._blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self._rows: list[Sequence] = []
-        self._length = 0
-        self._new = 0
-        self._standalone_step = False            # the forward in flight was booked by the cache itself
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, kernel: str | None = None) -> "PagedKVCache":
         """A pool shaped for `model`, on its device and dtype."""
-        cfg = model.config
-        return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, num_blocks, block_size, model.device, model.dtype,
-                   kernel)
+        shape = cache_shape(model)
+        return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, num_blocks, block_size, model.device,
+                   model.dtype, kernel)
 
     # --- what it holds -----------------------------------------------------------------------------
 
@@ -164,8 +161,8 @@ class PagedKVCache:
     def begin(self, n_tokens: int, batch_size: int, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Checks the forward against the bound step (or books room for it when standalone); returns positions."""
         meta = self._metadata
-        if meta is None:
-            return self._begin_standalone(n_tokens, batch_size, positions)
+        if meta is None or self._start is not None:        # standalone (a step of its own left unfinished too)
+            return super().begin(n_tokens, batch_size, positions)
         if batch_size != 1 or n_tokens != meta.num_tokens:
             raise ValueError(f"the bound engine step runs {meta.num_tokens} tokens as input_ids of shape "
                              f"(1, {meta.num_tokens}), got ({batch_size}, {n_tokens})")
@@ -178,36 +175,32 @@ class PagedKVCache:
             raise ValueError("positions disagree with the bound engine step's metadata; pass metadata.positions")
         return meta.positions
 
-    def _begin_standalone(self, n_tokens: int, batch_size: int, positions: torch.Tensor | None) -> torch.Tensor:
-        if self._blocks is None or not self._rows:
-            self._blocks = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching=False)
-            params = SamplingParams(max_new_tokens=1)
-            self._rows = [Sequence(i, [], params, 0.0) for i in range(batch_size)]
-            self._length = 0
-        if batch_size != len(self._rows):
+    def check_write(self, start: int, n_tokens: int, batch_size: int) -> None:
+        """Standalone: the first forward of a batch sets its size; every forward must fit the pool's blocks."""
+        if not self._rows:
+            self.batch_size = batch_size
+        elif batch_size != len(self._rows):
             raise ValueError(f"the cache holds {len(self._rows)} sequences but the input has {batch_size}; "
                              "call cache.reset() to start a new batch")
-        start = self._length
-        if positions is not None:
-            values = positions.reshape(-1, positions.shape[-1])[0].tolist()
-            if values != list(range(start, start + n_tokens)):
-                raise ValueError(f"positions {values[:8]} do not continue from the cache's length {start}; "
-                                 "pass positions=None")
-        total = self._blocks.blocks_needed(start + n_tokens) * batch_size - sum(len(r.block_table) for r in self._rows)
-        if total > self._blocks.num_free_blocks:
+        super().check_write(start, n_tokens, batch_size)
+        per_row = self._blocks.blocks_needed(start + n_tokens)
+        if per_row * batch_size - sum(len(r.block_table) for r in self._rows) > self._blocks.num_free_blocks:
             raise ValueError(f"{batch_size} sequence(s) of {start + n_tokens} positions need "
-                             f"{self._blocks.blocks_needed(start + n_tokens) * batch_size} blocks of {self.block_size} "
-                             f"but the pool has {self.num_blocks}; make a cache with more blocks")
+                             f"{per_row * batch_size} blocks of {self.block_size} but the pool has "
+                             f"{self.num_blocks}; make a cache with more blocks")
+
+    def _reserve(self, start: int, n_tokens: int, batch_size: int) -> None:
+        """Standalone: allocates each sequence the blocks its new positions need, and the step's metadata."""
+        if not self._rows:
+            params = SamplingParams(max_new_tokens=1)
+            self._rows = [Sequence(i, [], params, 0.0) for i in range(batch_size)]
         for row in self._rows:
-            row.token_ids.extend([0] * n_tokens)        # the pool only needs how many, not which
-            self._blocks.allocate(row, n_tokens)
-        self._new = n_tokens
+            row.token_ids.extend([0] * (start + n_tokens - len(row.token_ids)))   # the pool needs how many, not which
+            self._blocks.allocate(row, start + n_tokens - row.num_computed_tokens)
         meta = AttentionMetadata(seqs=self._rows, query_lens=[n_tokens] * batch_size,
                                  context_lens=[start] * batch_size,
                                  block_tables=[list(r.block_table) for r in self._rows], block_size=self.block_size)
         self._metadata = meta.prepare(self.device)
-        self._standalone_step = True
-        return torch.arange(start, start + n_tokens, device=self.device)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                backend: Callable) -> torch.Tensor:
@@ -235,20 +228,27 @@ class PagedKVCache:
 
     def end(self) -> None:
         """Standalone: the positions written become part of every sequence. Engine steps advance elsewhere."""
-        if self._standalone_step:
+        if self._start is not None:
             for row in self._rows:
-                row.num_computed_tokens += self._new
-            self._length += self._new
-            self._new = 0
+                row.num_computed_tokens = self._start + self._n_new
             self._metadata = None
-            self._standalone_step = False
+        super().end()
+
+    def _forget(self, length: int) -> None:
+        """Standalone: each sequence keeps the blocks of its first `length` positions; the rest go back to the
+        pool. (Bound to an engine step, the engine's block manager frees blocks, not the cache.)"""
+        keep = self._blocks.blocks_needed(length)
+        for row in self._rows:
+            tail = Sequence(-1, [], row.params, 0.0)
+            tail.block_table, row.block_table = row.block_table[keep:], row.block_table[:keep]
+            self._blocks.free(tail)
+            del row.token_ids[length:]
+            row.num_computed_tokens = length
 
     def reset(self) -> None:
         """Standalone: frees every block (the pool stays allocated); a new batch may start."""
-        if self._blocks is not None:
-            for row in self._rows:
-                self._blocks.free(row)
-        self._rows, self._length, self._metadata = [], 0, None
+        super().reset()
+        self._rows, self._metadata = [], None
 
     def __repr__(self) -> str:
         nb, bs, h, d = self.k[0].shape

@@ -14,7 +14,6 @@ finished each micro-batch, so the timeline and the bubble can be drawn from what
 from __future__ import annotations
 
 import time
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +22,6 @@ import torch.nn as nn
 
 from llminfer.device import synchronize
 from llminfer.generate import GenerationResult, TokenTimer
-from llminfer.kv_cache import KVCache
 
 from .plan import PipelinePlan, pipeline_plan, split_micro_batches
 
@@ -133,17 +131,6 @@ class SendActivations(nn.Module):
         return x
 
 
-def _stage_cache(self, batch_size: int = 1, max_seq_len: int | None = None) -> KVCache:
-    """A KVCache for this stage's layers only. Chapter 10."""
-    config = self.config
-    max_seq_len = config.max_seq_len if max_seq_len is None else max_seq_len
-    if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or not 1 <= max_seq_len <= config.max_seq_len:
-        raise ValueError(f"max_seq_len must be an integer in 1..{config.max_seq_len} (the model's max_seq_len), "
-                         f"got {max_seq_len!r}")
-    return KVCache(len(self.layers), batch_size, config.n_kv_heads, max_seq_len, config.head_dim, self.device,
-                   self.dtype)
-
-
 @torch.no_grad()
 def pipeline_stage(model, stage: int, n_stages: int, group=None, ranks: list[int] | None = None):
     """Keeps stage `stage` of an n_stages pipeline of model, in place; returns it. Chapter 10.
@@ -169,8 +156,7 @@ def pipeline_stage(model, stage: int, n_stages: int, group=None, ranks: list[int
     if not state.is_last:
         model.norm = nn.Identity()
         model.lm_head = SendActivations(state)
-    model.parallel = state
-    model.new_cache = types.MethodType(_stage_cache, model)
+    model.parallel = state               # model.new_cache() sizes its cache from the stage's layers
     return model
 
 

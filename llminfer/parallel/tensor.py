@@ -14,7 +14,6 @@ K/V heads. Two all-reduces per layer (after attention, after the MLP) carry the 
 from __future__ import annotations
 
 import time
-import types
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -24,7 +23,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llminfer.device import synchronize
-from llminfer.kv_cache import KVCache
 
 from .plan import TensorParallelPlan, tensor_parallel_plan
 
@@ -208,17 +206,6 @@ def _rank_and_size(group, rank, world_size) -> tuple[int, int]:
     return rank, world_size
 
 
-def _new_local_cache(self, batch_size: int = 1, max_seq_len: int | None = None) -> KVCache:
-    """A KVCache holding only this rank's K/V heads. Chapter 10."""
-    config = self.config
-    max_seq_len = config.max_seq_len if max_seq_len is None else max_seq_len
-    if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or not 1 <= max_seq_len <= config.max_seq_len:
-        raise ValueError(f"max_seq_len must be an integer in 1..{config.max_seq_len} (the model's max_seq_len), "
-                         f"got {max_seq_len!r}")
-    return KVCache(config.n_layers, batch_size, self.parallel.plan.local_kv_heads, max_seq_len, config.head_dim,
-                   self.device, self.dtype)
-
-
 @torch.no_grad()
 def tensor_parallel(model, group=None, *, rank: int | None = None, world_size: int | None = None):
     """Shards model in place for one rank of a tensor-parallel group; returns it. Chapter 10.
@@ -252,8 +239,7 @@ def tensor_parallel(model, group=None, *, rank: int | None = None, world_size: i
     head_weight = model.embed_tokens.weight if tied else nn.Parameter(
         _narrow(model.lm_head.weight, Shard(0, v0, v1)), requires_grad=False)
     model.lm_head = VocabParallelHead(head_weight, v0, v1, state)
-    model.parallel = state
-    model.new_cache = types.MethodType(_new_local_cache, model)
+    model.parallel = state               # model.new_cache() sizes its cache from the local heads set above
     return model
 
 

@@ -7,11 +7,10 @@
     cache = llminfer.quant.Int8KVCache.for_model(model)              # K per channel, V per token
 """
 from .checkpoint import KeepQuantized, keep_quantized, load_pretrained, save_pretrained
-from .kv_cache import Int8KVCache, int8_kv_bytes_per_token, int8_roundtrip
+from .kv_cache import Int8KVCache, int8_roundtrip
 from .linear import KERNELS, SCHEMES, QuantizedLinear, has_kernel, quantize, quantized_modules, quantized_weight_bytes
 from .weights import QuantizedTensor, dequantize, qrange, quantize_tensor
 
 __all__ = ["quantize", "QuantizedLinear", "has_kernel", "quantized_modules", "quantized_weight_bytes", "SCHEMES",
            "KERNELS", "QuantizedTensor", "quantize_tensor", "dequantize", "qrange", "save_pretrained",
-           "load_pretrained", "keep_quantized", "KeepQuantized", "Int8KVCache", "int8_roundtrip",
-           "int8_kv_bytes_per_token"]
+           "load_pretrained", "keep_quantized", "KeepQuantized", "Int8KVCache", "int8_roundtrip"]

@@ -16,9 +16,11 @@ from typing import Callable
 
 import torch
 
+from .. import costs
 from ..device import check_fits, dtype_bytes
+from ..kv_cache import CacheBase, cache_shape
 
-__all__ = ["Int8KVCache", "int8_roundtrip", "int8_kv_bytes_per_token"]
+__all__ = ["Int8KVCache", "int8_roundtrip"]
 
 
 def int8_roundtrip(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -31,14 +33,10 @@ def int8_roundtrip(x: torch.Tensor, dim: int) -> torch.Tensor:
     return (torch.round(x.float() / scale).clamp(-127, 127) * scale).to(x.dtype)
 
 
-def int8_kv_bytes_per_token(config, block_size: int = 32, scale_bytes: int = 2) -> float:
-    """Bytes of K and V per position across all layers in an Int8KVCache (residual block left out). Chapter 08."""
-    per_head = 2 * config.head_dim + scale_bytes + config.head_dim * scale_bytes / block_size
-    return config.n_layers * config.n_kv_heads * per_head
-
-
-class Int8KVCache:
+class Int8KVCache(CacheBase):
     """int8 K (per-channel scales per block of tokens) and V (per-token scales); the cache protocol. Chapter 08."""
+
+    kind = "Int8KVCache"
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, block_size: int = 32):
@@ -46,11 +44,13 @@ class Int8KVCache:
                             ("max_seq_len", max_seq_len), ("head_dim", head_dim), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Int8KVCache {name} must be a positive integer, got {value!r}")
+        super().__init__(batch_size)
         n_blocks = -(-max_seq_len // block_size)
         shape = (batch_size, n_kv_heads, n_blocks * block_size, head_dim)
-        element = dtype_bytes(dtype)
-        needed = n_layers * batch_size * n_kv_heads * (2 * n_blocks * block_size * (head_dim + element)
-                                                       + (n_blocks + block_size) * head_dim * element)
+        element, kv_shape = dtype_bytes(dtype), costs.KVShape(n_layers, n_kv_heads, head_dim)
+        residual = costs.kv_cache_bytes(kv_shape, block_size, element, batch_size) // 2      # K only
+        needed = round(costs.kv_cache_bytes(kv_shape, n_blocks * block_size, 1, batch_size, scale_bytes=element,
+                                            scale_block=block_size)) + residual    # codes, scales, residual
         check_fits(needed, device, f"an int8 KV cache of {n_layers} layers × batch {batch_size} × {max_seq_len} "
                    f"positions × {n_kv_heads} K/V heads × head_dim {head_dim}",
                    fix="pass a smaller max_seq_len or batch_size")
@@ -62,34 +62,27 @@ class Int8KVCache:
         self.v_codes = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(n_layers)]
         self.v_scales = [torch.zeros(batch_size, n_kv_heads, n_blocks * block_size, 1, dtype=dtype, device=device)
                          for _ in range(n_layers)]                       # one scale per token per head
-        self.batch_size, self.max_seq_len, self.block_size = batch_size, max_seq_len, block_size
+        self.max_seq_len, self.block_size = max_seq_len, block_size
         self.dtype = dtype
-        self._length = 0
-        self._start: int | None = None
-        self._n_new = 0
 
     @classmethod
     def for_model(cls, model, batch_size: int = 1, max_seq_len: int | None = None,
                   block_size: int = 32) -> "Int8KVCache":
-        """A cache sized for model's config, on its device, with scales in its dtype. Chapter 08."""
-        config = model.config
-        max_seq_len = config.max_seq_len if max_seq_len is None else max_seq_len
-        if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or not 1 <= max_seq_len <= \
-                config.max_seq_len:
-            raise ValueError(f"max_seq_len={max_seq_len!r} must be an integer in 1..{config.max_seq_len} "
-                             "(the model's max_seq_len)")
-        return cls(config.n_layers, batch_size, config.n_kv_heads, max_seq_len, config.head_dim, model.device,
+        """A cache for the layers and K/V heads `model` holds, on its device, with scales in its dtype. Chapter 08."""
+        max_seq_len = cls.max_seq_len_for(model, max_seq_len)
+        shape = cache_shape(model)
+        return cls(shape.n_layers, batch_size, shape.n_kv_heads, max_seq_len, shape.head_dim, model.device,
                    model.dtype, block_size)
 
     # --- what it holds -------------------------------------------------------------------------------
 
     @property
-    def length(self) -> int:
-        return self._length
-
-    @property
     def capacity(self) -> int:
         return self.max_seq_len
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_codes[0].device
 
     @property
     def n_layers(self) -> int:
@@ -121,24 +114,6 @@ class Int8KVCache:
 
     # --- the protocol --------------------------------------------------------------------------------
 
-    def begin(self, n_tokens: int, batch_size: int, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Checks and records a forward of n_tokens new positions after `length`; returns them (T,)."""
-        start = self._length
-        if batch_size != self.batch_size:
-            raise ValueError(f"the cache holds batch_size={self.batch_size} sequences but the input has "
-                             f"{batch_size}; make a cache for this batch")
-        if positions is not None:
-            values = positions.tolist() if positions.dim() == 1 else None
-            if values != list(range(start, start + n_tokens)):
-                raise ValueError(f"an Int8KVCache writes positions {start}..{start + n_tokens - 1} after its "
-                                 f"{start} cached ones; pass positions=None")
-        if start + n_tokens > self.max_seq_len:
-            raise ValueError(f"writing {n_tokens} token(s) after the {start} cached positions needs "
-                             f"{start + n_tokens} positions but the cache holds max_seq_len={self.max_seq_len}; "
-                             "make a larger cache or shorten the sequence")
-        self._start, self._n_new = start, n_tokens
-        return torch.arange(start, start + n_tokens, device=self.k_codes[0].device)
-
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantizes and writes k, v (B, H_kv, T, D) at the positions begun; returns the K, V to attend over."""
         start, end, block = self._start, self._start + self._n_new, self.block_size
@@ -169,14 +144,18 @@ class Int8KVCache:
         keys, values = self.update(layer_idx, k, v)
         return backend(q, keys, values, causal=True)
 
-    def end(self) -> None:
-        if self._start is not None:
-            self._length = self._start + self._n_new
-        self._start, self._n_new = None, 0
-
-    def reset(self) -> None:
-        self._length = 0
-
+    def _forget(self, length: int) -> None:
+        """Truncating into a block already quantized reopens it: its kept keys go back to the residual, from
+        their int8 codes (the full-precision keys are gone), to be quantized again when the block refills.
+        Within the block still being filled, nothing changes: truncating there is exact."""
+        block = self.block_size
+        reopened, held = divmod(length, block)
+        if not held or reopened == self._length // block:
+            return                              # a block boundary, or the residual still holds these keys
+        lo = reopened * block
+        for layer in range(self.n_layers):
+            codes = self.k_codes[layer][:, :, lo:lo + held].to(self.dtype)                  # (B, H_kv, held, D)
+            self.k_residual[layer][:, :, :held] = codes * self.k_scales[layer][:, :, reopened]
     def __repr__(self) -> str:
         b, h, _, d = self.k_codes[0].shape
         return (f"Int8KVCache(layers={self.n_layers}, batch={b}, n_kv_heads={h}, max_seq_len={self.max_seq_len}, "

@@ -48,10 +48,10 @@ import torch
 from ..engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
 from ..engine.sequence import Sequence, SequenceStatus, StepOutput
 from ..generate import check_request
+from ..kv_cache import CacheBase
 from ..parallel.launch import end_processes, join_group, process_context, rendezvous_store
 
-__all__ = ["ModelSpec", "ShippingCache", "DisaggregatedEngine", "TransferRecord", "WorkerError",
-           "kv_transfer_bytes"]
+__all__ = ["ModelSpec", "ShippingCache", "DisaggregatedEngine", "TransferRecord", "WorkerError"]
 
 PREFILL_RANK, DECODE_RANK = 0, 1
 _STOP = -1
@@ -87,19 +87,18 @@ class ModelSpec:
         return llminfer.load_random(ModelConfig(**self.config), device="cpu", dtype=dtype, seed=self.seed)
 
 
-def kv_transfer_bytes(cfg, num_tokens: int, dtype_bytes: int) -> int:
-    """Bytes one request's prompt K/V take on the wire: 2 · layers · kv_heads · head_dim · tokens · bytes. Chapter 12."""
-    from ..costs import kv_cache_bytes
-    return kv_cache_bytes(cfg, num_tokens, dtype_bytes)
-
-
-class ShippingCache:
+class ShippingCache(CacheBase):
     """The prefill worker's cache: attends within the prompt and ships each layer's K/V as it is made. Chapter 12.
 
-    It speaks the cache protocol, so the model's one forward runs on it unchanged; nothing is kept.
+    It speaks the cache protocol, so the model's one forward runs on it unchanged; nothing is kept, so its
+    length stays 0 and every forward is a whole prompt from position 0.
     """
 
+    kind = "prefill worker's cache"
+    device = torch.device("cpu")
+
     def __init__(self, n_layers: int, max_seq_len: int, dst: int = DECODE_RANK, send=None):
+        super().__init__(batch_size=1)
         self.n_layers = n_layers
         self.max_seq_len = max_seq_len
         self.dst = dst
@@ -109,8 +108,6 @@ class ShippingCache:
         self.sent_bytes = 0
         self.layer_sent_s: list[float] = []   # when each layer's K/V were handed to the transport
 
-    length = 0
-
     @property
     def capacity(self) -> int:
         return self.max_seq_len
@@ -119,12 +116,10 @@ class ShippingCache:
     def nbytes(self) -> int:
         return 0
 
-    def begin(self, n_tokens: int, batch_size: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def check_write(self, start: int, n_tokens: int, batch_size: int) -> None:
         if batch_size != 1:
             raise ValueError(f"the prefill worker ships one request at a time; got a batch of {batch_size}")
-        if positions is not None:
-            raise ValueError("the prefill worker runs whole prompts from position 0; pass positions=None")
-        return torch.arange(n_tokens)
+        super().check_write(start, n_tokens, batch_size)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend) -> torch.Tensor:
         out = backend(q, k, v, causal=True)                               # (1, H, T, D)
@@ -143,7 +138,8 @@ class ShippingCache:
         return dist.isend(tensor, self.dst)
 
     def end(self) -> None:
-        pass
+        """Nothing is kept: the K/V have left, and the next forward starts at position 0 again."""
+        self._start, self._n_new = None, 0
 
     def wait(self) -> None:
         """Blocks until every layer's K/V have left (the buffers may then be freed)."""
@@ -154,6 +150,7 @@ class ShippingCache:
 
     def reset(self) -> None:
         self.wait()
+        super().reset()
 
 
 @dataclass

@@ -50,9 +50,9 @@ def memory_estimate(config, context_len: int, batch_size: int = 1,
         raise ValueError(f"context_len={context_len} and batch_size={batch_size} must both be at least 1")
     element_bytes = torch.empty((), dtype=dtype).element_size()
     return MemoryEstimate(
-        kv_bytes_per_token=llminfer.kv_cache_bytes(config, 1, batch_size=1, dtype=dtype),
-        kv_bytes=llminfer.kv_cache_bytes(config, context_len, batch_size=batch_size, dtype=dtype),
-        weight_bytes=config.n_params() * element_bytes,
+        kv_bytes_per_token=llminfer.costs.kv_bytes_per_token(config, element_bytes),
+        kv_bytes=llminfer.kv_cache_bytes(config, context_len, element_bytes, batch_size),
+        weight_bytes=llminfer.costs.weight_bytes(config, element_bytes),
     )
 
 
