@@ -18,6 +18,7 @@ help:
 	@echo "make serve      the OpenAI-compatible server on the bundled model (127.0.0.1:8000, Ctrl-C stops it);"
 	@echo "                ARGS=--disaggregated serves it from a prefill and a decode worker (chapter 12)"
 	@echo "make model      rebuild the bundled models in data/models (tiny-capitals, then its draft)"
+	@echo "make book       the chapters as a static website in build/book/ (Sphinx; installs requirements-book.txt)"
 	@echo "make clean      remove .venv and caches"
 
 # The environment: made once, reinstalled only when the pins or the package change.
@@ -57,6 +58,15 @@ serve: $(STAMP)
 model: $(STAMP)
 	$(PY) data/build_model.py
 	$(PY) data/build_model.py --draft
+
+# The website: the committed outputs rendered, nothing executed; warnings fail the build.
+.PHONY: book
+$(VENV)/.book-installed: requirements-book.txt | $(STAMP)
+	$(PY) -m pip install --quiet -r requirements-book.txt
+	touch $@
+
+book: $(VENV)/.book-installed
+	$(PY) docs/book/build.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
