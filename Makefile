@@ -59,9 +59,9 @@ model: $(STAMP)
 	$(PY) data/build_model.py
 	$(PY) data/build_model.py --draft
 
-# The website: the committed outputs rendered, nothing executed; warnings fail the build.
+# The website: the committed outputs rendered, nothing executed (so no torch needed); warnings fail the build.
 .PHONY: book
-$(VENV)/.book-installed: requirements-book.txt | $(STAMP)
+$(VENV)/.book-installed: requirements-book.txt requirements.txt | $(PY)
 	$(PY) -m pip install --quiet -r requirements-book.txt
 	touch $@
 
