@@ -1,16 +1,19 @@
-"""The website (`make book`) in headless Chromium: every page loads clean, every image decodes, search and
-previous/next work. Run after `make book`; the site is served from build/book/ on 127.0.0.1."""
+"""The website (`make book`): how the chapters are staged and its links checked (plain tests), and the built
+site in headless Chromium (marked e2e: run after `make book`; it is served from build/book/ on 127.0.0.1):
+every page loads clean, every image decodes, search and previous/next work."""
 from __future__ import annotations
 
 import functools
 import http.server
+import importlib.util
+import json
 import threading
 from pathlib import Path
 from urllib.parse import urljoin
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300)]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SITE = REPO_ROOT / "build" / "book"
@@ -75,6 +78,89 @@ def page(browser):
         context.close()
 
 
+def _load(name: str):
+    """Imports docs/book/<name>.py by path (docs/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"book_{name}", REPO_ROOT / "docs" / "book" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _code(source: str, outputs=(), cell_id: str | None = None) -> dict:
+    """A code cell of an nbformat 4.5 notebook."""
+    return {"cell_type": "code", "id": cell_id or f"c{abs(hash(source)) % 10**8}", "metadata": {},
+            "execution_count": 1, "source": source, "outputs": list(outputs)}
+
+
+def _notebook(title: str, *cells: dict) -> dict:
+    """A notebook whose first cell is the markdown heading `# title`."""
+    heading = {"cell_type": "markdown", "id": "h", "metadata": {}, "source": f"# {title}\n\nSome prose."}
+    return {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [heading, *cells]}
+
+
+def test_staging_strips_markers_collapses_long_cells_shows_widget_shots_and_finds_the_appendix(tmp_path):
+    book = _load("build")
+    repo = tmp_path / "repo"
+    (repo / "chapters").mkdir(parents=True)
+    (repo / "llminfer").mkdir()
+    (repo / "llminfer" / "model.py").write_text("x = 1\n")
+    (repo / "README.md").write_text("# handbook\n\nIntro; start with `chapters/00_intro.ipynb`.\n\n"
+                                    "## The chapters\n\n| chapter | what |\n| --- | --- |\n"
+                                    "| `00_intro` | the start |\n")
+    placeholder = {"output_type": "execute_result", "execution_count": 1, "metadata": {},
+                   "data": {"text/plain": book.WIDGET_PLACEHOLDER}}
+    long_source = "\n".join(f"a{i} = {i}" for i in range(book.LONG_CELL_LINES + 5))
+    intro = _notebook("00 · Intro", _code("# NBVAL_IGNORE_OUTPUT\nprint(1)", cell_id="marked"),
+                      _code(long_source, cell_id="long"), _code("# NBVAL_IGNORE_OUTPUT\nw()", [placeholder], "w1"),
+                      _code("w()", [placeholder], "w2"))
+    (repo / "chapters" / "00_intro.ipynb").write_text(json.dumps(intro))
+    (repo / "chapters" / "A1_cpu_kernels.ipynb").write_text(json.dumps(_notebook("A1 · Kernels")))
+    (repo / "chapters" / "notes.ipynb").write_text(json.dumps(_notebook("not a chapter")))
+    shots = tmp_path / "shots"
+    shots.mkdir()
+    (shots / book.widget_shot_name("00_intro", "w1")).write_bytes(b"\x89PNG fake")
+    (shots / "00_intro--gone.png").write_bytes(b"\x89PNG fake")
+
+    summary = book.stage(tmp_path / "src", repo_root=repo, shots_dir=shots)
+
+    assert summary["chapters"] == ["00_intro", "A1_cpu_kernels"]
+    assert summary["widget_shots"] == ["00_intro--w1.png"]
+    assert summary["widgets_without_shot"] == ["00_intro.ipynb cell w2"]
+    assert summary["stale_shots"] == ["00_intro--gone.png"]
+    staged = json.loads((tmp_path / "src" / "chapters" / "00_intro.ipynb").read_text())
+    cells = {cell["id"]: cell for cell in staged["cells"]}
+    assert cells["marked"]["source"] == "print(1)"
+    assert cells["long"]["metadata"]["tags"] == ["hide-input"] and "tags" not in cells["marked"]["metadata"]
+    assert cells["w1"]["outputs"] == [] and cells["w2"]["outputs"] == []
+    assert "](../widgets/00_intro--w1.png)" in cells["w1-widget"]["source"]
+    assert "live in JupyterLab" in cells["w2-widget"]["source"] and "![" not in cells["w2-widget"]["source"]
+    assert (tmp_path / "src" / "widgets" / "00_intro--w1.png").is_file()
+    assert (tmp_path / "src" / "llminfer" / "model.py").is_file()  # links into the package resolve
+    assert json.loads((repo / "chapters" / "00_intro.ipynb").read_text()) == intro  # the chapter is untouched
+    index = (tmp_path / "src" / "index.md").read_text()
+    assert "[`00_intro`](chapters/00_intro.ipynb)" in index
+    assert "| [00 · Intro](chapters/00_intro.ipynb) | the start |" in index
+    assert index.index(":caption: Chapters") < index.index("chapters/00_intro\n") < index.index(":caption: Appendix")
+    assert index.index(":caption: Appendix") < index.index("chapters/A1_cpu_kernels\n")
+    assert "notes" not in index
+
+
+def test_link_check_fails_broken_internal_links_and_lists_external_ones(tmp_path):
+    check = _load("check_links")
+    (tmp_path / "chapters").mkdir()
+    (tmp_path / "index.html").write_text('<a href="chapters/01.html#kv">ok</a> <a href="chapters/02.html">gone</a>'
+                                         '<a href="https://arxiv.org/abs/2309.06180">paper</a><a href="#top">x</a>')
+    (tmp_path / "chapters" / "01.html").write_text('<h2 id="kv">KV</h2><a href="../index.html#nowhere">back</a>'
+                                                   '<img src="../_images/fig.png">')
+    broken, external = check.check_site(tmp_path)
+    assert external == ["https://arxiv.org/abs/2309.06180"]
+    assert sorted(broken) == ["chapters/01.html: ../_images/fig.png (no such file)",
+                              "chapters/01.html: ../index.html#nowhere (no such anchor)",
+                              "index.html: #top (no such anchor)",
+                              "index.html: chapters/02.html (no such file)"]
+
+
+@pytest.mark.e2e
 def test_every_chapter_has_a_page_in_order():
     stems = chapter_stems()
     assert stems and stems[0].startswith("00_"), stems
@@ -82,6 +168,7 @@ def test_every_chapter_has_a_page_in_order():
     assert not missing, f"chapters without a page in {SITE}: {missing}; rerun `make book`"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("path", ["index.html", *[f"chapters/{stem}.html" for stem in chapter_stems()]])
 def test_page_loads_without_errors_and_every_image_decodes(page, site_url, path):
     response = page.goto(urljoin(site_url, path), wait_until="load")
@@ -109,6 +196,7 @@ def test_page_loads_without_errors_and_every_image_decodes(page, site_url, path)
         assert CHAPTER_SHOT.stat().st_size > 10_000
 
 
+@pytest.mark.e2e
 def test_search_for_kv_cache_finds_chapter_04(page, site_url):
     page.goto(urljoin(site_url, "search.html?q=KV+cache"), wait_until="load")
     hit = page.locator("#search-results a[href*='04_kv_cache']").first
@@ -118,6 +206,7 @@ def test_search_for_kv_cache_finds_chapter_04(page, site_url):
     assert not page.errors, page.errors
 
 
+@pytest.mark.e2e
 def test_next_and_previous_walk_the_chapters_in_order(page, site_url):
     expected = ["index", *chapter_stems()]
     page.goto(urljoin(site_url, "index.html"), wait_until="load")
