@@ -4,7 +4,7 @@ author = "the llminfer authors"
 copyright = "the llminfer authors, MIT license"
 html_title = "llminfer: an executable handbook of LLM inference"
 
-extensions = ["myst_nb"]
+extensions = ["myst_nb", "sphinx-mathjax-offline"]  # MathJax from _static/, not a CDN: math renders offline
 nb_execution_mode = "off"           # the pages show the committed outputs; nothing runs
 nb_merge_streams = True             # one block per cell for its printed lines
 myst_enable_extensions = ["dollarmath", "amsmath"]

@@ -178,6 +178,9 @@ def test_page_loads_without_errors_and_every_image_decodes(page, site_url, path)
     broken = [image["src"] for image in images if image["width"] <= 0]
     assert not broken, f"{path}: images that did not decode: {broken}"
     assert not page.errors, f"{path}: page errors: {page.errors}"
+    if page.locator("article .math").count():  # MathJax comes from the site itself: formulas typeset offline
+        page.locator("article mjx-container").first.wait_for(state="attached", timeout=60_000)
+    assert not page.blocked, f"{path}: the page asked the network for {page.blocked}"
     text = page.inner_text("article")
     code = page.evaluate(_CODE_JS)  # collapsed cells too (the prose may name the markers; the code must not carry them)
     assert not [block for block in code if "NBVAL_" in block], f"{path}: nbval markers are showing"
