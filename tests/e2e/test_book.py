@@ -234,3 +234,31 @@ def test_next_and_previous_walk_the_chapters_in_order(page, site_url):
         assert len(back) <= len(expected), f"previous walked past the first page: {back}"
     assert back == expected[::-1], f"previous walked {back}, expected {expected[::-1]}"
     assert not page.errors, page.errors
+
+
+@pytest.mark.e2e  # needs requirements-book.txt (installed by `make book`)
+@pytest.mark.parametrize("target, builds", [("01_next.ipynb#a-section", True), ("../llminfer/model.py", True),
+                                            ("99_missing.ipynb", False), ("01_next.ipynb#no-such-section", False),
+                                            ("../llminfer/missing.py", False)])
+def test_chapter_and_package_links_resolve_and_a_broken_one_fails_the_build(tmp_path, target, builds):
+    import subprocess
+    import sys
+
+    book = _load("build")
+    repo = tmp_path / "repo"
+    (repo / "chapters").mkdir(parents=True)
+    (repo / "llminfer").mkdir()
+    (repo / "llminfer" / "model.py").write_text("x = 1\n")
+    (repo / "README.md").write_text("# handbook\n\nIntro.\n")
+    link = {"cell_type": "markdown", "id": "link", "metadata": {}, "source": f"Read [this]({target})."}
+    (repo / "chapters" / "00_intro.ipynb").write_text(json.dumps(_notebook("00 · Intro", link)))
+    (repo / "chapters" / "01_next.ipynb").write_text(json.dumps(_notebook("01 · Next", {
+        "cell_type": "markdown", "id": "s", "metadata": {}, "source": "## A section\n\nText."})))
+    book.stage(tmp_path / "src", repo_root=repo, shots_dir=tmp_path / "no-shots")
+    result = subprocess.run([sys.executable, "-m", "sphinx", "-W", "-n", "-q", "-b", "html", "-c", str(book.BOOK_DIR),
+                             "-d", str(tmp_path / "doctrees"), str(tmp_path / "src"), str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=240)
+    assert (result.returncode == 0) == builds, result.stderr[-2000:]
+    if builds:
+        broken, _ = _load("check_links").check_site(tmp_path / "out")
+        assert not broken, broken
