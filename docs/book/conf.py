@@ -23,3 +23,5 @@ html_theme_options = {
 }
 html_show_sourcelink = False
 html_last_updated_fmt = None
+# the theme's header already holds the search field: the sidebar does not repeat it
+html_sidebars = {"**": ["navbar-logo.html", "icon-links.html", "sbt-sidebar-nav.html"]}
