@@ -192,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
           f"listed in {build_root / 'book-external-links.txt'}")
     for problem in broken:
         print(f"book: broken link: {problem}", file=sys.stderr)
-    pages = len(list(args.out.rglob("*.html")))
-    print(f"book: {pages} HTML pages in {args.out} in {time.perf_counter() - started:.1f} s")
+    pages = [page for page in args.out.rglob("*.html") if "_static" not in page.relative_to(args.out).parts]
+    chapters = [page for page in pages if page.parent.name == "chapters"]
+    print(f"book: {len(pages)} HTML pages ({len(chapters)} chapters) in {args.out} "
+          f"in {time.perf_counter() - started:.1f} s")
     return 1 if broken else 0
 
 
