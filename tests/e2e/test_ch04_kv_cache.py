@@ -13,6 +13,9 @@ NUMBER = r"(\d+(?:\.\d+)?(?:e[-+]?\d+)?)"
 def test_run_button_draws_the_latency_plot(lab):
     lab.open(NOTEBOOK)
     lab.run_all(timeout_ms=300_000)
+    memory = lab.widget("llminfer-memory-result")  # the memory calculator above it: saved for the book's page
+    expect(memory).to_contain_text("KV cache per token")
+    lab.screenshot("ch04-memory", locator=lab.output_of(memory))
     run = lab.widget("llminfer-latency-run")
     summary = lab.widget("llminfer-latency-summary", state="attached")  # empty until Run
     plot = lab.widget("llminfer-latency-plot", state="attached")  # empty until Run
