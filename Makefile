@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-NB     := $(sort $(wildcard chapters/[0-9][0-9]_*.ipynb))
+NB     := $(sort $(wildcard chapters/[0-9][0-9]_*.ipynb)) $(sort $(wildcard chapters/A[0-9]_*.ipynb))
 export PYTHONHASHSEED := 0
 
 .PHONY: lab test test-unit test-notebooks test-e2e notebooks bench bench-quick model model-smollm2 serve clean help
