@@ -28,13 +28,19 @@ class Claim:
         note = "" if self.holds or self.strict else " — not on this machine"
         return f"{MARK[self.holds]} {self.text}{figure}{note}"
 
+    def __bool__(self) -> bool:
+        return self.holds
+
+    def _ipython_display_(self) -> None:
+        """Shows nothing as a cell's last value: the claim has already printed its line."""
+
 
 class ClaimFailed(AssertionError):
     """A strict claim that the run's own measurement contradicts."""
 
 
-def claim(text: str, holds, figure: str = "", *, strict: bool = True) -> bool:
-    """Print a checked claim with its figure; return whether it holds. Raise ClaimFailed if strict and it fails."""
+def claim(text: str, holds, figure: str = "", *, strict: bool = True) -> Claim:
+    """Print a checked claim with its figure; return it (true where it holds). Raise ClaimFailed if strict and it fails."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"a claim needs its sentence as a non-empty string, got {text!r}")
     if not isinstance(figure, str):
@@ -45,4 +51,4 @@ def claim(text: str, holds, figure: str = "", *, strict: bool = True) -> bool:
     if strict and not verdict.holds:
         raise ClaimFailed(f"claim does not hold in this run: {text}" + (f" ({figure})" if figure else "")
                           + "; the measurement contradicts the sentence, so change the sentence, not the figure")
-    return verdict.holds
+    return verdict

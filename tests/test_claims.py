@@ -5,7 +5,8 @@ from llminfer.claims import ClaimFailed, claim
 
 
 def test_a_claim_that_holds_prints_a_tick_with_its_figure(capsys):
-    assert claim("the cache is faster at 512 tokens", 3.1 > 1, "3.10×") is True
+    verdict = claim("the cache is faster at 512 tokens", 3.1 > 1, "3.10×")
+    assert bool(verdict) is True and verdict.figure == "3.10×"
     assert capsys.readouterr().out == "✓ the cache is faster at 512 tokens (3.10×)\n"
 
 
@@ -17,7 +18,7 @@ def test_a_strict_claim_that_fails_stops_the_cell_and_names_the_figure(capsys):
 
 
 def test_a_machine_dependent_claim_says_which_case_this_machine_is_in(capsys):
-    assert claim("bfloat16 matmul outruns float32", False, "0.52×", strict=False) is False
+    assert bool(claim("bfloat16 matmul outruns float32", False, "0.52×", strict=False)) is False
     assert capsys.readouterr().out == "✗ bfloat16 matmul outruns float32 (0.52×) — not on this machine\n"
 
 
@@ -26,3 +27,14 @@ def test_a_machine_dependent_claim_says_which_case_this_machine_is_in(capsys):
 def test_a_claim_without_a_sentence_or_with_an_unformatted_figure_is_refused(text, figure, error):
     with pytest.raises(error):
         claim(text, True, figure)
+
+
+def test_a_claim_as_a_cells_last_value_shows_nothing_more_in_a_notebook():
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+    shell = InteractiveShell.instance()
+    with capture_output() as captured:
+        result = shell.run_cell("from llminfer.claims import claim\nclaim('one is less than two', 1 < 2, '1 < 2')")
+    assert result.success and bool(result.result)
+    assert captured.stdout == "✓ one is less than two (1 < 2)\n", captured.stdout      # no "Out[1]: True" after it
+    assert captured.outputs == []
