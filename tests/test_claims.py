@@ -29,12 +29,11 @@ def test_a_claim_without_a_sentence_or_with_an_unformatted_figure_is_refused(tex
         claim(text, True, figure)
 
 
-def test_a_claim_as_a_cells_last_value_shows_nothing_more_in_a_notebook():
-    from IPython.core.interactiveshell import InteractiveShell
-    from IPython.utils.capture import capture_output
-    shell = InteractiveShell.instance()
-    with capture_output() as captured:
-        result = shell.run_cell("from llminfer.claims import claim\nclaim('one is less than two', 1 < 2, '1 < 2')")
-    assert result.success and bool(result.result)
-    assert captured.stdout == "✓ one is less than two (1 < 2)\n", captured.stdout      # no "Out[1]: True" after it
-    assert captured.outputs == []
+def test_a_claim_as_a_cells_last_value_shows_nothing_more_in_a_notebook(tmp_path):
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from llminfer import notebooks
+    nb = new_notebook(cells=[new_code_cell("from llminfer.claims import claim\nclaim('one is less than two', 1 < 2, '1 < 2')")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    outputs = notebooks.execute(nb, cwd=tmp_path, timeout=60).cells[0].outputs
+    assert [(o.output_type, o.get("text")) for o in outputs] == [("stream", "✓ one is less than two (1 < 2)\n")]
