@@ -2,9 +2,12 @@
 
 A decode step is one activation row times every weight matrix. torch's own kernels for that shape leave
 bandwidth unused on many CPUs: its bfloat16 path converts the whole matrix, and its packed int8/int4
-kernels are written for other shapes. `cpu_gemv.cpp`, beside this file, streams each weight row once,
+kernels are written for other shapes. The C++ beside this file streams each weight row once,
 widens it to float32 in registers and multiply-adds it (AVX2 and FMA where the CPU has them, portable
-loops elsewhere), reading the checkpoint's own layout.
+loops elsewhere), reading the checkpoint's own layout. It is one extension built from units by job
+(`SOURCES`): `cpu_matvec.cpp` (matrix-vector), `cpu_gemm.cpp` (the blocked matrix multiply),
+`cpu_attention.cpp` (decode attention), `cpu_layers.cpp` (whole layers), `cpu_ops.cpp` (the ops'
+schemas), with `cpu_kernels.h` between them.
 
 The source is compiled the first time it is needed (about 15 s with a C++ compiler; torch's extension
 builder) and kept in `LLMINFER_KERNEL_CACHE` (default `~/.cache/llminfer/kernels`). Without a compiler
@@ -41,9 +44,14 @@ import torch
 from llminfer.attention import fast_attention
 
 __all__ = ["available", "why_unavailable", "load", "isa", "gemv", "decode_attention", "attention_backend", "loaded",
-           "MAX_TOKENS", "blocked_prefill", "cpu_flags", "bfloat16_in_hardware", "SOURCE", "cache_dir"]
+           "MAX_TOKENS", "blocked_prefill", "cpu_flags", "bfloat16_in_hardware", "SOURCES", "HEADERS",
+           "cache_dir"]
 
-SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+_HERE = Path(__file__).parent
+# the units of the one extension, by job, and the header they share (the build's hash covers all of them)
+SOURCES = tuple(_HERE / name for name in ("cpu_matvec.cpp", "cpu_gemm.cpp", "cpu_attention.cpp", "cpu_layers.cpp",
+                                          "cpu_ops.cpp"))
+HEADERS = (_HERE / "cpu_kernels.h",)
 # Matrix-vector kernels: past a few rows of x (a prefill) a blocked matmul reuses each weight many times
 # and wins, so the callers send only up to this many rows here.
 MAX_TOKENS = 8
@@ -75,16 +83,16 @@ def _build() -> None:
     from torch.utils import cpp_extension
 
     _ninja_on_path()
-    source = SOURCE.read_bytes()
+    source = b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in SOURCES + HEADERS)
     # OpenMP: at::parallel_for splits the rows over torch's threads only in code compiled with it
     cflags, ldflags = ["-O3", "-std=c++17", "-fopenmp"], ["-fopenmp"]
     digest = hashlib.sha256(source + torch.__version__.encode() + " ".join(cflags + ldflags).encode()).hexdigest()[:12]
-    name = f"llminfer_cpu_gemv_{digest}"
+    name = f"llminfer_cpu_kernels_{digest}"
     build = cache_dir() / name
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         print(f"llminfer: compiling the CPU decode kernels once into {build} (about 15 s)", file=sys.stderr)
-    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=ldflags,
+    cpp_extension.load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=cflags, extra_ldflags=ldflags,
                        build_directory=str(build), is_python_module=False, verbose=False)
     _register_fakes()
 
