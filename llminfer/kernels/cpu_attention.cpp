@@ -1,4 +1,5 @@
-// Decode attention of the native CPU kernels: a few queries against a K/V cache read in place. Chapter 08.
+// Decode attention of the native CPU kernels: a few queries against a K/V cache read in place, contiguous or
+// paged (through block tables). Chapters 06 and 08.
 
 #include "cpu_kernels.h"
 
@@ -119,6 +120,26 @@ inline float softmax_numerators(float* scores, int64_t n, float best, bool avx2)
 }
 
 
+// fn(k rows, v rows, first position, count) over the keys [begin, end) of query position t, K/V head hk, in runs
+// whose rows lie ks2 (vs2) elements apart: one run in a contiguous cache; in a paged one, a run per block,
+// found through the block table of the query's sequence
+template <typename Fn>
+inline void for_key_runs(const AttentionProblem& P, int64_t b, int64_t hk, int64_t t, int64_t begin, int64_t end,
+                         int64_t esize, const Fn& fn) {
+  if (P.tables == nullptr) {
+    fn(P.k + (b * P.ks0 + hk * P.ks1 + begin * P.ks2) * esize, P.v + (b * P.vs0 + hk * P.vs1 + begin * P.vs2) * esize,
+       begin, end - begin);
+    return;
+  }
+  const int64_t* table = P.tables + P.seq[t] * P.table_stride;
+  for (int64_t p = begin; p < end;) {
+    const int64_t offset = p % P.block_size, len = std::min<int64_t>(end - p, P.block_size - offset);
+    const int64_t slot = table[p / P.block_size] * P.block_size + offset;        // row of the pool
+    fn(P.k + (slot * P.ks2 + hk * P.ks1) * esize, P.v + (slot * P.vs2 + hk * P.vs1) * esize, p, len);
+    p += len;
+  }
+}
+
 // The work is split into tasks of (batch, K/V head, query position, block of keys): the query heads that
 // share the K/V head are done together, so each key and value row is read once for all of them, and the
 // keys are split into blocks so that both a long cache and a few heads spread over every thread. Each task
@@ -153,11 +174,11 @@ void attend(const AttentionProblem& P) {
       const int64_t end = std::min<int64_t>(std::min<int64_t>(Tk, begin + block), P.mask ? Tk : P.last[t] + 1);
       if (end <= begin) continue;
       const int64_t n = end - begin;
-      const char* krows = P.k + (b * P.ks0 + hk * P.ks1 + begin * P.ks2) * esize;
-      const char* vrows = P.v + (b * P.vs0 + hk * P.vs1 + begin * P.vs2) * esize;
       for (int64_t g = 0; g < group; ++g) {
         float* sc = scores.data() + g * block;
-        key_scores<kind>(qrow[g], krows, P.ks2 * esize, n, D, P.scale, sc, avx2);
+        for_key_runs(P, b, hk, t, begin, end, esize, [&](const char* krows, const char*, int64_t first, int64_t len) {
+          key_scores<kind>(qrow[g], krows, P.ks2 * esize, len, D, P.scale, sc + (first - begin), avx2);
+        });
         if (P.mask) {
           const bool* m = P.mask + b * P.ms0 + (hk * group + g) * P.ms1 + t * P.ms2;
           for (int64_t j = 0; j < n; ++j)
@@ -166,7 +187,9 @@ void attend(const AttentionProblem& P) {
         for (int64_t j = 0; j < n; ++j) best[g] = std::max(best[g], sc[j]);
         if (best[g] == neg_inf) continue;
         total[g] = softmax_numerators(sc, n, best[g], avx2);
-        weighted_values<kind>(sc, vrows, P.vs2 * esize, n, D, acc + g * D, avx2);
+        for_key_runs(P, b, hk, t, begin, end, esize, [&](const char*, const char* vrows, int64_t first, int64_t len) {
+          weighted_values<kind>(sc + (first - begin), vrows, P.vs2 * esize, len, D, acc + g * D, avx2);
+        });
       }
     }
   });
@@ -238,5 +261,71 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_in, const a
   return result(out.data(), q.sizes(), q);
 }
 
+
+// Block tables, checked: tables (S, W) int64, token_seq (N,) the sequence of each query, positions (N,) each
+// query's position (it sees its sequence's positions 0 .. positions[t]); every block a query reads must lie in
+// the pool of num_blocks blocks of block_size positions. Returns the longest context (max position + 1).
+int64_t check_block_tables(const at::Tensor& tables, const at::Tensor& token_seq, const at::Tensor& positions,
+                           int64_t num_blocks, int64_t block_size, const char* op) {
+  for (const at::Tensor* t : {&tables, &token_seq, &positions})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(), op,
+                ": block tables, token sequences and positions must be contiguous int64 CPU tensors");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(1) > 0 && token_seq.dim() == 1 && positions.dim() == 1 &&
+              token_seq.size(0) == positions.size(0), op, ": block tables (S, W), token_seq (N,) and positions (N,)"
+              " expected, got ", tables.sizes(), ", ", token_seq.sizes(), ", ", positions.sizes());
+  const int64_t S = tables.size(0), W = tables.size(1), N = positions.size(0);
+  const int64_t *tab = tables.data_ptr<int64_t>(), *seq = token_seq.data_ptr<int64_t>(),
+                *pos = positions.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t t = 0; t < N; ++t) {
+    TORCH_CHECK(seq[t] >= 0 && seq[t] < S, op, ": token ", t, " belongs to sequence ", seq[t], " but there are ", S,
+                " block tables");
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < W * block_size, op, ": position ", pos[t], " of token ", t,
+                " is outside its block table's ", W, " blocks of ", block_size);
+    for (int64_t j = 0; j <= pos[t] / block_size; ++j)
+      TORCH_CHECK(tab[seq[t] * W + j] >= 0 && tab[seq[t] * W + j] < num_blocks, op, ": block ", tab[seq[t] * W + j],
+                  " of sequence ", seq[t], " is outside the pool's 0..", num_blocks - 1);
+    longest = std::max(longest, pos[t] + 1);
+  }
+  return longest;
+}
+
+// q (1, H, N, D), unit stride along D: the new tokens of several sequences side by side; k_pool, v_pool
+// (num_blocks, block_size, H_kv, D) contiguous. Token t attends to positions 0 .. positions[t] of sequence
+// token_seq[t], read in place from the blocks its row of block_tables (S, W) names. Returns (1, H, N, D).
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& block_tables, const at::Tensor& token_seq, const at::Tensor& positions,
+                           double scale) {
+  const char* op = "paged_attention";
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.stride(3) == 1 && q.device().is_cpu(), op,
+              ": q must be a (1, H, N, D) CPU tensor with unit stride along D, got ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type() &&
+              (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), op,
+              ": q and the pools must share one dtype, float32 or bfloat16");
+  const int64_t H = q.size(1), N = q.size(2), D = q.size(3);
+  TORCH_CHECK(k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes() && k_pool.is_contiguous() &&
+              v_pool.is_contiguous() && k_pool.size(3) == D && k_pool.size(2) > 0 && H % k_pool.size(2) == 0 &&
+              H / k_pool.size(2) <= 64 && k_pool.device().is_cpu() && v_pool.device().is_cpu(), op,
+              ": the pools must be contiguous (num_blocks, block_size, H_kv, D) CPU tensors with H a multiple of "
+              "H_kv (at most 64 query heads per K/V head), got ", k_pool.sizes(), " for q ", q.sizes());
+  TORCH_CHECK(positions.size(0) == N, op, ": ", positions.size(0), " positions for ", N, " query tokens");
+  const int64_t Hkv = k_pool.size(2), block_size = k_pool.size(1);
+  const int64_t longest = check_block_tables(block_tables, token_seq, positions, k_pool.size(0), block_size, op);
+  std::vector<float> qf = x_as_float(q), out(H * N * D);          // (H, N, D)
+  AttentionProblem P{1, H, Hkv, N, D, longest, qf.data(), H * N * D, N * D, D,
+                     static_cast<const char*>(k_pool.data_ptr()), static_cast<const char*>(v_pool.data_ptr()),
+                     0, D, Hkv * D, 0, D, Hkv * D};
+  P.last = positions.data_ptr<int64_t>();
+  P.tables = block_tables.data_ptr<int64_t>();
+  P.seq = token_seq.data_ptr<int64_t>();
+  P.table_stride = block_tables.size(1);
+  P.block_size = block_size;
+  P.scale = static_cast<float>(scale);
+  P.out = out.data();
+  P.os0 = H * N * D, P.os1 = N * D, P.os2 = D;
+  if (q.scalar_type() == at::kFloat) attend<WKind::F32>(P);
+  else attend<WKind::BF16>(P);
+  return result(out.data(), q.sizes(), q);
+}
 
 }  // namespace llminfer_cpu

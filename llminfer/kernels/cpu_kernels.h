@@ -118,8 +118,12 @@ Weight weight_from_parts(at::TensorList parts, const char* op);
 // kernel for many
 void linear_rows(const Weight& W, const float* x, int64_t M, float* y);
 
-// rows of x from which products take the blocked kernel
-constexpr int64_t kGemmMinRows = 16;
+// Products of up to this many rows of x take the matrix-vector loops, more rows the blocked kernel. The value
+// is set in one place, llminfer/kernels/cpu.py (MAX_TOKENS), which passes it to the compiler.
+#ifndef LLMINFER_MATVEC_MAX_ROWS
+#error "build with -DLLMINFER_MATVEC_MAX_ROWS=n (llminfer/kernels/cpu.py does)"
+#endif
+constexpr int64_t kMatvecMaxRows = LLMINFER_MATVEC_MAX_ROWS;
 
 #ifdef LLMINFER_X86
 // y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, W in any format (cpu_gemm.cpp)
@@ -143,6 +147,11 @@ struct AttentionProblem {
   const bool* mask = nullptr;
   int64_t ms0 = 0, ms1 = 0, ms2 = 0, ms3 = 0;
   const int64_t* last = nullptr;
+  // paged: query t reads the K/V of sequence seq[t] through its block table, tables + seq[t]·table_stride, a
+  // block of block_size positions at a time (k is then the pool: position rows ks2 apart, heads ks1 apart)
+  const int64_t* tables = nullptr;
+  const int64_t* seq = nullptr;
+  int64_t table_stride = 0, block_size = 0;
   float scale;
   float* out;
   int64_t os0, os1, os2;
@@ -152,6 +161,10 @@ struct AttentionProblem {
 template <WKind kind>
 void attend(const AttentionProblem& P);
 
+// checks block tables (S, W), token_seq (N,) and positions (N,) against a pool; returns the longest context
+int64_t check_block_tables(const at::Tensor& tables, const at::Tensor& token_seq, const at::Tensor& positions,
+                           int64_t num_blocks, int64_t block_size, const char* op);
+
 // the ops (registered in cpu_ops.cpp)
 at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w);
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w);
@@ -160,6 +173,9 @@ at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
                      int64_t group);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
                             const c10::optional<at::Tensor>& mask_in, double scale);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& block_tables, const at::Tensor& token_seq, const at::Tensor& positions,
+                           double scale);
 at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, double eps1,
                         const at::Tensor& post_norm, double eps2, at::TensorList qkv,
                         const c10::optional<at::Tensor>& qkv_bias, at::TensorList o_parts,
@@ -170,5 +186,10 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList tensors, at::Int
                          at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
                          int64_t n_heads, double scale);
+at::Tensor decode_layers_paged(const at::Tensor& x_in, at::TensorList tensors, at::IntArrayRef layout,
+                               at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                               at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& positions,
+                               const at::Tensor& token_seq, const at::Tensor& block_tables, int64_t n_heads,
+                               double scale);
 
 }  // namespace llminfer_cpu

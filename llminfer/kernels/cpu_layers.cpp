@@ -80,8 +80,14 @@ struct Layer {
 };
 
 // The step's shapes: x (B, T, dim) in `dtype`, H query heads, positions (T,) and cos, sin (T, D).
+// Paged (decode_layers_paged): B = 1, the T tokens belong to several sequences (seq), the caches are pools of
+// num_blocks blocks of block_size positions, and sequence s's positions live in the blocks of tables row s.
 struct Step {
   int64_t B, T, dim, H, Hkv = 0, S = 0, D = 0, last_pos = 0;
+  bool paged = false;
+  const int64_t* seq = nullptr;
+  const int64_t* tables = nullptr;
+  int64_t table_width = 0, block_size = 0, num_blocks = 0;
   at::ScalarType dtype;
   const int64_t* pos;
   std::vector<float> cos, sin;
@@ -117,15 +123,54 @@ Step check_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return st;
 }
 
+// The step of decode_layers_paged: x (1, N, dim) with positions, token_seq (N,) and block_tables (S, W), cos and
+// sin (N, D); k_pool one layer's pool (num_blocks, block_size, H_kv, D).
+Step check_paged_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                      const at::Tensor& token_seq, const at::Tensor& block_tables, const at::Tensor& k_pool,
+                      int64_t n_heads, double scale, const char* op) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.device().is_cpu(), op,
+              ": x must be a (1, N, dim) CPU tensor (the step's tokens side by side), got ", x.sizes());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": x must be float32 or bfloat16, got ", dtype);
+  TORCH_CHECK(k_pool.dim() == 4, op, ": a pool must be (num_blocks, block_size, H_kv, D), got ", k_pool.sizes());
+  Step st{1, x.size(1), x.size(2), n_heads};
+  st.dtype = dtype;
+  st.paged = true;
+  st.num_blocks = k_pool.size(0), st.block_size = k_pool.size(1), st.Hkv = k_pool.size(2), st.D = k_pool.size(3);
+  st.S = st.num_blocks * st.block_size;
+  TORCH_CHECK(st.H > 0 && st.Hkv > 0 && st.H % st.Hkv == 0 && st.H / st.Hkv <= 64 && st.D % 2 == 0, op, ": ", st.H,
+              " query heads do not share ", st.Hkv, " K/V heads of size ", st.D);
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == st.T, op, ": positions must be (N=", st.T, ",), got ",
+              positions.sizes());
+  st.last_pos = check_block_tables(block_tables, token_seq, positions, st.num_blocks, st.block_size, op) - 1;
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == st.T && cos.size(1) == st.D && sin.sizes() == cos.sizes() &&
+              cos.scalar_type() == dtype && sin.scalar_type() == dtype, op,
+              ": cos and sin must be (N, D) in x's dtype");
+  st.pos = positions.data_ptr<int64_t>();
+  st.seq = token_seq.data_ptr<int64_t>();
+  st.tables = block_tables.data_ptr<int64_t>();
+  st.table_width = block_tables.size(1);
+  st.cos = x_as_float(cos);
+  st.sin = x_as_float(sin);
+  st.scale = static_cast<float>(scale);
+  return st;
+}
+
 Layer check_layer(const Step& st, const at::Tensor& input_norm, double eps1, const at::Tensor& post_norm,
                   double eps2, at::TensorList qkv, const at::Tensor* qkv_bias, at::TensorList o,
                   at::TensorList gate_up, at::TensorList down, at::Tensor& k_cache, at::Tensor& v_cache,
                   const char* op) {
   const bool bf16 = st.dtype == at::kBFloat16;
   for (const at::Tensor* c : {&k_cache, &v_cache})
-    TORCH_CHECK(c->dim() == 4 && c->size(0) == st.B && c->size(1) == st.Hkv && c->size(2) == st.S &&
-                c->size(3) == st.D && c->is_contiguous() && c->scalar_type() == st.dtype && c->device().is_cpu(), op,
-                ": the caches must be contiguous (B=", st.B, ", H_kv=", st.Hkv, ", slots=", st.S, ", D=", st.D,
+    TORCH_CHECK(!st.paged || (c->dim() == 4 && c->size(0) == st.num_blocks && c->size(1) == st.block_size &&
+                              c->size(2) == st.Hkv && c->size(3) == st.D && c->is_contiguous() &&
+                              c->scalar_type() == st.dtype && c->device().is_cpu()), op,
+                ": the pools must be contiguous (num_blocks=", st.num_blocks, ", block_size=", st.block_size,
+                ", H_kv=", st.Hkv, ", D=", st.D, ") CPU tensors of x's dtype, got ", c->sizes(), " ", c->scalar_type());
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(st.paged || c->dim() == 4 && c->size(0) == st.B && c->size(1) == st.Hkv && c->size(2) == st.S &&
+                c->size(3) == st.D && c->is_contiguous() && c->scalar_type() == st.dtype && c->device().is_cpu(),
+                op, ": the caches must be contiguous (B=", st.B, ", H_kv=", st.Hkv, ", slots=", st.S, ", D=", st.D,
                 ") CPU tensors of x's dtype, got ", c->sizes(), " ", c->scalar_type());
   for (const at::Tensor* n : {&input_norm, &post_norm})
     TORCH_CHECK(n->numel() == st.dim && n->is_contiguous() && n->scalar_type() == st.dtype, op,
@@ -191,8 +236,11 @@ void run_layer(const Step& st, const Layer& L, std::vector<float>& x) {
   for (int64_t m = 0; m < M; ++m) {                          // k, v into the cache at their positions
     const int64_t b = m / T, t = m % T;
     const float* row = qkv.data() + m * N;
+    // where position pos[t] of this token's sequence lives: its row of the contiguous cache, or of the pool
+    const int64_t row_of_pool = st.paged ? st.tables[st.seq[t] * st.table_width + st.pos[t] / st.block_size] *
+                                               st.block_size + st.pos[t] % st.block_size : 0;
     for (int64_t hk = 0; hk < Hkv; ++hk) {
-      const int64_t slot = ((b * Hkv + hk) * S + st.pos[t]) * D;
+      const int64_t slot = st.paged ? (row_of_pool * Hkv + hk) * D : ((b * Hkv + hk) * S + st.pos[t]) * D;
       const float *kr = row + qsize + hk * D, *vr = row + qsize + kvsize + hk * D;
       if (bf16) {
         c10::BFloat16 *kd = L.k_cache->data_ptr<c10::BFloat16>() + slot;
@@ -208,6 +256,10 @@ void run_layer(const Step& st, const Layer& L, std::vector<float>& x) {
                      static_cast<const char*>(L.k_cache->data_ptr()), static_cast<const char*>(L.v_cache->data_ptr()),
                      Hkv * S * D, S * D, D, Hkv * S * D, S * D, D};
   P.last = st.pos;
+  if (st.paged) {                            // the pool: position rows Hkv·D apart, through the block tables
+    P.ks0 = P.vs0 = 0, P.ks1 = P.vs1 = D, P.ks2 = P.vs2 = Hkv * D;
+    P.tables = st.tables, P.seq = st.seq, P.table_stride = st.table_width, P.block_size = st.block_size;
+  }
   P.scale = st.scale;
   P.out = att.data();
   P.os0 = T * qsize, P.os1 = D, P.os2 = qsize;
@@ -248,20 +300,13 @@ at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, do
   return result(x.data(), x_in.sizes(), x_in);
 }
 
-// Every layer of a stack in one call. `tensors` holds, layer after layer: the two norm weights, then the
-// parts of qkv, [the qkv bias], o, gate_up and down; `layout` holds five counts a layer (qkv parts, 1 if a
-// bias follows else 0, o parts, gate_up parts, down parts) and `eps` the two norms' epsilons.
-at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList tensors, at::IntArrayRef layout,
-                         at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
-                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
-                         int64_t n_heads, double scale) {
-  const char* op = "decode_layers";
+// The layers of a stack from `tensors`, which holds, layer after layer: the two norm weights, then the parts of
+// qkv, [the qkv bias], o, gate_up and down; `layout` holds five counts a layer (qkv parts, 1 if a bias follows
+// else 0, o parts, gate_up parts, down parts) and `eps` the two norms' epsilons.
+std::vector<Layer> check_layers(const Step& st, at::TensorList tensors, at::IntArrayRef layout,
+                                at::ArrayRef<double> eps, at::TensorList k_caches, at::TensorList v_caches,
+                                const char* op) {
   const int64_t n_layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(n_layers > 0 && static_cast<int64_t>(v_caches.size()) == n_layers &&
-              static_cast<int64_t>(layout.size()) == 5 * n_layers && static_cast<int64_t>(eps.size()) == 2 * n_layers,
-              op, ": ", n_layers, " K caches, ", v_caches.size(), " V caches, ", layout.size(), " layout entries and ",
-              eps.size(), " epsilons do not describe the same number of layers (5 layout entries and 2 epsilons each)");
-  const Step st = check_step(x_in, cos, sin, positions, k_caches[0], n_heads, scale, op);
   std::vector<Layer> layers;
   size_t next = 0;
   auto take = [&](int64_t n) {
@@ -280,6 +325,46 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList tensors, at::Int
                                  const_cast<at::Tensor&>(k_caches[l]), const_cast<at::Tensor&>(v_caches[l]), op));
   }
   TORCH_CHECK(next == tensors.size(), op, ": ", tensors.size() - next, " tensors are left over after the layout");
+  return layers;
+}
+
+void check_stack_counts(at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef layout,
+                        at::ArrayRef<double> eps, const char* op) {
+  const int64_t n_layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(n_layers > 0 && static_cast<int64_t>(v_caches.size()) == n_layers &&
+              static_cast<int64_t>(layout.size()) == 5 * n_layers && static_cast<int64_t>(eps.size()) == 2 * n_layers,
+              op, ": ", n_layers, " K caches, ", v_caches.size(), " V caches, ", layout.size(), " layout entries and ",
+              eps.size(), " epsilons do not describe the same number of layers (5 layout entries and 2 epsilons each)");
+}
+
+// Every layer of a stack in one call (the tensors as check_layers reads them).
+at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList tensors, at::IntArrayRef layout,
+                         at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
+                         int64_t n_heads, double scale) {
+  const char* op = "decode_layers";
+  check_stack_counts(k_caches, v_caches, layout, eps, op);
+  const Step st = check_step(x_in, cos, sin, positions, k_caches[0], n_heads, scale, op);
+  const std::vector<Layer> layers = check_layers(st, tensors, layout, eps, k_caches, v_caches, op);
+  std::vector<float> x = x_as_float(x_in);
+  for (const Layer& L : layers) run_layer(st, L, x);
+  return result(x.data(), x_in.sizes(), x_in);
+}
+
+// Every layer of a stack in one call over a paged cache: one engine step, the new tokens of several sequences
+// side by side in x (1, N, dim), token t of sequence token_seq[t] at positions[t]; its K/V are written into the
+// pools (num_blocks, block_size, H_kv, D) at the slot its block table names, and it attends to its own
+// sequence's positions up to its own, read in place from the blocks. Chapters 06 and 08.
+at::Tensor decode_layers_paged(const at::Tensor& x_in, at::TensorList tensors, at::IntArrayRef layout,
+                               at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                               at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& positions,
+                               const at::Tensor& token_seq, const at::Tensor& block_tables, int64_t n_heads,
+                               double scale) {
+  const char* op = "decode_layers_paged";
+  check_stack_counts(k_pools, v_pools, layout, eps, op);
+  const Step st = check_paged_step(x_in, cos, sin, positions, token_seq, block_tables, k_pools[0], n_heads, scale,
+                                   op);
+  const std::vector<Layer> layers = check_layers(st, tensors, layout, eps, k_pools, v_pools, op);
   std::vector<float> x = x_as_float(x_in);
   for (const Layer& L : layers) run_layer(st, L, x);
   return result(x.data(), x_in.sizes(), x_in);

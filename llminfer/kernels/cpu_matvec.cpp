@@ -249,7 +249,7 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
   const int64_t N = W.N, K = W.K;
   const bool avx2 = has_avx2();
 #ifdef LLMINFER_X86
-  if (avx2 && M >= kGemmMinRows) return gemm_avx2(x, M, W, y);
+  if (avx2 && M > kMatvecMaxRows) return gemm_avx2(x, M, W, y);
 #endif
   if (W.format == Weight::I4) {
     // x with each block of 32 inputs as its 16 even then 16 odd entries, and the group sums of x

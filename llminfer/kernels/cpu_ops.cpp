@@ -18,6 +18,12 @@ TORCH_LIBRARY(llminfer, m) {
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, int n_heads, float scale) -> Tensor");
   m.def("decode_layers(Tensor x, Tensor[] tensors, int[] layout, float[] eps, Tensor cos, Tensor sin, "
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor positions, int n_heads, float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor token_seq, "
+        "Tensor positions, float scale) -> Tensor");
+  m.def("decode_layers_paged(Tensor x, Tensor[] tensors, int[] layout, float[] eps, Tensor cos, Tensor sin, "
+        "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor positions, Tensor token_seq, Tensor block_tables, "
+        "int n_heads, float scale) -> Tensor");
+  m.def("matvec_max_rows() -> int", []() -> int64_t { return kMatvecMaxRows; });
   m.def("cpu_kernel_isa() -> str", []() -> std::string { return has_avx2() ? "avx2+fma" : "portable"; });
 }
 
@@ -29,4 +35,6 @@ TORCH_LIBRARY_IMPL(llminfer, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_layer", &decode_layer);
   m.impl("decode_layers", &decode_layers);
+  m.impl("paged_attention", &paged_attention);
+  m.impl("decode_layers_paged", &decode_layers_paged);
 }
