@@ -14,7 +14,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>

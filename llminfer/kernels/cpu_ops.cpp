@@ -3,6 +3,8 @@
 // Built once by llminfer/kernels/cpu.py with torch's extension builder from the units named in
 // cpu_kernels.h, into one extension.
 
+#include <torch/library.h>
+
 #include "cpu_kernels.h"
 
 using namespace llminfer_cpu;
