@@ -48,11 +48,12 @@ def cases():
 # every policy with both switches on and both off, and the two mixed settings under the continuous policy
 SETTINGS = [(policy, on, on) for policy in ("continuous", "static", "sequential") for on in (True, False)] + \
     [("continuous", True, False), ("continuous", False, True)]
+SETTING_IDS = [f"{p}-{'prefix' if c else 'noprefix'}-{'chunked' if k else 'whole'}" for p, c, k in SETTINGS]
 
 
 @pytest.mark.parametrize("model_name", ["bundled", "gqa"])
 @pytest.mark.parametrize("policy, prefix_caching, chunked", SETTINGS,
-                         ids=[f"{p}-{'prefix' if c else 'noprefix'}-{'chunked' if k else 'whole'}" for p, c, k in SETTINGS])
+                         ids=SETTING_IDS)
 def test_greedy_equals_generate(cases, model_name, policy, prefix_caching, chunked):
     model, prompts, params, refs = cases[model_name]
     engine = LLMEngine(model, block_size=16, max_num_seqs=8, max_num_batched_tokens=256 if chunked else 512,
@@ -69,15 +70,31 @@ def test_greedy_equals_generate(cases, model_name, policy, prefix_caching, chunk
 
 
 @pytest.mark.parametrize("model_name", ["bundled", "gqa"])
+@pytest.mark.parametrize("policy, prefix_caching, chunked", SETTINGS,
+                         ids=SETTING_IDS)
+def test_the_fast_path_equals_generate(cases, model_name, policy, prefix_caching, chunked):
+    """optimize=True: every step one native call over the block tables, the same greedy tokens."""
+    model, prompts, params, refs = cases[model_name]
+    engine = LLMEngine(model, block_size=16, max_num_seqs=8, max_num_batched_tokens=256 if chunked else 512,
+                       policy=policy, enable_prefix_caching=prefix_caching, chunked_prefill=chunked, optimize=True)
+    outputs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == refs
+    assert engine.stats.blocks_used == 0
+    if prefix_caching and policy != "sequential":
+        assert engine.stats.prefix_hit_tokens > 0
+
+
+@pytest.mark.parametrize("model_name", ["bundled", "gqa"])
 @pytest.mark.parametrize("policy", ["continuous", "static"])
-def test_preemption_changes_no_output(cases, model_name, policy):
+@pytest.mark.parametrize("optimize", [False, True], ids=["modules", "fast"])
+def test_preemption_changes_no_output(cases, model_name, policy, optimize):
     model, prompts, _, _ = cases[model_name]
     prompts = [p[:12] for p in prompts[:6]]
     params = [SamplingParams(max_new_tokens=6 + i) for i in range(len(prompts))]
     refs = [llminfer.generate(model, p, max_new_tokens=sp.max_new_tokens).token_ids for p, sp in zip(prompts, params)]
     # 8 blocks of 4 positions: each request alone fits, the six together do not
     engine = LLMEngine(model, block_size=4, num_blocks=8, max_model_len=32, max_num_seqs=8,
-                       max_num_batched_tokens=64, policy=policy)
+                       max_num_batched_tokens=64, policy=policy, optimize=optimize)
     outputs = engine.generate(prompts, params)
     assert engine.stats.preemptions > 0 and sum(o.preemptions for o in outputs) == engine.stats.preemptions
     assert [o.token_ids for o in outputs] == refs
@@ -131,13 +148,11 @@ def test_bfloat16_engine_stays_close_to_generate():
 @pytest.mark.parametrize("model_name", ["bundled", "gqa"])
 def test_the_optimized_engine_gives_the_same_tokens(cases, model_name):
     """optimize=True (fused projections, native CPU decode kernels) changes the speed, not the answers."""
-    import copy
-
     from llminfer import fast
     model, prompts, params, refs = cases[model_name]
-    optimized = copy.deepcopy(model)
-    engine = LLMEngine(optimized, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, optimize=True)
-    assert fast.is_fused(optimized) and fast.uses_native_kernels(optimized) == llminfer.kernels.cpu.available()
+    engine = LLMEngine(model, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, optimize=True)
+    assert fast.is_fused(engine.model) and fast.uses_native_kernels(engine.model) == llminfer.kernels.cpu.available()
+    assert not fast.is_fused(model)                   # the engine optimised a copy
     assert [o.token_ids for o in engine.generate(prompts, params)] == refs
     with pytest.raises(ValueError, match=r"optimize must be True or False, got 'yes'"):
         LLMEngine(model, block_size=16, optimize="yes")

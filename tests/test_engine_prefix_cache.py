@@ -48,6 +48,26 @@ def test_sixteen_requests_sharing_a_prefix_compute_it_once():
     assert tokens == counted[False][2]                                 # caching changes no token
 
 
+def test_prefix_caching_on_the_fast_path_changes_no_token():
+    """optimize=True: requests sharing a cached prefix read its blocks in place (the native layer stack over the
+    block tables) and make generate()'s tokens."""
+    model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
+    rng = random.Random(1)
+    vocab = model.config.vocab_size
+    prefix = [rng.randrange(3, vocab) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 9))] for _ in range(8)]
+    refs = [llminfer.generate(model, p, max_new_tokens=4).token_ids for p in prompts]
+    hits = {}
+    for optimize in (False, True):
+        engine = LLMEngine(model, block_size=8, max_num_seqs=8, max_num_batched_tokens=128, optimize=optimize)
+        outputs = engine.generate(prompts, SamplingParams(max_new_tokens=4))
+        assert [o.token_ids for o in outputs] == refs
+        hits[optimize] = [o.num_cached_tokens for o in outputs]
+        again = engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))   # its prefix blocks, cached
+        assert again[0].token_ids == refs[0] and again[0].num_cached_tokens >= 40
+    assert hits[True] == hits[False] and sum(hits[True]) >= 40 * 4             # the same blocks were read
+
+
 def test_a_prompt_shorter_than_one_block_gets_no_hit():
     """Only full blocks are cached, and the last prompt token is always recomputed (its logits are needed):
     a prompt must exceed one block by at least one token before a repeat of it hits the cache."""

@@ -22,4 +22,6 @@ def test_wheel_ships_the_bundled_model(tmp_path):
         assert init.relative_to(ROOT).as_posix() in names, f"{init.parent.name} is not packaged"
     assert not any(name.startswith(("tests/", "chapters/")) for name in names)
     # the native CPU kernels are compiled from their source on the user's machine: it must ship
-    assert "llminfer/kernels/cpu_gemv.cpp" in names
+    from llminfer.kernels import cpu
+    for source in cpu.SOURCES + cpu.HEADERS:
+        assert f"llminfer/kernels/{source.name}" in names

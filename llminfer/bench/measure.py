@@ -54,12 +54,13 @@ class Settings:
     out: str = "data/benchmarks"
     seed: int = 0
     threads: int | None = None                # CPU threads for every contender (None: torch's default)
+    engine: bool = True                       # CPU: the engine section (bench/engine_decode.py), 8 requests vs one
 
     @classmethod
     def quick_run(cls, **changes) -> "Settings":
         """The --quick settings: a small prompt, few tokens and contexts (well under 2 minutes on 2 cores)."""
         base = dict(prompt_len=32, new_tokens=8, recompute_new_tokens=4, batch_sizes=(1, 4),
-                    contexts=(32, 64), repeats=2, quick=True)
+                    contexts=(32, 64), repeats=2, quick=True, engine=False)
         return cls(**{**base, **changes})
 
 
@@ -88,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     parser.add_argument("--no-decode-layout", dest="decode_layout", action="store_false",
                         help="time llminfer with its weights in the default (row-major) order")
     parser.add_argument("--out", help="folder for the JSON and PNG (default data/benchmarks)")
+    parser.add_argument("--engine", dest="engine", action="store_true", default=None,
+                        help="run the engine section (CPU; on by default, off with --quick)")
+    parser.add_argument("--no-engine", dest="engine", action="store_false",
+                        help="skip the engine section: 8 requests through LLMEngine vs one fast request")
     args = parser.parse_args(argv)
     given = {name: value for name, value in vars(args).items()
              if value is not None and name not in ("quick", "transformers", "cuda_graphs", "decode_layout")}
@@ -307,10 +312,18 @@ def _measure(settings: Settings, device, dtype, cfg) -> dict:
         row["mbu_matvec_vs_run_ceiling"] = figures.utilisation(row["bytes_per_s"], ceilings["matvec_bandwidth"].rate,
                                                                "decode MBU against the run's matvec bandwidth")
     figures.add_roofline(scaling, ceilings["matmul_flops"].rate, ceilings["matvec_bandwidth"].rate)
-    return bench_report.assemble(settings=settings, device=device, dtype=dtype, cfg=cfg, ceilings=ceilings,
+    engine = None
+    if settings.engine and device.type == "cpu":
+        from .engine_decode import EngineSettings, engine_section
+        print("[bench] engine section", file=sys.stderr)
+        engine = engine_section(EngineSettings(shape=settings.shape or "smollm2-135m", threads=settings.threads or 2))
+    report = bench_report.assemble(settings=settings, device=device, dtype=dtype, cfg=cfg, ceilings=ceilings,
                                  prefill=prefill_figures, contenders=contenders, decode=decode, scaling=scaling,
                                  hf_note=hf_note, elapsed_s=time.perf_counter() - started,
                                  load_before=load_before)
+    if engine is not None:
+        report["engine"] = engine
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(bench_report.table(report))
+    if "engine" in report:
+        from .engine_decode import engine_table
+        print(engine_table(report["engine"]))
     json_path, png_path = bench_report.write(report, Path(settings.out))
     print(f"\nwrote {json_path} and {png_path}")
     return 0

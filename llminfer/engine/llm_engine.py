@@ -97,8 +97,9 @@ class EngineStats:
 class LLMEngine:
     """Continuous batching over a paged KV cache with prefix caching, driven one step at a time. Chapter 05.
 
-    optimize=True applies `llminfer.fast.optimize_decode` to the model first (in place): fused projections
-    and, on a CPU, the native decode kernels (chapter 08)."""
+    optimize=True runs a copy of the model on chapter 08's decode path (`model_runner.optimized_copy`; the
+    caller's model is not changed): fused projections and, on a CPU, the native kernels, an engine step over
+    every scheduled sequence in one native call that reads K/V in place through the block tables."""
 
     def __init__(self, model, block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, policy: str = "continuous", enable_prefix_caching: bool = True,
@@ -149,10 +150,12 @@ class LLMEngine:
         if optimize is not False and optimize is not True:
             raise ValueError(f"optimize must be True or False, got {optimize!r}")
         if optimize:
-            # chapter 08's decode path, in place: fused q/k/v and gate/up, and on a CPU the native kernels
-            # for the small decode batches (larger ones keep torch's matmul)
-            from ..fast import optimize_decode
-            optimize_decode(model)
+            # chapter 08's decode path on a copy: fused q/k/v and gate/up, the native CPU kernels, and the
+            # layer stack in one native call over the block tables (attention too, where layers run alone)
+            from .model_runner import optimized_copy
+            model = optimized_copy(model)
+            if kernel is None and model.device.type == "cpu" and model.attn_backend == "native":
+                kernel = "native"
         self.model = model
         self.config = cfg
         self.max_model_len = max_model_len

@@ -4,18 +4,88 @@ The runner lays the step's new tokens side by side, `input_ids` (1, N) with per-
 binds the step's `AttentionMetadata` to the `PagedKVCache`, and calls `model(input_ids, positions, cache)`:
 the same forward as `llminfer.generate`. Only the last position of each sequence whose tokens are all
 computed needs logits, so the output head runs on those rows alone.
+
+`optimized_copy(model)` is the engine's fast path (chapter 08): a copy of the model, sharing the caller's
+weights, with fused projections and the native CPU kernels, whose layer stack (`PagedNativeStack`) runs a
+whole engine step in one native call over the paged cache's block tables.
 """
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 
 import torch
+import torch.nn as nn
 
+from ..fast import NativeDecoderStack, optimize_decode
 from ..generate import sample_next
 from .attention_metadata import AttentionMetadata
 from .paged_cache import PagedKVCache
 
-__all__ = ["ModelRunner", "head_rows"]
+__all__ = ["ModelRunner", "head_rows", "optimized_copy", "PagedNativeStack"]
+
+
+class _PoolSlots:
+    """What NativeDecoderLayer reads a cache through (`slots`), for a paged cache: its pools and positions."""
+
+    def __init__(self, cache: PagedKVCache, positions: torch.Tensor):
+        self.cache, self.positions = cache, positions
+
+    def slots(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.cache.k[layer_idx], self.cache.v[layer_idx], self.positions
+
+
+class PagedNativeStack(NativeDecoderStack):
+    """A NativeDecoderStack that runs an engine step over a PagedKVCache in one native call. Chapters 06 and 08.
+
+    With a paged cache bound to a step, `torch.ops.llminfer.decode_layers_paged` runs every layer for the
+    step's N tokens (x (1, N, dim)): the products (the matrix-vector loops for up to `kernels.cpu.MAX_TOKENS`
+    rows, the blocked matrix multiply beyond), RoPE, each token's K/V written into its block, and attention
+    of each token over its own sequence's positions, read in place from the pool through the block tables.
+    Any other cache, or a step the one call cannot take, runs as NativeDecoderStack does.
+    """
+
+    def forward(self, x, cos, sin, cache, backend):
+        call = self._paged_args(x, cos, sin, cache, backend) if isinstance(cache, PagedKVCache) else None
+        if call is not None:
+            return torch.ops.llminfer.decode_layers_paged(*call)                  # (1, N, dim)
+        return super().forward(x, cos, sin, cache, backend)
+
+    def _paged_args(self, x, cos, sin, cache: PagedKVCache, backend) -> tuple | None:
+        """The arguments of decode_layers_paged for this step, or None where the one call cannot take it."""
+        view = cache.block_slots()
+        if view is None or x.dim() != 3 or x.shape[0] != 1 or cache.device.type != "cpu":
+            return None
+        positions, token_seq, tables = view
+        call = NativeDecoderStack._native_args(self, x, cos, sin, _PoolSlots(cache, positions), backend)
+        if call is None:
+            return None
+        return (*call[:9], token_seq, tables, *call[9:])      # ..., positions, token_seq, tables, n_heads, scale
+
+
+@torch.no_grad()
+def optimized_copy(model: nn.Module) -> nn.Module:
+    """A copy of model on chapter 08's decode path (`llminfer.fast.optimize_decode`: fused projections, the
+    native CPU kernels) whose layer stack runs an engine step in one native call; model is not changed.
+    Chapters 05 and 08.
+
+    The copy's parameters and buffers are new tensor objects over the caller's storage, so the transforms
+    (which rebind `.data`, fuse matrices into new ones, move weights onto 2 MiB pages) leave the caller's
+    model as it was; weights no transform touches stay shared.
+    """
+    memo: dict[int, object] = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) not in memo:
+            alias = tensor.detach()
+            memo[id(tensor)] = nn.Parameter(alias, requires_grad=tensor.requires_grad) \
+                if isinstance(tensor, nn.Parameter) else alias
+    attached = getattr(model, "compiled_decoder", None)
+    if attached is not None:
+        memo[id(attached)] = None          # a decoder attached to the caller's model is not the copy's
+    fast = optimize_decode(copy.deepcopy(model, memo))
+    if type(getattr(fast, "layers", None)) is NativeDecoderStack:
+        fast.layers.__class__ = PagedNativeStack
+    return fast
 
 
 @contextmanager

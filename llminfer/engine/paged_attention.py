@@ -14,6 +14,9 @@ only to its own sequence's positions up to its own.
   queries (decode steps) go in one padded, masked call; each multi-token chunk in its own causal call.
 - "flex" (CUDA): torch's FlexAttention over the pool itself, with a mask that lets a query see only the
   slots its block table names, so no K/V are copied. Chosen by default on CUDA.
+- "native" (CPU): llminfer's C++ kernel (`llminfer.kernels.cpu.paged_attention`, chapter 08) reads each
+  token's keys and values in place from the blocks its sequence's table names, every sequence at its own
+  length, in one call. `LLMEngine(optimize=True)` chooses it on a CPU.
 
 A new kernel (chapter 07's Triton paged attention) registers itself with `register_paged_kernel`.
 """
@@ -28,7 +31,7 @@ from ..attention import Registry
 from .attention_metadata import AttentionMetadata
 
 __all__ = ["register_paged_kernel", "get_paged_kernel", "paged_kernels", "default_paged_kernel",
-           "gather_attention", "flex_attention_paged", "gather_kv"]
+           "gather_attention", "flex_attention_paged", "native_paged_attention", "gather_kv"]
 
 
 def gather_kv(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -137,3 +140,18 @@ def default_paged_kernel(device: torch.device | str) -> str:
     if device.type == "cuda":
         return "flex" if importlib.util.find_spec("torch.nn.attention.flex_attention") else "gather"
     return "gather"
+
+
+def native_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, metadata: AttentionMetadata,
+                           backend: Callable | None = None) -> torch.Tensor:
+    """Paged attention by the native CPU kernel, K/V read in place through the block tables (1, H, N, D).
+    Chapters 06 and 08."""
+    from ..kernels import cpu
+
+    if q.device.type != "cpu":
+        raise ValueError(f"the 'native' paged-attention kernel runs on the CPU, got q on {q.device}; use 'flex' or "
+                         "'gather' there")
+    return cpu.paged_attention(q, k_pool, v_pool, metadata.block_table_tensor, metadata.token_seq, metadata.positions)
+
+
+register_paged_kernel("native", native_paged_attention)

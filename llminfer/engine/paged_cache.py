@@ -146,6 +146,17 @@ class PagedKVCache(CacheBase):
             for pool in self.k + self.v:
                 pool[dst].copy_(pool[src])
 
+    def block_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For a kernel that writes K/V and attends through the block tables in one call, reading the pools
+        `k`, `v` (num_blocks, block_size, H_kv, D) in place (chapter 08's native layer stack): the forward in
+        flight's positions (N,), each token's sequence (N,) and the block tables (S, max_blocks). Token t is
+        written to its sequence's slot for positions[t] and sees that sequence's positions 0..positions[t].
+        None outside a forward. Chapter 06."""
+        meta = self._metadata
+        if meta is None or not meta.prepared:
+            return None
+        return meta.positions, meta.token_seq, meta.block_table_tensor
+
     # --- binding an engine step -------------------------------------------------------------------
 
     def bind(self, metadata: AttentionMetadata) -> None:

@@ -2,9 +2,12 @@
 
 A decode step is one activation row times every weight matrix. torch's own kernels for that shape leave
 bandwidth unused on many CPUs: its bfloat16 path converts the whole matrix, and its packed int8/int4
-kernels are written for other shapes. `cpu_gemv.cpp`, beside this file, streams each weight row once,
+kernels are written for other shapes. The C++ beside this file streams each weight row once,
 widens it to float32 in registers and multiply-adds it (AVX2 and FMA where the CPU has them, portable
-loops elsewhere), reading the checkpoint's own layout.
+loops elsewhere), reading the checkpoint's own layout. It is one extension built from units by job
+(`SOURCES`): `cpu_matvec.cpp` (matrix-vector), `cpu_gemm.cpp` (the blocked matrix multiply),
+`cpu_attention.cpp` (decode attention), `cpu_layers.cpp` (whole layers), `cpu_ops.cpp` (the ops'
+schemas), with `cpu_kernels.h` between them.
 
 The source is compiled the first time it is needed (about 15 s with a C++ compiler; torch's extension
 builder) and kept in `LLMINFER_KERNEL_CACHE` (default `~/.cache/llminfer/kernels`). Without a compiler
@@ -19,7 +22,9 @@ x's dtype. Beside them,
 heads shared, masked positions skipped), registered as the attention backend 'native'. And
 `decode_layer(...)`: a whole decoder layer for a few tokens in one call (norms, the four products, RoPE,
 the cache write, attention, SwiGLU, the residuals), which `llminfer.fast.NativeDecoderLayer` calls, and
-`decode_layers(...)`, every layer of a stack in one call (`llminfer.fast.NativeDecoderStack`). They carry
+`decode_layers(...)`, every layer of a stack in one call (`llminfer.fast.NativeDecoderStack`);
+`paged_attention(...)` and `decode_layers_paged(...)`, the same over a paged cache's block pool and block
+tables, for an engine step of several sequences (`llminfer.engine`, chapter 06). They carry
 fake implementations, so `torch.compile` traces through them.
 
 A prefill (many rows of x) runs through the same ops: from 16 rows on, products take a blocked kernel
@@ -40,12 +45,20 @@ import torch
 
 from llminfer.attention import fast_attention
 
-__all__ = ["available", "why_unavailable", "load", "isa", "gemv", "decode_attention", "attention_backend", "loaded",
-           "MAX_TOKENS", "blocked_prefill", "cpu_flags", "bfloat16_in_hardware", "SOURCE", "cache_dir"]
+__all__ = ["available", "why_unavailable", "load", "isa", "gemv", "decode_attention", "paged_attention",
+           "attention_backend", "loaded",
+           "MAX_TOKENS", "blocked_prefill", "cpu_flags", "bfloat16_in_hardware", "SOURCES", "HEADERS",
+           "cache_dir"]
 
-SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
-# Matrix-vector kernels: past a few rows of x (a prefill) a blocked matmul reuses each weight many times
-# and wins, so the callers send only up to this many rows here.
+_HERE = Path(__file__).parent
+# the units of the one extension, by job, and the header they share (the build's hash covers all of them)
+SOURCES = tuple(_HERE / name for name in ("cpu_matvec.cpp", "cpu_gemm.cpp", "cpu_attention.cpp", "cpu_layers.cpp",
+                                          "cpu_ops.cpp"))
+HEADERS = (_HERE / "cpu_kernels.h",)
+# The one matrix-vector threshold: products of up to this many rows of x take the matrix-vector loops; past
+# it (a prefill, a large engine batch) a blocked matmul reuses each weight many times and wins. The C++ is
+# compiled with it (-DLLMINFER_MATVEC_MAX_ROWS), so Python and the kernels cannot disagree;
+# torch.ops.llminfer.matvec_max_rows() reads it back.
 MAX_TOKENS = 8
 
 _lock = threading.Lock()
@@ -75,16 +88,16 @@ def _build() -> None:
     from torch.utils import cpp_extension
 
     _ninja_on_path()
-    source = SOURCE.read_bytes()
+    source = b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in SOURCES + HEADERS)
     # OpenMP: at::parallel_for splits the rows over torch's threads only in code compiled with it
-    cflags, ldflags = ["-O3", "-std=c++17", "-fopenmp"], ["-fopenmp"]
+    cflags, ldflags = ["-O3", "-std=c++17", "-fopenmp", f"-DLLMINFER_MATVEC_MAX_ROWS={MAX_TOKENS}"], ["-fopenmp"]
     digest = hashlib.sha256(source + torch.__version__.encode() + " ".join(cflags + ldflags).encode()).hexdigest()[:12]
-    name = f"llminfer_cpu_gemv_{digest}"
+    name = f"llminfer_cpu_kernels_{digest}"
     build = cache_dir() / name
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         print(f"llminfer: compiling the CPU decode kernels once into {build} (about 15 s)", file=sys.stderr)
-    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=ldflags,
+    cpp_extension.load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=cflags, extra_ldflags=ldflags,
                        build_directory=str(build), is_python_module=False, verbose=False)
     _register_fakes()
 
@@ -99,6 +112,8 @@ def _register_fakes() -> None:
                                 lambda q, k, v, mask, scale: q.new_empty(q.shape))
     torch.library.register_fake("llminfer::decode_layer", lambda x, *rest: x.new_empty(x.shape))
     torch.library.register_fake("llminfer::decode_layers", lambda x, *rest: x.new_empty(x.shape))
+    torch.library.register_fake("llminfer::decode_layers_paged", lambda x, *rest: x.new_empty(x.shape))
+    torch.library.register_fake("llminfer::paged_attention", lambda q, *rest: q.new_empty(q.shape))
 
 
 def load() -> bool:
@@ -199,6 +214,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     mask (query i sees keys up to T_k - T_q + i). The native kernel; float32 or bfloat16. Chapter 08."""
     _require()
     return torch.ops.llminfer.decode_attention(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                    token_seq: torch.Tensor, positions: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Attention of the new tokens of several sequences, q (1, H, N, D), over K/V read in place from a block pool
+    (num_blocks, block_size, H_kv, D): token t sees positions 0..positions[t] of sequence token_seq[t], whose
+    blocks are row token_seq[t] of block_tables (S, max_blocks). The native kernel; float32 or bfloat16.
+    Chapters 06 and 08."""
+    _require()
+    return torch.ops.llminfer.paged_attention(q, k_pool, v_pool, block_tables, token_seq, positions,
+                                              q.shape[-1] ** -0.5 if scale is None else scale)
 
 
 def attention_backend(q, k, v, causal: bool = True, mask: torch.Tensor | None = None, scale: float | None = None):

@@ -1,0 +1,331 @@
+// Decode attention of the native CPU kernels: a few queries against a K/V cache read in place, contiguous or
+// paged (through block tables). Chapters 06 and 08.
+
+#include "cpu_kernels.h"
+
+namespace llminfer_cpu {
+
+#ifdef LLMINFER_X86
+// scores[j] = scale · (q · k_j) for n keys whose rows lie `stride` bytes apart, four keys at a time
+template <WKind kind>
+__attribute__((target("avx2,fma"))) void key_scores_avx2(const float* q, const char* k, int64_t stride, int64_t n,
+                                                          int64_t D, float scale, float* scores) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    const char* r = k + j * stride;
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qv = load8(q + d);
+      a0 = _mm256_fmadd_ps(wload8<kind>(r, d), qv, a0);
+      a1 = _mm256_fmadd_ps(wload8<kind>(r + stride, d), qv, a1);
+      a2 = _mm256_fmadd_ps(wload8<kind>(r + 2 * stride, d), qv, a2);
+      a3 = _mm256_fmadd_ps(wload8<kind>(r + 3 * stride, d), qv, a3);
+    }
+    scores[j] = hsum(a0) * scale, scores[j + 1] = hsum(a1) * scale;
+    scores[j + 2] = hsum(a2) * scale, scores[j + 3] = hsum(a3) * scale;
+  }
+  for (; j < n; ++j) {
+    __m256 a0 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(wload8<kind>(k + j * stride, d), load8(q + d), a0);
+    scores[j] = hsum(a0) * scale;
+  }
+}
+
+// acc[d] += Σ_j p[j] · v_j[d] over n value rows `stride` bytes apart, 32 columns of acc in registers at a time
+template <WKind kind>
+__attribute__((target("avx2,fma"))) void weighted_values_avx2(const float* p, const char* v, int64_t stride,
+                                                               int64_t n, int64_t D, float* acc) {
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    __m256 a0 = load8(acc + d), a1 = load8(acc + d + 8), a2 = load8(acc + d + 16), a3 = load8(acc + d + 24);
+    for (int64_t j = 0; j < n; ++j) {
+      if (p[j] == 0.f) continue;
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const char* r = v + j * stride;
+      a0 = _mm256_fmadd_ps(wload8<kind>(r, d), pj, a0);
+      a1 = _mm256_fmadd_ps(wload8<kind>(r, d + 8), pj, a1);
+      a2 = _mm256_fmadd_ps(wload8<kind>(r, d + 16), pj, a2);
+      a3 = _mm256_fmadd_ps(wload8<kind>(r, d + 24), pj, a3);
+    }
+    _mm256_storeu_ps(acc + d, a0), _mm256_storeu_ps(acc + d + 8, a1);
+    _mm256_storeu_ps(acc + d + 16, a2), _mm256_storeu_ps(acc + d + 24, a3);
+  }
+  for (; d < D; d += 8) {
+    __m256 a0 = load8(acc + d);
+    for (int64_t j = 0; j < n; ++j)
+      if (p[j] != 0.f) a0 = _mm256_fmadd_ps(wload8<kind>(v + j * stride, d), _mm256_set1_ps(p[j]), a0);
+    _mm256_storeu_ps(acc + d, a0);
+  }
+}
+
+__attribute__((target("avx2,fma"))) float exp_shifted_avx2(float* s, int64_t n, float best) {
+  const __m256 shift = _mm256_set1_ps(best), neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_loadu_ps(s + j);
+    __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(v, neg_inf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(v, shift)));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = hsum(sum);
+  for (; j < n; ++j) {
+    s[j] = std::isinf(s[j]) ? 0.f : std::exp(s[j] - best);
+    total += s[j];
+  }
+  return total;
+}
+
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// decode attention: a few queries against a K/V cache, read in place. Scores, softmax and the weighted
+// sum of V are computed in float32, and positions a query may not see are skipped. A query with no
+// visible key gives NaN, as softmax over nothing does.
+
+template <WKind kind>
+void key_scores(const float* q, const char* k, int64_t stride, int64_t n, int64_t D, float scale, float* scores,
+                bool avx2) {
+#ifdef LLMINFER_X86
+  if (avx2) return key_scores_avx2<kind>(q, k, stride, n, D, scale, scores);
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    float s = 0.f;
+    for (int64_t d = 0; d < D; ++d) s += q[d] * weight_at<kind>(k + j * stride, d);
+    scores[j] = s * scale;
+  }
+}
+
+template <WKind kind>
+void weighted_values(const float* p, const char* v, int64_t stride, int64_t n, int64_t D, float* acc, bool avx2) {
+#ifdef LLMINFER_X86
+  if (avx2) return weighted_values_avx2<kind>(p, v, stride, n, D, acc);
+#endif
+  for (int64_t j = 0; j < n; ++j)
+    if (p[j] != 0.f)
+      for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * weight_at<kind>(v + j * stride, d);
+}
+
+// scores[j] <- exp(scores[j] - best), 0 where scores[j] is -inf; returns their sum
+inline float softmax_numerators(float* scores, int64_t n, float best, bool avx2) {
+#ifdef LLMINFER_X86
+  if (avx2) return exp_shifted_avx2(scores, n, best);
+#endif
+  float total = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    scores[j] = std::isinf(scores[j]) ? 0.f : std::exp(scores[j] - best);
+    total += scores[j];
+  }
+  return total;
+}
+
+
+// fn(k rows, v rows, first position, count) over the keys [begin, end) of query position t, K/V head hk, in runs
+// whose rows lie ks2 (vs2) elements apart: one run in a contiguous cache; in a paged one, a run per block,
+// found through the block table of the query's sequence
+template <typename Fn>
+inline void for_key_runs(const AttentionProblem& P, int64_t b, int64_t hk, int64_t t, int64_t begin, int64_t end,
+                         int64_t esize, const Fn& fn) {
+  if (P.tables == nullptr) {
+    fn(P.k + (b * P.ks0 + hk * P.ks1 + begin * P.ks2) * esize, P.v + (b * P.vs0 + hk * P.vs1 + begin * P.vs2) * esize,
+       begin, end - begin);
+    return;
+  }
+  const int64_t* table = P.tables + P.seq[t] * P.table_stride;
+  for (int64_t p = begin; p < end;) {
+    const int64_t offset = p % P.block_size, len = std::min<int64_t>(end - p, P.block_size - offset);
+    const int64_t slot = table[p / P.block_size] * P.block_size + offset;        // row of the pool
+    fn(P.k + (slot * P.ks2 + hk * P.ks1) * esize, P.v + (slot * P.vs2 + hk * P.vs1) * esize, p, len);
+    p += len;
+  }
+}
+
+// The work is split into tasks of (batch, K/V head, query position, block of keys): the query heads that
+// share the K/V head are done together, so each key and value row is read once for all of them, and the
+// keys are split into blocks so that both a long cache and a few heads spread over every thread. Each task
+// keeps its block's running maximum, sum of exponentials and unnormalised weighted sum of V; the blocks of
+// one query are then merged by rescaling to a common maximum (the online softmax of chapter 07).
+template <WKind kind>
+void attend(const AttentionProblem& P) {
+  const int64_t group = P.H / P.Hkv, D = P.D, Tk = P.n_keys, esize = wbytes<kind>();
+  const bool avx2 = has_avx2() && D % 8 == 0;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t rows = P.B * P.Hkv * P.Tq;
+  // about four tasks a thread, blocks of at least 64 keys
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((4 * at::get_num_threads() + rows - 1) / rows,
+                                                                  (Tk + 63) / 64));
+  const int64_t block = (Tk + blocks - 1) / blocks;
+  std::vector<float> part_best(rows * blocks * group), part_total(rows * blocks * group),
+      part_acc(rows * blocks * group * D);
+  at::parallel_for(0, rows * blocks, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scores(group * block);
+    for (int64_t task = r0; task < r1; ++task) {
+      const int64_t r = task / blocks, c = task % blocks;
+      const int64_t b = r / (P.Hkv * P.Tq), hk = (r / P.Tq) % P.Hkv, t = r % P.Tq;
+      const float* qrow[64];
+      for (int64_t g = 0; g < group; ++g) qrow[g] = P.q + b * P.qs0 + (hk * group + g) * P.qs1 + t * P.qs2;
+      float* best = part_best.data() + task * group;
+      float* total = part_total.data() + task * group;
+      float* acc = part_acc.data() + task * group * D;
+      std::fill(best, best + group, neg_inf);
+      std::fill(total, total + group, 0.f);
+      std::fill(acc, acc + group * D, 0.f);
+      const int64_t begin = c * block;
+      const int64_t end = std::min<int64_t>(std::min<int64_t>(Tk, begin + block), P.mask ? Tk : P.last[t] + 1);
+      if (end <= begin) continue;
+      const int64_t n = end - begin;
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = scores.data() + g * block;
+        for_key_runs(P, b, hk, t, begin, end, esize, [&](const char* krows, const char*, int64_t first, int64_t len) {
+          key_scores<kind>(qrow[g], krows, P.ks2 * esize, len, D, P.scale, sc + (first - begin), avx2);
+        });
+        if (P.mask) {
+          const bool* m = P.mask + b * P.ms0 + (hk * group + g) * P.ms1 + t * P.ms2;
+          for (int64_t j = 0; j < n; ++j)
+            if (!m[(begin + j) * P.ms3]) sc[j] = neg_inf;
+        }
+        for (int64_t j = 0; j < n; ++j) best[g] = std::max(best[g], sc[j]);
+        if (best[g] == neg_inf) continue;
+        total[g] = softmax_numerators(sc, n, best[g], avx2);
+        for_key_runs(P, b, hk, t, begin, end, esize, [&](const char*, const char* vrows, int64_t first, int64_t len) {
+          weighted_values<kind>(sc + (first - begin), vrows, P.vs2 * esize, len, D, acc + g * D, avx2);
+        });
+      }
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) {                       // merge the blocks of each query
+    const int64_t b = r / (P.Hkv * P.Tq), hk = (r / P.Tq) % P.Hkv, t = r % P.Tq;
+    for (int64_t g = 0; g < group; ++g) {
+      float top = neg_inf;
+      for (int64_t c = 0; c < blocks; ++c) top = std::max(top, part_best[(r * blocks + c) * group + g]);
+      float* o = P.out + b * P.os0 + (hk * group + g) * P.os1 + t * P.os2;
+      std::fill(o, o + D, 0.f);
+      float sum = 0.f;
+      if (top != neg_inf) {
+        for (int64_t c = 0; c < blocks; ++c) {
+          const int64_t idx = (r * blocks + c) * group + g;
+          if (part_best[idx] == neg_inf) continue;
+          const float w = std::exp(part_best[idx] - top);
+          sum += w * part_total[idx];
+          const float* acc = part_acc.data() + idx * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * acc[d];
+        }
+      }
+      const float inv = sum > 0.f ? 1.f / sum : std::numeric_limits<float>::quiet_NaN();
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  }
+}
+
+
+template void attend<WKind::F32>(const AttentionProblem& P);
+template void attend<WKind::BF16>(const AttentionProblem& P);
+
+// q (B, H, Tq, D); k, v (B, Hkv, Tk, D) with unit stride along D; an optional boolean mask broadcastable to
+// (B, H, Tq, Tk) (True = may attend), else the causal rule (query i sees keys 0 .. Tk - Tq + i).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
+                            const c10::optional<at::Tensor>& mask_in, double scale) {
+  const char* op = "decode_attention";
+  TORCH_CHECK(q.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4, op, ": q, k and v must be (B, heads, T, D)");
+  TORCH_CHECK(q.device().is_cpu() && k_in.device().is_cpu() && v_in.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == k_in.scalar_type() && q.scalar_type() == v_in.scalar_type() &&
+              (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), op,
+              ": q, k and v must share one dtype, float32 or bfloat16");
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
+  TORCH_CHECK(k_in.size(0) == B && v_in.sizes() == k_in.sizes() && k_in.size(3) == D && k_in.size(1) > 0 &&
+              H % k_in.size(1) == 0 && H / k_in.size(1) <= 64 && k_in.size(2) >= Tq, op, ": shapes q ", q.sizes(),
+              ", k ", k_in.sizes(), ", v ", v_in.sizes(), " do not fit (B, H, Tq, D) against (B, H_kv, Tk >= Tq, D) "
+              "with H a multiple of H_kv (at most 64 query heads per K/V head)");
+  const at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
+  const at::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
+  const int64_t Tk = k.size(2);
+  std::vector<float> qf = x_as_float(q), out(B * H * Tq * D);
+  std::vector<int64_t> last(Tq);
+  for (int64_t t = 0; t < Tq; ++t) last[t] = Tk - Tq + t;
+  AttentionProblem P{B, H, k.size(1), Tq, D, Tk, qf.data(), H * Tq * D, Tq * D, D,
+                     static_cast<const char*>(k.data_ptr()), static_cast<const char*>(v.data_ptr()),
+                     k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)};
+  at::Tensor mask;
+  if (mask_in.has_value()) {
+    TORCH_CHECK(mask_in->scalar_type() == at::kBool, op, ": the mask must be boolean (True = may attend)");
+    mask = mask_in->expand({B, H, Tq, Tk});
+    P.mask = mask.data_ptr<bool>();
+    P.ms0 = mask.stride(0), P.ms1 = mask.stride(1), P.ms2 = mask.stride(2), P.ms3 = mask.stride(3);
+  }
+  P.last = last.data();
+  P.scale = static_cast<float>(scale);
+  P.out = out.data();
+  P.os0 = H * Tq * D, P.os1 = Tq * D, P.os2 = D;
+  if (q.scalar_type() == at::kFloat) attend<WKind::F32>(P);
+  else attend<WKind::BF16>(P);
+  return result(out.data(), q.sizes(), q);
+}
+
+
+// Block tables, checked: tables (S, W) int64, token_seq (N,) the sequence of each query, positions (N,) each
+// query's position (it sees its sequence's positions 0 .. positions[t]); every block a query reads must lie in
+// the pool of num_blocks blocks of block_size positions. Returns the longest context (max position + 1).
+int64_t check_block_tables(const at::Tensor& tables, const at::Tensor& token_seq, const at::Tensor& positions,
+                           int64_t num_blocks, int64_t block_size, const char* op) {
+  for (const at::Tensor* t : {&tables, &token_seq, &positions})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(), op,
+                ": block tables, token sequences and positions must be contiguous int64 CPU tensors");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(1) > 0 && token_seq.dim() == 1 && positions.dim() == 1 &&
+              token_seq.size(0) == positions.size(0), op, ": block tables (S, W), token_seq (N,) and positions (N,)"
+              " expected, got ", tables.sizes(), ", ", token_seq.sizes(), ", ", positions.sizes());
+  const int64_t S = tables.size(0), W = tables.size(1), N = positions.size(0);
+  const int64_t *tab = tables.data_ptr<int64_t>(), *seq = token_seq.data_ptr<int64_t>(),
+                *pos = positions.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t t = 0; t < N; ++t) {
+    TORCH_CHECK(seq[t] >= 0 && seq[t] < S, op, ": token ", t, " belongs to sequence ", seq[t], " but there are ", S,
+                " block tables");
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < W * block_size, op, ": position ", pos[t], " of token ", t,
+                " is outside its block table's ", W, " blocks of ", block_size);
+    for (int64_t j = 0; j <= pos[t] / block_size; ++j)
+      TORCH_CHECK(tab[seq[t] * W + j] >= 0 && tab[seq[t] * W + j] < num_blocks, op, ": block ", tab[seq[t] * W + j],
+                  " of sequence ", seq[t], " is outside the pool's 0..", num_blocks - 1);
+    longest = std::max(longest, pos[t] + 1);
+  }
+  return longest;
+}
+
+// q (1, H, N, D), unit stride along D: the new tokens of several sequences side by side; k_pool, v_pool
+// (num_blocks, block_size, H_kv, D) contiguous. Token t attends to positions 0 .. positions[t] of sequence
+// token_seq[t], read in place from the blocks its row of block_tables (S, W) names. Returns (1, H, N, D).
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& block_tables, const at::Tensor& token_seq, const at::Tensor& positions,
+                           double scale) {
+  const char* op = "paged_attention";
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.stride(3) == 1 && q.device().is_cpu(), op,
+              ": q must be a (1, H, N, D) CPU tensor with unit stride along D, got ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type() &&
+              (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), op,
+              ": q and the pools must share one dtype, float32 or bfloat16");
+  const int64_t H = q.size(1), N = q.size(2), D = q.size(3);
+  TORCH_CHECK(k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes() && k_pool.is_contiguous() &&
+              v_pool.is_contiguous() && k_pool.size(3) == D && k_pool.size(2) > 0 && H % k_pool.size(2) == 0 &&
+              H / k_pool.size(2) <= 64 && k_pool.device().is_cpu() && v_pool.device().is_cpu(), op,
+              ": the pools must be contiguous (num_blocks, block_size, H_kv, D) CPU tensors with H a multiple of "
+              "H_kv (at most 64 query heads per K/V head), got ", k_pool.sizes(), " for q ", q.sizes());
+  TORCH_CHECK(positions.size(0) == N, op, ": ", positions.size(0), " positions for ", N, " query tokens");
+  const int64_t Hkv = k_pool.size(2), block_size = k_pool.size(1);
+  const int64_t longest = check_block_tables(block_tables, token_seq, positions, k_pool.size(0), block_size, op);
+  std::vector<float> qf = x_as_float(q), out(H * N * D);          // (H, N, D)
+  AttentionProblem P{1, H, Hkv, N, D, longest, qf.data(), H * N * D, N * D, D,
+                     static_cast<const char*>(k_pool.data_ptr()), static_cast<const char*>(v_pool.data_ptr()),
+                     0, D, Hkv * D, 0, D, Hkv * D};
+  P.last = positions.data_ptr<int64_t>();
+  P.tables = block_tables.data_ptr<int64_t>();
+  P.seq = token_seq.data_ptr<int64_t>();
+  P.table_stride = block_tables.size(1);
+  P.block_size = block_size;
+  P.scale = static_cast<float>(scale);
+  P.out = out.data();
+  P.os0 = H * N * D, P.os1 = N * D, P.os2 = D;
+  if (q.scalar_type() == at::kFloat) attend<WKind::F32>(P);
+  else attend<WKind::BF16>(P);
+  return result(out.data(), q.sizes(), q);
+}
+
+}  // namespace llminfer_cpu

@@ -1,0 +1,193 @@
+// The blocked matrix multiply of the native CPU kernels: products for many rows of x. Chapter 08.
+
+#include "cpu_kernels.h"
+
+namespace llminfer_cpu {
+
+// ---------------------------------------------------------------------------------------------------
+// products for many rows of x (a prefill): a blocked kernel
+//
+// With a few rows of x each weight is used once and the loops above stream it. With a hundred rows each
+// weight is used a hundred times, and the speed is how many multiply-adds a cycle the core sustains. The
+// kernel below computes a tile of 6 outputs (6 rows of W) for 16 tokens at once, in 12 registers: per input
+// k, it broadcasts W[n..n+5][k] and multiplies them into x's 16 tokens at k, which are laid out for it once
+// per product ("packed": 16 tokens of one input contiguous). That is 12 multiply-adds for 8 loads, so the
+// two FMA units stay busy. float32 rows of W are read in place (the checkpoint's row-major layout); the
+// other formats widen each block of 6 rows to float32 once (a few KB), which all the token tiles then
+// share. The six rows stay in L1 while the token tiles pass; long inputs are split into chunks so that a
+// chunk of packed x stays in L2.
+
+constexpr int64_t kGemmTile = 16;   // tokens of one packed tile
+constexpr int64_t kGemmRowsW = 6;   // rows of W of one tile
+constexpr int64_t kGemmChunk = 512; // inputs per chunk of a long product
+
+struct AlignedFloats {
+  float* data = nullptr;
+  explicit AlignedFloats(size_t n) {
+    data = static_cast<float*>(std::aligned_alloc(64, std::max<size_t>(64, ((n * sizeof(float) + 63) / 64) * 64)));
+    TORCH_CHECK(data != nullptr, "llminfer: out of memory for ", n, " floats");
+  }
+  ~AlignedFloats() { std::free(data); }
+  AlignedFloats(const AlignedFloats&) = delete;
+  AlignedFloats& operator=(const AlignedFloats&) = delete;
+};
+
+#ifdef LLMINFER_X86
+// y[j][0..5] (+)= column j of the 6 x 8 block (r0 .. r5) for tokens j < rows, y rows `ldy` floats apart
+__attribute__((target("avx2,fma"))) inline void store_tile_half(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4,
+                                                                 __m256 r5, float* y, int64_t ldy, int64_t rows,
+                                                                 bool accumulate) {
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  constexpr int lo = _MM_SHUFFLE(1, 0, 1, 0), hi = _MM_SHUFFLE(3, 2, 3, 2);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, lo), s1 = _mm256_shuffle_ps(t0, t2, hi);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, lo), s3 = _mm256_shuffle_ps(t1, t3, hi);
+  const __m256 s4 = _mm256_shuffle_ps(t4, zero, lo), s5 = _mm256_shuffle_ps(t4, zero, hi);
+  const __m256 s6 = _mm256_shuffle_ps(t5, zero, lo), s7 = _mm256_shuffle_ps(t5, zero, hi);
+  // token j: outputs 0..3 in the first 128 bits of c[j], outputs 4, 5 in the first 64 bits of its second half
+  const __m256 c[8] = {_mm256_permute2f128_ps(s0, s4, 0x20), _mm256_permute2f128_ps(s1, s5, 0x20),
+                       _mm256_permute2f128_ps(s2, s6, 0x20), _mm256_permute2f128_ps(s3, s7, 0x20),
+                       _mm256_permute2f128_ps(s0, s4, 0x31), _mm256_permute2f128_ps(s1, s5, 0x31),
+                       _mm256_permute2f128_ps(s2, s6, 0x31), _mm256_permute2f128_ps(s3, s7, 0x31)};
+  for (int64_t j = 0; j < rows; ++j) {
+    float* dst = y + j * ldy;
+    __m128 low = _mm256_castps256_ps128(c[j]), high = _mm256_extractf128_ps(c[j], 1);
+    if (accumulate) {
+      low = _mm_add_ps(low, _mm_loadu_ps(dst));
+      high = _mm_add_ps(high, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dst + 4))));
+    }
+    _mm_storeu_ps(dst, low);
+    _mm_store_sd(reinterpret_cast<double*>(dst + 4), _mm_castps_pd(high));
+  }
+}
+
+// y (rows <= 16 tokens, 6 outputs, rows `ldy` apart) (+)= packed x[0..kc)[0..16) · W[0..5][0..kc)ᵀ, W rows
+// `ldw` floats apart
+__attribute__((target("avx2,fma"))) void gemm_tile_6x16(const float* w, int64_t ldw, const float* xp, int64_t kc,
+                                                         float* y, int64_t ldy, int64_t rows, bool accumulate) {
+  // twelve named accumulators: as an array, the compiler spills them to the stack every step
+  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
+         b4 = a0, a5 = a0, b5 = a0;
+  const float *r0 = w, *r1 = w + ldw, *r2 = w + 2 * ldw, *r3 = w + 3 * ldw, *r4 = w + 4 * ldw, *r5 = w + 5 * ldw;
+#define LLMINFER_ROW(i)                               \
+  {                                                   \
+    const __m256 s = _mm256_broadcast_ss(r##i + k);   \
+    a##i = _mm256_fmadd_ps(s, x0, a##i);              \
+    b##i = _mm256_fmadd_ps(s, x1, b##i);              \
+  }
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 x0 = _mm256_load_ps(xp + k * kGemmTile), x1 = _mm256_load_ps(xp + k * kGemmTile + 8);
+    LLMINFER_ROW(0) LLMINFER_ROW(1) LLMINFER_ROW(2) LLMINFER_ROW(3) LLMINFER_ROW(4) LLMINFER_ROW(5)
+  }
+#undef LLMINFER_ROW
+  // out (tokens, outputs): each half of 8 tokens transposed in registers, 6 outputs a token stored at once
+  // (a scalar store per element cost about a tenth of the product)
+  store_tile_half(a0, a1, a2, a3, a4, a5, y, ldy, std::min<int64_t>(rows, 8), accumulate);
+  if (rows > 8) store_tile_half(b0, b1, b2, b3, b4, b5, y + 8 * ldy, ldy, rows - 8, accumulate);
+}
+
+// rows n .. n + r - 1 (r <= 6) of W, inputs [k0, k0 + kc), as float32 into out (row i at out + i·kc); int4
+// chunks start and end on a multiple of 32 inputs (a group is a multiple of 32)
+__attribute__((target("avx2,fma"))) void widen_rows(const Weight& W, int64_t n, int64_t r, int64_t k0, int64_t kc,
+                                                     float* out) {
+  const int64_t K = W.K;
+  for (int64_t i = 0; i < r; ++i) {
+    const int64_t row = n + i;
+    float* o = out + i * kc;
+    int64_t k = 0;
+    if (W.format == Weight::F32) {
+      std::memcpy(o, static_cast<const float*>(W.w) + row * K + k0, kc * sizeof(float));
+    } else if (W.format == Weight::BF16) {
+      const uint16_t* src = static_cast<const uint16_t*>(W.w) + row * K + k0;
+      for (; k + 8 <= kc; k += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
+        _mm256_storeu_ps(o + k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+      }
+      for (; k < kc; ++k) o[k] = weight_at<WKind::BF16>(src, k);
+    } else if (W.format == Weight::I8) {
+      const int8_t* src = static_cast<const int8_t*>(W.w) + row * K + k0;
+      const float scale = W.scale[row];
+      const __m256 s = _mm256_set1_ps(scale);
+      for (; k + 8 <= kc; k += 8) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + k));
+        _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s));
+      }
+      for (; k < kc; ++k) o[k] = static_cast<float>(src[k]) * scale;
+    } else {                                      // int4: byte j holds input 2j (low nibble) and 2j + 1
+      const int64_t G = K / W.group;
+      const uint8_t* src = static_cast<const uint8_t*>(W.w) + row * (K / 2);
+      const __m128i low = _mm_set1_epi8(0x0F);
+      for (; k + 32 <= kc; k += 32) {
+        const int64_t at = k0 + k, g = at / W.group;
+        const __m256 s = _mm256_set1_ps(W.scale[row * G + g]), z = _mm256_set1_ps(W.offset[row * G + g]);
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at / 2));
+        const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+        const __m128i q[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};   // inputs in order
+        for (int h = 0; h < 2; ++h) {
+          const __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[h]));
+          const __m256 second = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q[h], 8)));
+          _mm256_storeu_ps(o + k + 16 * h, _mm256_fmadd_ps(first, s, z));
+          _mm256_storeu_ps(o + k + 16 * h + 8, _mm256_fmadd_ps(second, s, z));
+        }
+      }
+    }
+  }
+}
+
+// y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, W in any format
+void gemm_avx2(const float* x, int64_t M, const Weight& W, float* y) {
+  const int64_t N = W.N, K = W.K;
+  const int64_t tiles = (M + kGemmTile - 1) / kGemmTile;
+  AlignedFloats packed(static_cast<size_t>(tiles * K * kGemmTile));
+  float* xp = packed.data;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {     // tile t: xp[t][k][j] = x[16t + j][k]
+    for (int64_t t = t0; t < t1; ++t) {
+      float* dst = xp + t * K * kGemmTile;
+      const int64_t rows = std::min<int64_t>(kGemmTile, M - t * kGemmTile);
+      if (rows < kGemmTile) std::fill(dst, dst + K * kGemmTile, 0.f);
+      for (int64_t j = 0; j < rows; ++j) {
+        const float* src = x + (t * kGemmTile + j) * K;
+        for (int64_t k = 0; k < K; ++k) dst[k * kGemmTile + j] = src[k];
+      }
+    }
+  });
+  const int64_t blocks = (N + kGemmRowsW - 1) / kGemmRowsW;        // the last may hold fewer than 6 rows
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    AlignedFloats wide(static_cast<size_t>(kGemmRowsW * std::min(K, kGemmChunk)));
+    alignas(64) float part[kGemmTile * kGemmRowsW];
+    for (int64_t k0 = 0; k0 < K; k0 += kGemmChunk) {
+      const int64_t kc = std::min<int64_t>(kGemmChunk, K - k0);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n = b * kGemmRowsW, r = std::min<int64_t>(kGemmRowsW, N - n);
+        const float* rows_of_w = wide.data;
+        int64_t ldw = kc;
+        if (W.format == Weight::F32 && r == kGemmRowsW) {
+          rows_of_w = static_cast<const float*>(W.w) + n * K + k0;
+          ldw = K;
+        } else {
+          widen_rows(W, n, r, k0, kc, wide.data);
+          std::fill(wide.data + r * kc, wide.data + kGemmRowsW * kc, 0.f);
+        }
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t rows = std::min<int64_t>(kGemmTile, M - t * kGemmTile);
+          const float* xt = xp + (t * K + k0) * kGemmTile;
+          float* yt = y + t * kGemmTile * N + n;
+          if (r == kGemmRowsW) {
+            gemm_tile_6x16(rows_of_w, ldw, xt, kc, yt, N, rows, k0 > 0);
+          } else {                                // the last rows of W: through a small buffer
+            gemm_tile_6x16(rows_of_w, ldw, xt, kc, part, kGemmRowsW, rows, false);
+            for (int64_t j = 0; j < rows; ++j)
+              for (int64_t i = 0; i < r; ++i)
+                yt[j * N + i] = (k0 > 0 ? yt[j * N + i] : 0.f) + part[j * kGemmRowsW + i];
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace llminfer_cpu

@@ -1,0 +1,194 @@
+// Shared by the native CPU kernels, one torch extension built from several units by job. Chapter 08.
+//
+//   cpu_matvec.cpp     y = x · Wᵀ for a few rows of x: the matrix-vector loops, and the dispatch by rows
+//   cpu_gemm.cpp       the blocked matrix multiply for many rows of x (a prefill, a large batch)
+//   cpu_attention.cpp  decode attention against a K/V cache read in place
+//   cpu_layers.cpp     whole decoder layers and layer stacks in one call
+//   cpu_ops.cpp        the ops' schemas, registered with torch
+//
+// This header holds what several units use: the weight formats, the vector helpers, and the declarations.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define LLMINFER_X86 1
+#endif
+
+namespace llminfer_cpu {
+
+enum class WKind { F32, BF16, I8 };
+
+
+template <WKind kind>
+inline float weight_at(const void* w, int64_t i) {
+  if constexpr (kind == WKind::F32) {
+    return static_cast<const float*>(w)[i];
+  } else if constexpr (kind == WKind::BF16) {
+    uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(w)[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  } else {
+    return static_cast<float>(static_cast<const int8_t*>(w)[i]);
+  }
+}
+
+template <WKind kind>
+constexpr int64_t wbytes() { return kind == WKind::F32 ? 4 : kind == WKind::BF16 ? 2 : 1; }
+
+// Whether the AVX2 + FMA loops run (the CPU has them, and LLMINFER_CPU_KERNELS_PORTABLE is not 1)
+bool has_avx2();
+
+#ifdef LLMINFER_X86
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+template <WKind kind>
+__attribute__((target("avx2,fma"))) inline __m256 wload8(const void* w, int64_t i) {
+  if constexpr (kind == WKind::F32) {
+    return _mm256_loadu_ps(static_cast<const float*>(w) + i);
+  } else if constexpr (kind == WKind::BF16) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w) + i));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  }
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for 8 floats: the Cephes polynomial (relative error about 1e-7)
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+#endif
+
+// one weight matrix in any of the four formats
+struct Weight {
+  enum Format { F32, BF16, I8, I4 } format;
+  const void* w;
+  const float* scale = nullptr;    // int8: (N,); int4: (N, K / group)
+  const float* offset = nullptr;   // int4: (N, K / group)
+  int64_t N = 0, K = 0, group = 0;
+};
+
+// a weight from its tensors, checked (`op` names the caller in errors)
+Weight dense_weight(const at::Tensor& w, const char* op);
+Weight int8_weight(const at::Tensor& w, const at::Tensor& scale, const char* op);
+Weight int4_weight(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset, int64_t group,
+                   const char* op);
+// A linear given as its parts: [weight] (float32 or bfloat16), [codes, scale] (int8) or [nibbles, scale,
+// offset] (int4, the group size read from the scale's shape).
+Weight weight_from_parts(at::TensorList parts, const char* op);
+
+// y (M, N) = x (M, K) · Wᵀ, all float32 and contiguous: the matrix-vector loops for a few rows, the blocked
+// kernel for many
+void linear_rows(const Weight& W, const float* x, int64_t M, float* y);
+
+// Products of up to this many rows of x take the matrix-vector loops, more rows the blocked kernel. The value
+// is set in one place, llminfer/kernels/cpu.py (MAX_TOKENS), which passes it to the compiler.
+#ifndef LLMINFER_MATVEC_MAX_ROWS
+#error "build with -DLLMINFER_MATVEC_MAX_ROWS=n (llminfer/kernels/cpu.py does)"
+#endif
+constexpr int64_t kMatvecMaxRows = LLMINFER_MATVEC_MAX_ROWS;
+
+#ifdef LLMINFER_X86
+// y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, W in any format (cpu_gemm.cpp)
+void gemm_avx2(const float* x, int64_t M, const Weight& W, float* y);
+#endif
+
+// x as contiguous float32
+std::vector<float> x_as_float(const at::Tensor& x);
+// float32 values -> a new tensor of `sizes` in `like`'s dtype (float32 or bfloat16)
+at::Tensor result(const float* y, at::IntArrayRef sizes, const at::Tensor& like);
+
+// Where the queries and the cache live. q and out are float32 (b, h, t, d) with the strides given (unit
+// along d); k and v are (b, h_kv, slot, d) of `kind`, unit stride along d. Query (b, h, t) sees the slots
+// j < n_keys with mask[b, h, t, j] true, or (without a mask) j <= last[t].
+struct AttentionProblem {
+  int64_t B, H, Hkv, Tq, D, n_keys;
+  const float* q;
+  int64_t qs0, qs1, qs2;
+  const char *k, *v;
+  int64_t ks0, ks1, ks2, vs0, vs1, vs2;
+  const bool* mask = nullptr;
+  int64_t ms0 = 0, ms1 = 0, ms2 = 0, ms3 = 0;
+  const int64_t* last = nullptr;
+  // paged: query t reads the K/V of sequence seq[t] through its block table, tables + seq[t]·table_stride, a
+  // block of block_size positions at a time (k is then the pool: position rows ks2 apart, heads ks1 apart)
+  const int64_t* tables = nullptr;
+  const int64_t* seq = nullptr;
+  int64_t table_stride = 0, block_size = 0;
+  float scale;
+  float* out;
+  int64_t os0, os1, os2;
+};
+
+// softmax(q·kᵀ·scale)·v for every query of P, in float32 (cpu_attention.cpp)
+template <WKind kind>
+void attend(const AttentionProblem& P);
+
+// checks block tables (S, W), token_seq (N,) and positions (N,) against a pool; returns the longest context
+int64_t check_block_tables(const at::Tensor& tables, const at::Tensor& token_seq, const at::Tensor& positions,
+                           int64_t num_blocks, int64_t block_size, const char* op);
+
+// the ops (registered in cpu_ops.cpp)
+at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w);
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w);
+at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
+at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset,
+                     int64_t group);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
+                            const c10::optional<at::Tensor>& mask_in, double scale);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& block_tables, const at::Tensor& token_seq, const at::Tensor& positions,
+                           double scale);
+at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, double eps1,
+                        const at::Tensor& post_norm, double eps2, at::TensorList qkv,
+                        const c10::optional<at::Tensor>& qkv_bias, at::TensorList o_parts,
+                        at::TensorList gate_up_parts, at::TensorList down_parts, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                        const at::Tensor& positions, int64_t n_heads, double scale);
+at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList tensors, at::IntArrayRef layout,
+                         at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
+                         int64_t n_heads, double scale);
+at::Tensor decode_layers_paged(const at::Tensor& x_in, at::TensorList tensors, at::IntArrayRef layout,
+                               at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                               at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& positions,
+                               const at::Tensor& token_seq, const at::Tensor& block_tables, int64_t n_heads,
+                               double scale);
+
+}  // namespace llminfer_cpu

@@ -1,0 +1,373 @@
+// Whole decoder layers of the native CPU kernels, a few tokens (or a prefill) in one call. Chapter 08.
+
+#include "cpu_kernels.h"
+
+namespace llminfer_cpu {
+
+// ---------------------------------------------------------------------------------------------------
+// one decoder layer for a few tokens, in one call:
+//   h = rmsnorm(x); q, k, v = h · W_qkvᵀ (+ bias); RoPE on q and k; k, v written into the cache at their
+//   positions; attention of q over the slots up to each token's position; x += attention · W_oᵀ;
+//   h = rmsnorm(x); x += (silu(gate) · up) · W_downᵀ with gate, up = h · W_gate_upᵀ.
+// The same arithmetic as the layer's modules, in float32, rounded to the model's dtype where the modules
+// round (each product, the norm, RoPE, the attention output, each sum), so bfloat16 matches them to
+// within a rounding step.
+
+inline float round_to(float v, bool bf16) { return bf16 ? static_cast<float>(c10::BFloat16(v)) : v; }
+
+template <typename T>
+inline const T* ptr_as(const at::Tensor& t) { return static_cast<const T*>(t.data_ptr()); }
+
+#ifdef LLMINFER_X86
+__attribute__((target("avx2,fma"))) void silu_avx2(const float* g, int64_t n, float* out) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(g + i);
+    _mm256_storeu_ps(out + i, _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v)))));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(std::min(-g[i], 88.f)));
+}
+#endif
+
+// out = g · sigmoid(g); exp's argument is capped (glibc's exp is slow on overflow, and g/inf is 0 anyway)
+void silu(const float* g, int64_t n, float* out) {
+#ifdef LLMINFER_X86
+  if (has_avx2()) return silu_avx2(g, n, out);
+#endif
+  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + std::exp(std::min(-g[i], 88.f)));
+}
+
+// fn(m) for every row m < M: inline for a decode step's few rows, split over the threads for a prefill's
+template <typename Fn>
+void for_rows(int64_t M, const Fn& fn) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) fn(m);
+  });
+}
+
+// rows of x (M, dim) -> weight · (x / rms(x)), each rounded as RMSNorm rounds
+void rms_norm(const float* x, int64_t M, int64_t dim, const at::Tensor& weight, double eps, bool bf16, float* out) {
+  // float32 weights read in place; bfloat16 ones widened once per call
+  const std::vector<float> widened = weight.scalar_type() == at::kFloat ? std::vector<float>() : x_as_float(weight);
+  const float* w = weight.scalar_type() == at::kFloat ? ptr_as<float>(weight) : widened.data();
+  for_rows(M, [&](int64_t m) {
+    const float* row = x + m * dim;
+    double ss[4] = {0.0, 0.0, 0.0, 0.0};              // four chains: one would wait on each add
+    int64_t i = 0;
+    for (; i + 4 <= dim; i += 4)
+      for (int j = 0; j < 4; ++j) ss[j] += static_cast<double>(row[i + j]) * row[i + j];
+    for (; i < dim; ++i) ss[0] += static_cast<double>(row[i]) * row[i];
+    const double total = (ss[0] + ss[1]) + (ss[2] + ss[3]);
+    const float inv = 1.f / std::sqrt(static_cast<float>(total / dim) + static_cast<float>(eps));
+    float* o = out + m * dim;
+    if (bf16)
+      for (int64_t i = 0; i < dim; ++i) o[i] = round_to(w[i] * round_to(row[i] * inv, true), true);
+    else
+      for (int64_t i = 0; i < dim; ++i) o[i] = w[i] * (row[i] * inv);
+  });
+}
+
+// One layer's weights and cache, checked against the step's shapes.
+struct Layer {
+  const at::Tensor* input_norm;
+  const at::Tensor* post_norm;
+  double eps1, eps2;
+  Weight qkv, o, gate_up, down;
+  std::vector<float> bias;              // the qkv bias, or empty
+  at::Tensor* k_cache;
+  at::Tensor* v_cache;
+};
+
+// The step's shapes: x (B, T, dim) in `dtype`, H query heads, positions (T,) and cos, sin (T, D).
+// Paged (decode_layers_paged): B = 1, the T tokens belong to several sequences (seq), the caches are pools of
+// num_blocks blocks of block_size positions, and sequence s's positions live in the blocks of tables row s.
+struct Step {
+  int64_t B, T, dim, H, Hkv = 0, S = 0, D = 0, last_pos = 0;
+  bool paged = false;
+  const int64_t* seq = nullptr;
+  const int64_t* tables = nullptr;
+  int64_t table_width = 0, block_size = 0, num_blocks = 0;
+  at::ScalarType dtype;
+  const int64_t* pos;
+  std::vector<float> cos, sin;
+  float scale;
+};
+
+Step check_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                const at::Tensor& k_cache, int64_t n_heads, double scale, const char* op) {
+  TORCH_CHECK(x.dim() == 3 && x.device().is_cpu(), op, ": x must be a (B, T, dim) CPU tensor, got ", x.sizes());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": x must be float32 or bfloat16, got ", dtype);
+  Step st{x.size(0), x.size(1), x.size(2), n_heads};
+  st.dtype = dtype;
+  TORCH_CHECK(k_cache.dim() == 4, op, ": a cache must be (B, H_kv, slots, D), got ", k_cache.sizes());
+  st.Hkv = k_cache.size(1), st.S = k_cache.size(2), st.D = k_cache.size(3);
+  TORCH_CHECK(st.H > 0 && st.Hkv > 0 && st.H % st.Hkv == 0 && st.H / st.Hkv <= 64 && st.D % 2 == 0, op, ": ", st.H,
+              " query heads do not share ", st.Hkv, " K/V heads of size ", st.D);
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == st.T && positions.scalar_type() == at::kLong &&
+              positions.is_contiguous() && positions.device().is_cpu(), op, ": positions must be (T=", st.T,
+              ",) int64 on the CPU, got ", positions.sizes(), " ", positions.scalar_type());
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == st.T && cos.size(1) == st.D && sin.sizes() == cos.sizes() &&
+              cos.scalar_type() == dtype && sin.scalar_type() == dtype, op,
+              ": cos and sin must be (T, D) in x's dtype");
+  st.pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < st.T; ++t) {
+    TORCH_CHECK(st.pos[t] >= 0 && st.pos[t] < st.S, op, ": position ", st.pos[t], " is outside the cache's 0..",
+                st.S - 1);
+    st.last_pos = std::max(st.last_pos, st.pos[t]);
+  }
+  st.cos = x_as_float(cos);
+  st.sin = x_as_float(sin);
+  st.scale = static_cast<float>(scale);
+  return st;
+}
+
+// The step of decode_layers_paged: x (1, N, dim) with positions, token_seq (N,) and block_tables (S, W), cos and
+// sin (N, D); k_pool one layer's pool (num_blocks, block_size, H_kv, D).
+Step check_paged_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                      const at::Tensor& token_seq, const at::Tensor& block_tables, const at::Tensor& k_pool,
+                      int64_t n_heads, double scale, const char* op) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.device().is_cpu(), op,
+              ": x must be a (1, N, dim) CPU tensor (the step's tokens side by side), got ", x.sizes());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": x must be float32 or bfloat16, got ", dtype);
+  TORCH_CHECK(k_pool.dim() == 4, op, ": a pool must be (num_blocks, block_size, H_kv, D), got ", k_pool.sizes());
+  Step st{1, x.size(1), x.size(2), n_heads};
+  st.dtype = dtype;
+  st.paged = true;
+  st.num_blocks = k_pool.size(0), st.block_size = k_pool.size(1), st.Hkv = k_pool.size(2), st.D = k_pool.size(3);
+  st.S = st.num_blocks * st.block_size;
+  TORCH_CHECK(st.H > 0 && st.Hkv > 0 && st.H % st.Hkv == 0 && st.H / st.Hkv <= 64 && st.D % 2 == 0, op, ": ", st.H,
+              " query heads do not share ", st.Hkv, " K/V heads of size ", st.D);
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == st.T, op, ": positions must be (N=", st.T, ",), got ",
+              positions.sizes());
+  st.last_pos = check_block_tables(block_tables, token_seq, positions, st.num_blocks, st.block_size, op) - 1;
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == st.T && cos.size(1) == st.D && sin.sizes() == cos.sizes() &&
+              cos.scalar_type() == dtype && sin.scalar_type() == dtype, op,
+              ": cos and sin must be (N, D) in x's dtype");
+  st.pos = positions.data_ptr<int64_t>();
+  st.seq = token_seq.data_ptr<int64_t>();
+  st.tables = block_tables.data_ptr<int64_t>();
+  st.table_width = block_tables.size(1);
+  st.cos = x_as_float(cos);
+  st.sin = x_as_float(sin);
+  st.scale = static_cast<float>(scale);
+  return st;
+}
+
+Layer check_layer(const Step& st, const at::Tensor& input_norm, double eps1, const at::Tensor& post_norm,
+                  double eps2, at::TensorList qkv, const at::Tensor* qkv_bias, at::TensorList o,
+                  at::TensorList gate_up, at::TensorList down, at::Tensor& k_cache, at::Tensor& v_cache,
+                  const char* op) {
+  const bool bf16 = st.dtype == at::kBFloat16;
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(!st.paged || (c->dim() == 4 && c->size(0) == st.num_blocks && c->size(1) == st.block_size &&
+                              c->size(2) == st.Hkv && c->size(3) == st.D && c->is_contiguous() &&
+                              c->scalar_type() == st.dtype && c->device().is_cpu()), op,
+                ": the pools must be contiguous (num_blocks=", st.num_blocks, ", block_size=", st.block_size,
+                ", H_kv=", st.Hkv, ", D=", st.D, ") CPU tensors of x's dtype, got ", c->sizes(), " ", c->scalar_type());
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(st.paged || c->dim() == 4 && c->size(0) == st.B && c->size(1) == st.Hkv && c->size(2) == st.S &&
+                c->size(3) == st.D && c->is_contiguous() && c->scalar_type() == st.dtype && c->device().is_cpu(),
+                op, ": the caches must be contiguous (B=", st.B, ", H_kv=", st.Hkv, ", slots=", st.S, ", D=", st.D,
+                ") CPU tensors of x's dtype, got ", c->sizes(), " ", c->scalar_type());
+  for (const at::Tensor* n : {&input_norm, &post_norm})
+    TORCH_CHECK(n->numel() == st.dim && n->is_contiguous() && n->scalar_type() == st.dtype, op,
+                ": the norm weights must be contiguous (", st.dim, ",) in x's dtype");
+  Layer L{&input_norm, &post_norm, eps1, eps2, weight_from_parts(qkv, op), weight_from_parts(o, op),
+          weight_from_parts(gate_up, op), weight_from_parts(down, op), {}, &k_cache, &v_cache};
+  for (const Weight* W : {&L.qkv, &L.o, &L.gate_up, &L.down})
+    TORCH_CHECK(W->format == Weight::I8 || W->format == Weight::I4 || (W->format == Weight::BF16) == bf16, op,
+                ": a float weight must have x's dtype");
+  const int64_t qsize = st.H * st.D, kvsize = st.Hkv * st.D;
+  TORCH_CHECK(L.qkv.K == st.dim && L.qkv.N == qsize + 2 * kvsize && L.o.K == qsize && L.o.N == st.dim &&
+              L.gate_up.K == st.dim && L.gate_up.N % 2 == 0 && L.down.K == L.gate_up.N / 2 && L.down.N == st.dim,
+              op, ": the weights (qkv ", L.qkv.N, "x", L.qkv.K, ", o ", L.o.N, "x", L.o.K, ", gate_up ", L.gate_up.N,
+              "x", L.gate_up.K, ", down ", L.down.N, "x", L.down.K, ") do not fit dim ", st.dim, " with ", st.H,
+              " + 2x", st.Hkv, " heads of ", st.D);
+  if (qkv_bias) {
+    TORCH_CHECK(qkv_bias->numel() == L.qkv.N && qkv_bias->scalar_type() == st.dtype, op,
+                ": the qkv bias must be (", L.qkv.N, ",) in x's dtype");
+    L.bias = x_as_float(*qkv_bias);
+  }
+  return L;
+}
+
+// x += y over M rows of dim, each term and the sum rounded to the model's dtype (the residual adds)
+void add_rows(float* x, const float* y, int64_t M, int64_t dim, bool bf16) {
+  for_rows(M, [&](int64_t m) {
+    float* xr = x + m * dim;
+    const float* yr = y + m * dim;
+    if (bf16)
+      for (int64_t i = 0; i < dim; ++i) xr[i] = round_to(xr[i] + round_to(yr[i], true), true);
+    else
+      for (int64_t i = 0; i < dim; ++i) xr[i] += yr[i];
+  });
+}
+
+// x (B·T, dim) float32, rounded to the model's dtype, through one layer in place
+void run_layer(const Step& st, const Layer& L, std::vector<float>& x) {
+  const bool bf16 = st.dtype == at::kBFloat16;
+  const int64_t B = st.B, T = st.T, M = B * T, dim = st.dim, H = st.H, Hkv = st.Hkv, S = st.S, D = st.D;
+  const int64_t qsize = H * D, kvsize = Hkv * D, N = L.qkv.N, hidden = L.gate_up.N / 2;
+  std::vector<float> h(M * dim), qkv(M * N), att(M * qsize), proj(M * dim), gu(M * L.gate_up.N), act(M * hidden);
+  // attention
+  rms_norm(x.data(), M, dim, *L.input_norm, L.eps1, bf16, h.data());
+  linear_rows(L.qkv, h.data(), M, qkv.data());
+  const int64_t half = D / 2;
+  for_rows(M, [&](int64_t m) {
+    std::vector<float> rotated(D);
+    float* row = qkv.data() + m * N;
+    const float *c = st.cos.data() + (m % T) * D, *s = st.sin.data() + (m % T) * D;
+    if (!L.bias.empty())
+      for (int64_t i = 0; i < N; ++i) row[i] = round_to(round_to(row[i], bf16) + L.bias[i], bf16);
+    else if (bf16)
+      for (int64_t i = 0; i < N; ++i) row[i] = round_to(row[i], true);
+    for (int64_t head = 0; head < H + Hkv; ++head) {        // the q heads, then the k heads
+      float* v = row + head * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float other = d < half ? -v[d + half] : v[d - half];
+        rotated[d] = round_to(round_to(v[d] * c[d], bf16) + round_to(other * s[d], bf16), bf16);
+      }
+      std::copy(rotated.begin(), rotated.end(), v);
+    }
+  });
+  for (int64_t m = 0; m < M; ++m) {                          // k, v into the cache at their positions
+    const int64_t b = m / T, t = m % T;
+    const float* row = qkv.data() + m * N;
+    // where position pos[t] of this token's sequence lives: its row of the contiguous cache, or of the pool
+    const int64_t row_of_pool = st.paged ? st.tables[st.seq[t] * st.table_width + st.pos[t] / st.block_size] *
+                                               st.block_size + st.pos[t] % st.block_size : 0;
+    for (int64_t hk = 0; hk < Hkv; ++hk) {
+      const int64_t slot = st.paged ? (row_of_pool * Hkv + hk) * D : ((b * Hkv + hk) * S + st.pos[t]) * D;
+      const float *kr = row + qsize + hk * D, *vr = row + qsize + kvsize + hk * D;
+      if (bf16) {
+        c10::BFloat16 *kd = L.k_cache->data_ptr<c10::BFloat16>() + slot;
+        c10::BFloat16 *vd = L.v_cache->data_ptr<c10::BFloat16>() + slot;
+        for (int64_t d = 0; d < D; ++d) kd[d] = c10::BFloat16(kr[d]), vd[d] = c10::BFloat16(vr[d]);
+      } else {
+        std::memcpy(L.k_cache->data_ptr<float>() + slot, kr, D * sizeof(float));
+        std::memcpy(L.v_cache->data_ptr<float>() + slot, vr, D * sizeof(float));
+      }
+    }
+  }
+  AttentionProblem P{B, H, Hkv, T, D, st.last_pos + 1, qkv.data(), T * N, D, N,
+                     static_cast<const char*>(L.k_cache->data_ptr()), static_cast<const char*>(L.v_cache->data_ptr()),
+                     Hkv * S * D, S * D, D, Hkv * S * D, S * D, D};
+  P.last = st.pos;
+  if (st.paged) {                            // the pool: position rows Hkv·D apart, through the block tables
+    P.ks0 = P.vs0 = 0, P.ks1 = P.vs1 = D, P.ks2 = P.vs2 = Hkv * D;
+    P.tables = st.tables, P.seq = st.seq, P.table_stride = st.table_width, P.block_size = st.block_size;
+  }
+  P.scale = st.scale;
+  P.out = att.data();
+  P.os0 = T * qsize, P.os1 = D, P.os2 = qsize;
+  if (bf16) attend<WKind::BF16>(P);
+  else attend<WKind::F32>(P);
+  if (bf16)
+    for (float& a : att) a = round_to(a, true);
+  linear_rows(L.o, att.data(), M, proj.data());
+  add_rows(x.data(), proj.data(), M, dim, bf16);
+  // MLP
+  rms_norm(x.data(), M, dim, *L.post_norm, L.eps2, bf16, h.data());
+  linear_rows(L.gate_up, h.data(), M, gu.data());
+  for_rows(M, [&](int64_t m) {
+    const float *g = gu.data() + m * L.gate_up.N, *u = g + hidden;
+    float* a = act.data() + m * hidden;
+    silu(g, hidden, a);
+    if (bf16)
+      for (int64_t i = 0; i < hidden; ++i) a[i] = round_to(round_to(a[i], true) * round_to(u[i], true), true);
+    else
+      for (int64_t i = 0; i < hidden; ++i) a[i] *= u[i];
+  });
+  linear_rows(L.down, act.data(), M, proj.data());
+  add_rows(x.data(), proj.data(), M, dim, bf16);
+}
+
+at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, double eps1,
+                        const at::Tensor& post_norm, double eps2, at::TensorList qkv,
+                        const c10::optional<at::Tensor>& qkv_bias, at::TensorList o_parts,
+                        at::TensorList gate_up_parts, at::TensorList down_parts, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                        const at::Tensor& positions, int64_t n_heads, double scale) {
+  const char* op = "decode_layer";
+  const Step st = check_step(x_in, cos, sin, positions, k_cache, n_heads, scale, op);
+  const Layer L = check_layer(st, input_norm, eps1, post_norm, eps2, qkv, qkv_bias ? &*qkv_bias : nullptr, o_parts,
+                              gate_up_parts, down_parts, k_cache, v_cache, op);
+  std::vector<float> x = x_as_float(x_in);
+  run_layer(st, L, x);
+  return result(x.data(), x_in.sizes(), x_in);
+}
+
+// The layers of a stack from `tensors`, which holds, layer after layer: the two norm weights, then the parts of
+// qkv, [the qkv bias], o, gate_up and down; `layout` holds five counts a layer (qkv parts, 1 if a bias follows
+// else 0, o parts, gate_up parts, down parts) and `eps` the two norms' epsilons.
+std::vector<Layer> check_layers(const Step& st, at::TensorList tensors, at::IntArrayRef layout,
+                                at::ArrayRef<double> eps, at::TensorList k_caches, at::TensorList v_caches,
+                                const char* op) {
+  const int64_t n_layers = static_cast<int64_t>(k_caches.size());
+  std::vector<Layer> layers;
+  size_t next = 0;
+  auto take = [&](int64_t n) {
+    TORCH_CHECK(n >= 0 && next + n <= tensors.size(), op, ": the layout asks for more tensors than the ",
+                tensors.size(), " given");
+    at::TensorList part = tensors.slice(next, n);
+    next += n;
+    return part;
+  };
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const int64_t* c = layout.data() + 5 * l;
+    at::TensorList norms = take(2), qkv = take(c[0]), bias = take(c[1]), o = take(c[2]), gu = take(c[3]),
+                   down = take(c[4]);
+    layers.push_back(check_layer(st, norms[0], eps[2 * l], norms[1], eps[2 * l + 1], qkv,
+                                 bias.empty() ? nullptr : &bias[0], o, gu, down,
+                                 const_cast<at::Tensor&>(k_caches[l]), const_cast<at::Tensor&>(v_caches[l]), op));
+  }
+  TORCH_CHECK(next == tensors.size(), op, ": ", tensors.size() - next, " tensors are left over after the layout");
+  return layers;
+}
+
+void check_stack_counts(at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef layout,
+                        at::ArrayRef<double> eps, const char* op) {
+  const int64_t n_layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(n_layers > 0 && static_cast<int64_t>(v_caches.size()) == n_layers &&
+              static_cast<int64_t>(layout.size()) == 5 * n_layers && static_cast<int64_t>(eps.size()) == 2 * n_layers,
+              op, ": ", n_layers, " K caches, ", v_caches.size(), " V caches, ", layout.size(), " layout entries and ",
+              eps.size(), " epsilons do not describe the same number of layers (5 layout entries and 2 epsilons each)");
+}
+
+// Every layer of a stack in one call (the tensors as check_layers reads them).
+at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList tensors, at::IntArrayRef layout,
+                         at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
+                         int64_t n_heads, double scale) {
+  const char* op = "decode_layers";
+  check_stack_counts(k_caches, v_caches, layout, eps, op);
+  const Step st = check_step(x_in, cos, sin, positions, k_caches[0], n_heads, scale, op);
+  const std::vector<Layer> layers = check_layers(st, tensors, layout, eps, k_caches, v_caches, op);
+  std::vector<float> x = x_as_float(x_in);
+  for (const Layer& L : layers) run_layer(st, L, x);
+  return result(x.data(), x_in.sizes(), x_in);
+}
+
+// Every layer of a stack in one call over a paged cache: one engine step, the new tokens of several sequences
+// side by side in x (1, N, dim), token t of sequence token_seq[t] at positions[t]; its K/V are written into the
+// pools (num_blocks, block_size, H_kv, D) at the slot its block table names, and it attends to its own
+// sequence's positions up to its own, read in place from the blocks. Chapters 06 and 08.
+at::Tensor decode_layers_paged(const at::Tensor& x_in, at::TensorList tensors, at::IntArrayRef layout,
+                               at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                               at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& positions,
+                               const at::Tensor& token_seq, const at::Tensor& block_tables, int64_t n_heads,
+                               double scale) {
+  const char* op = "decode_layers_paged";
+  check_stack_counts(k_pools, v_pools, layout, eps, op);
+  const Step st = check_paged_step(x_in, cos, sin, positions, token_seq, block_tables, k_pools[0], n_heads, scale,
+                                   op);
+  const std::vector<Layer> layers = check_layers(st, tensors, layout, eps, k_pools, v_pools, op);
+  std::vector<float> x = x_as_float(x_in);
+  for (const Layer& L : layers) run_layer(st, L, x);
+  return result(x.data(), x_in.sizes(), x_in);
+}
+
+}  // namespace llminfer_cpu

@@ -1,0 +1,42 @@
+// The native CPU kernels' ops, registered with torch as torch.ops.llminfer.*. Chapter 08.
+//
+// Built once by llminfer/kernels/cpu.py with torch's extension builder from the units named in
+// cpu_kernels.h, into one extension.
+
+#include <torch/library.h>
+
+#include "cpu_kernels.h"
+
+using namespace llminfer_cpu;
+
+TORCH_LIBRARY(llminfer, m) {
+  m.def("gemv_f32(Tensor x, Tensor w) -> Tensor");
+  m.def("gemv_bf16(Tensor x, Tensor w) -> Tensor");
+  m.def("gemv_int8(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("gemv_int4(Tensor x, Tensor w, Tensor scale, Tensor offset, int group) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  m.def("decode_layer(Tensor x, Tensor input_norm, float eps1, Tensor post_norm, float eps2, Tensor[] qkv, "
+        "Tensor? qkv_bias, Tensor[] o, Tensor[] gate_up, Tensor[] down, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, int n_heads, float scale) -> Tensor");
+  m.def("decode_layers(Tensor x, Tensor[] tensors, int[] layout, float[] eps, Tensor cos, Tensor sin, "
+        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor positions, int n_heads, float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor token_seq, "
+        "Tensor positions, float scale) -> Tensor");
+  m.def("decode_layers_paged(Tensor x, Tensor[] tensors, int[] layout, float[] eps, Tensor cos, Tensor sin, "
+        "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor positions, Tensor token_seq, Tensor block_tables, "
+        "int n_heads, float scale) -> Tensor");
+  m.def("matvec_max_rows() -> int", []() -> int64_t { return kMatvecMaxRows; });
+  m.def("cpu_kernel_isa() -> str", []() -> std::string { return has_avx2() ? "avx2+fma" : "portable"; });
+}
+
+TORCH_LIBRARY_IMPL(llminfer, CPU, m) {
+  m.impl("gemv_f32", &gemv_f32);
+  m.impl("gemv_bf16", &gemv_bf16);
+  m.impl("gemv_int8", &gemv_int8);
+  m.impl("gemv_int4", &gemv_int4);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layers", &decode_layers);
+  m.impl("paged_attention", &paged_attention);
+  m.impl("decode_layers_paged", &decode_layers_paged);
+}
