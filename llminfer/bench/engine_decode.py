@@ -96,7 +96,7 @@ def engine_section(settings: EngineSettings | None = None, log=None) -> dict:
         prompts = [torch.randint(0, cfg.vocab_size, (settings.prompt_len,), generator=generator).tolist()
                    for _ in range(settings.requests)]
         log(f"preparing the single request's decoder (compile={settings.compile})")
-        decoder = compile_decode(copy.deepcopy(base), max_seq_len=length, compile=settings.compile, attach=False)
+        decoder = compile_decode(copy.deepcopy(base), max_seq_len=length, compile=settings.compile)
         single_ids = torch.tensor([prompts[0]])
         log(f"preparing the engine for {settings.requests} requests")
         blocks = settings.requests * (-(-length // 16)) + 1
