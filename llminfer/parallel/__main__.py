@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from llminfer.checkpoint import _load_tokenizer, _locate
+from llminfer.checkpoint import load_tokenizer, model_folder
 
 from .launch import distributed_worker
 from .loading import read_config
@@ -45,9 +45,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    folder = _locate(args.model)
+    folder = model_folder(args.model)
     config = read_config(folder)
-    tokenizer = _load_tokenizer(folder, config)
+    tokenizer = load_tokenizer(folder)
     prompt = [tokenizer.encode(args.prompt)] * (args.micro_batches if args.mode == "pp" else 1)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.world_size

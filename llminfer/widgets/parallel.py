@@ -86,12 +86,9 @@ def projection_html(name: str, projection: Projection, tp: int, pp: int, link_na
 
 def _prompt(n_tokens: int = 16) -> list[list[int]]:
     """The bundled model's ids of 'The capital of France is', repeated to n_tokens."""
-    from llminfer.checkpoint import _load_tokenizer, _locate
+    from llminfer.checkpoint import load_tokenizer
 
-    from ..parallel.loading import read_config
-
-    folder = _locate("tiny-capitals")
-    ids = _load_tokenizer(folder, read_config(folder)).encode("The capital of France is")
+    ids = load_tokenizer("tiny-capitals").encode("The capital of France is")
     return [(ids * n_tokens)[:n_tokens]]
 
 
