@@ -16,6 +16,7 @@ replay is `llminfer.static_cache.StaticKVCache`.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Callable, Protocol, runtime_checkable
 
 import torch
@@ -64,7 +65,7 @@ def cache_shape(model) -> costs.KVShape:
     return costs.KVShape(len(model.layers), model.layers[0].self_attn.n_kv_heads, model.config.head_dim)
 
 
-class CacheBase:
+class CacheBase(ABC):
     """The length a cache owns and the bookkeeping of one forward: begin, end, truncate, reset. Chapter 04.
 
     A subclass stores the K/V: it gives `capacity` and `device`, writes in `attend`, and may extend
@@ -100,8 +101,9 @@ class CacheBase:
         return self._length
 
     @property
+    @abstractmethod
     def capacity(self) -> int:
-        raise NotImplementedError
+        """Positions each sequence can hold: every cache says, from its own storage."""
 
     def check_write(self, start: int, n_tokens: int, batch_size: int) -> None:
         """Raise ValueError, before any compute, if writing n_tokens at `start` would not fit or leave a gap."""
