@@ -205,17 +205,17 @@ class EngineLoop:
             pass
 
     def _take_inbox(self) -> None:
-        changed = False
+        changed, taken = False, 0
         while True:
             with self._lock:
                 if not self._inbox:
-                    if changed:          # the queue length that add_request checks includes these now
-                        self.stats = self.engine.stats
+                    if changed:          # the queue length that add_request checks includes these now, so they
+                        self.stats = self.engine.stats       # stop counting as pending in the same moment
+                        self._pending_adds -= taken
                     return
                 changed = True
                 item = self._inbox.popleft()
-                if item[0] == "add":
-                    self._pending_adds -= 1
+                taken += item[0] == "add"
             if item[0] == "add":
                 _, prompt, params, handle, future = item
                 if not future.set_running_or_notify_cancel():
