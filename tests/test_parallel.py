@@ -227,3 +227,13 @@ def test_torchrun_runs_the_same_worker():
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "tp over 2 processes (gloo)" in done.stdout and "same tokens as one process: True" in done.stdout
+
+
+def test_tp2_collective_time_is_waiting_plus_moving(bundled):
+    timed = parallel.run_tensor_parallel("tiny-capitals", [[5, 6, 7, 8]], max_new_tokens=2, timing_repeats=1)
+    waits = parallel.collective_waits([rank["decode"]["spans"] for rank in timed])
+    for rank, split in zip(timed, waits):
+        (spans,) = rank["decode"]["spans"]                # one timed step
+        assert len(spans) == rank["decode"]["collectives"] == 10
+        assert split["wait_s"] >= 0 and split["transfer_s"] > 0
+        assert split["wait_s"] + split["transfer_s"] == pytest.approx(rank["decode"]["comm_s"], rel=1e-9, abs=1e-12)

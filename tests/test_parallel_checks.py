@@ -273,3 +273,23 @@ def test_prediction_keeps_tp_in_the_node():
     assert steps[16].tp_comm_s > 1.5 * steps[8].tp_comm_s                        # across nodes it costs
     tp8_pp2 = cost_model.predict_decode_step(shape, 8, 2, gpu, nvlink, ib)
     assert tp8_pp2.pp_comm_s < steps[16].tp_comm_s / 100                         # PP crosses nodes cheaply
+
+
+def test_collective_waits_split_each_rank_into_waiting_and_moving():
+    # one step, two collectives; rank 1 enters the first 0.6 s late, rank 0 enters the second 0.2 s late
+    rank0 = [[(0.0, 1.0), (2.2, 2.5)]]
+    rank1 = [[(0.6, 1.0), (2.0, 2.5)]]
+    waits = parallel.collective_waits([rank0, rank1])
+    assert [w["rank"] for w in waits] == [0, 1]
+    assert waits[0]["wait_s"] == pytest.approx(0.6) and waits[0]["transfer_s"] == pytest.approx(0.4 + 0.3)
+    assert waits[1]["wait_s"] == pytest.approx(0.2) and waits[1]["transfer_s"] == pytest.approx(0.4 + 0.3)
+    # the median over steps, per rank
+    three = parallel.collective_waits([[[(0, 1)], [(0, 1)], [(0, 1)]], [[(0.5, 1)], [(0.9, 1)], [(0.1, 1)]]])
+    assert three[0]["wait_s"] == pytest.approx(0.5) and three[1]["wait_s"] == 0.0
+
+
+def test_collective_waits_refuse_ranks_that_disagree():
+    with pytest.raises(ValueError, match="same number of steps"):
+        parallel.collective_waits([[[(0, 1)]], []])
+    with pytest.raises(ValueError, match="different numbers of collectives"):
+        parallel.collective_waits([[[(0, 1)]], [[(0, 1), (1, 2)]]])

@@ -16,12 +16,12 @@ from .loading import load_pipeline_stage, load_sharded, load_tensor_parallel, re
 from .pipeline import bubble_fraction, ideal_bubble_fraction, pipeline_generate, pipeline_stage
 from .plan import (check_backend, check_port, pipeline_plan, split_micro_batches, tensor_parallel_plan)
 from .tensor import CommStats, resident_bytes, tensor_parallel
-from .workers import measure_communication, run_pipeline_parallel, run_tensor_parallel, stage_timeline
+from .workers import collective_waits, measure_communication, run_pipeline_parallel, run_tensor_parallel, stage_timeline
 
 __all__ = [
     "cost_model", "WorkerContext", "WorkerError", "check_worker", "distributed_worker", "launch",
     "load_pipeline_stage", "load_sharded", "load_tensor_parallel", "read_config", "bubble_fraction",
     "ideal_bubble_fraction", "pipeline_generate", "pipeline_stage", "check_backend", "check_port", "pipeline_plan",
     "split_micro_batches", "tensor_parallel_plan", "CommStats", "resident_bytes", "tensor_parallel",
-    "measure_communication", "run_pipeline_parallel", "run_tensor_parallel", "stage_timeline",
+    "collective_waits", "measure_communication", "run_pipeline_parallel", "run_tensor_parallel", "stage_timeline",
 ]

@@ -39,9 +39,10 @@ class CommStats:
     nbytes: int = 0
     seconds: float = 0.0
     by_kind: dict = field(default_factory=dict)    # kind -> [calls, bytes, seconds]
+    spans: list = field(default_factory=list)      # (entered, left) of each collective, perf_counter seconds
 
     def reset(self) -> None:
-        self.calls, self.nbytes, self.seconds, self.by_kind = 0, 0, 0.0, {}
+        self.calls, self.nbytes, self.seconds, self.by_kind, self.spans = 0, 0, 0.0, {}, []
 
     @contextmanager
     def recording(self):
@@ -61,8 +62,10 @@ class CommStats:
         start = time.perf_counter()
         fn()
         synchronize(tensor.device)
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        seconds = end - start
         nbytes = tensor.numel() * tensor.element_size()
+        self.spans.append((start, end))          # perf_counter is CLOCK_MONOTONIC: comparable across ranks
         self.calls += 1
         self.nbytes += nbytes
         self.seconds += seconds

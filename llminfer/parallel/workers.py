@@ -64,7 +64,7 @@ def time_decode_steps(model, prompt: torch.Tensor, repeats: int, warmup: int = 3
     logits = llminfer.prefill(model, prompt, cache)
     token = logits.argmax(-1)                                   # (B,)
     stats = getattr(getattr(model, "parallel", None), "stats", None)
-    totals, comms, calls = [], [], []
+    totals, comms, calls, spans = [], [], [], []
     for i in range(steps):
         if stats is not None:
             stats.reset()
@@ -81,8 +81,10 @@ def time_decode_steps(model, prompt: torch.Tensor, repeats: int, warmup: int = 3
             totals.append(seconds)
             comms.append(stats.seconds if stats is not None else 0.0)
             calls.append(stats.calls if stats is not None else 0)
+            spans.append(list(stats.spans) if stats is not None else [])
     return {"step_s": _median(totals), "comm_s": _median(comms), "compute_s": _median(
-        [t - c for t, c in zip(totals, comms)]), "collectives": calls[-1] if calls else 0, "samples_s": totals}
+        [t - c for t, c in zip(totals, comms)]), "collectives": calls[-1] if calls else 0, "samples_s": totals,
+        "spans": spans}
 
 
 @torch.inference_mode()
@@ -108,6 +110,33 @@ def time_prefill(model, prompt: torch.Tensor, repeats: int, warmup: int = 2) -> 
             comms.append(stats.seconds if stats is not None else 0.0)
     return {"step_s": _median(totals), "comm_s": _median(comms),
             "compute_s": _median([t - c for t, c in zip(totals, comms)])}
+
+
+def collective_waits(rank_spans: list[list[list[tuple[float, float]]]]) -> list[dict]:
+    """Each rank's collective time split into waiting and moving data, median over steps. Chapter 10.
+
+    rank_spans[rank][step] lists the (entered, left) times of that step's collectives on that rank (perf_counter,
+    which is CLOCK_MONOTONIC and so shared by the processes of one machine). A collective cannot start before
+    the last rank enters it: the time a rank spends in it before then is waiting for the other ranks (skew:
+    Python, scheduling, a descheduled core), and only the rest is what an α–β model describes."""
+    if len({len(steps) for steps in rank_spans}) != 1:
+        raise ValueError("every rank must report the same number of steps")
+    out = []
+    for rank, steps in enumerate(rank_spans):
+        waits, moves = [], []
+        for step, spans in enumerate(steps):
+            peers = [rank_spans[r][step] for r in range(len(rank_spans))]
+            if len({len(p) for p in peers}) != 1:
+                raise ValueError(f"step {step}: the ranks made different numbers of collectives")
+            wait = move = 0.0
+            for i, (entered, left) in enumerate(spans):
+                last_entry = max(p[i][0] for p in peers)
+                wait += max(0.0, min(last_entry, left) - entered)
+                move += max(0.0, left - max(last_entry, entered))
+            waits.append(wait)
+            moves.append(move)
+        out.append({"rank": rank, "wait_s": _median(waits), "transfer_s": _median(moves)})
+    return out
 
 
 # --- tensor parallel ------------------------------------------------------------------------------------------
