@@ -353,7 +353,8 @@ class LLMEngine:
         scheduled = self.clock()
         tokens = self.runner.execute(metadata)
         self.scheduler.finish_step(metadata)
-        synchronize(self.model.device)
+        if all(token is None for token in tokens):   # reading tokens back waited for the step; with none, wait here
+            synchronize(self.model.device)           # so the step's end time includes its kernels
         now = self.clock()
         events, finished = [], []
         for seq, token in zip(metadata.seqs, tokens):
