@@ -273,3 +273,20 @@ def test_prediction_keeps_tp_in_the_node():
     assert steps[16].tp_comm_s > 1.5 * steps[8].tp_comm_s                        # across nodes it costs
     tp8_pp2 = cost_model.predict_decode_step(shape, 8, 2, gpu, nvlink, ib)
     assert tp8_pp2.pp_comm_s < steps[16].tp_comm_s / 100                         # PP crosses nodes cheaply
+
+
+def test_an_nccl_rank_sets_its_device_before_joining_the_group_and_names_it(monkeypatch):
+    """NCCL binds a communicator to the current CUDA device: set_device first, then init with device_id."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(launch_module.dist, "TCPStore", lambda *args, **kwargs: "store")
+    monkeypatch.setattr(launch_module.torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(launch_module.dist, "init_process_group",
+                        lambda backend, **kwargs: calls.append(("init", backend, kwargs.get("device_id"))))
+    ctx = launch_module.join_group(1, 2, "nccl", 29500, timeout_s=5, threads=None)
+    assert calls == [("set_device", 1), ("init", "nccl", torch.device("cuda", 1))]
+    assert ctx.device == torch.device("cuda", 1)
+    calls.clear()
+    ctx = launch_module.join_group(0, 2, "gloo", 29500, timeout_s=5, threads=None)
+    assert calls == [("init", "gloo", None)] and ctx.device.type == "cpu"     # gloo: no device to bind
