@@ -82,28 +82,35 @@ class PagedKVCache(CacheBase):
 
     @torch.inference_mode()
     def warm_up(self, n_heads: int) -> list[int]:
-        """Runs the kernel on the pool (read only) once per shape class a compiled FlexAttention specialises on:
-        one query, a few (< 128, its decoding kernel), and 128 or more (its prefill kernel), each over one key
-        tile and over several; returns the query counts run. Chapter 06.
+        """Runs the kernel on the pool (read only) once per shape class a compiled FlexAttention specialises on;
+        returns the query count of each run. Chapter 06.
 
-        A compiled kernel compiles on its first call of each class, which would land inside a request's TTFT
-        (the server's first request, the first long prompt of a benchmark). A class the pool is too small for
-        is skipped. A kernel that fails here falls back to 'gather' as in a step (counted in `kernel_fallbacks`).
+        The classes: fewer than 128 queries (its decoding kernel) and 128 or more (its prefill kernel), each with
+        one sequence and with several, their blocks in one key tile and in several (torch specialises a size of
+        1 apart from larger ones). A compiled kernel compiles on the first call of each class, which would
+        otherwise land inside a request's TTFT (the server's first request, a benchmark's first long prompt).
+        A class the pool is too small for is skipped. A kernel that fails here falls back to 'gather' as in a
+        step (counted in `kernel_fallbacks`).
         """
         size, blocks = self.block_size, self.num_blocks
-        tile_blocks = max(1, FLEX_BLOCK // size)                      # pool blocks per key tile
-        far = min(blocks - 1, tile_blocks)                            # a block in the next key tile, if any
-        def whole(n):                                                 # a sequence of n positions from block 0
-            return (n, list(range(-(-n // size))))
-        # (n_tokens, table) per sequence: one query; two queries in two key tiles; 128 in one; 129 in two
-        plans = [[(1, [0])], [(1, [0]), (1, [far])], [whole(FLEX_BLOCK)], [whole(FLEX_BLOCK + 1)]]
+        far = max(1, FLEX_BLOCK // size)                              # the first block of the second key tile
+
+        def decode(table):                                            # one query after every block of table
+            return 1, (len(table) - 1) * size, table
+
+        def prefill(n, first=0):                                      # n queries from position 0
+            return n, 0, list(range(first, first + -(-n // size)))
+        plans = [[decode([0])], [decode([0, 1])], [decode([0, far])],
+                 [decode([0, 1]), decode([2, 3])], [decode([0, far]), decode([1, far + 1])],
+                 [prefill(FLEX_BLOCK)], [prefill(FLEX_BLOCK + 1)], [prefill(65), prefill(64, first=-(-65 // size))]]
         run = []
         for plan in plans:
-            if any(max(table) >= blocks or len(table) * size < n for n, table in plan):
+            if max(max(table) for _, _, table in plan) >= blocks:
                 continue                                              # the pool cannot hold this shape
-            seqs = [Sequence(-1, [0] * n, SamplingParams(max_new_tokens=1), 0.0) for n, _ in plan]
-            meta = AttentionMetadata(seqs=seqs, query_lens=[n for n, _ in plan], context_lens=[0] * len(plan),
-                                     block_tables=[table for _, table in plan], block_size=size).prepare(self.device)
+            seqs = [Sequence(-1, [0] * (c + n), SamplingParams(max_new_tokens=1), 0.0) for n, c, _ in plan]
+            meta = AttentionMetadata(seqs=seqs, query_lens=[n for n, _, _ in plan],
+                                     context_lens=[c for _, c, _ in plan], block_tables=[t for _, _, t in plan],
+                                     block_size=size).prepare(self.device)
             q = torch.zeros(1, n_heads, meta.num_tokens, self.k[0].shape[-1], device=self.device, dtype=self.k[0].dtype)
             self._run_kernel(q, self.k[0], self.v[0], meta, get_backend("sdpa"))
             run.append(meta.num_tokens)
