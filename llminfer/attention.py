@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attention", "fast_attention", "causal_mask", "repeat_kv", "softmax",
+__all__ = ["attention", "fast_attention", "grouped_query_sdpa", "causal_mask", "repeat_kv", "softmax",
            "AttentionBackend", "Registry", "register_backend", "get_backend", "backends"]
 
 
@@ -98,7 +98,36 @@ def fast_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         else:
             mask = causal_mask(t_q, t_k, device=q.device)
     # (a single query, or causal=False, needs no mask: it sees every key)
+    if gqa and mask is not None and q.device.type == "cuda":
+        return grouped_query_sdpa(q, k, v, mask, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+
+
+def grouped_query_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       scale: float | None = None) -> torch.Tensor:
+    """Masked grouped-query attention with each K/V head's query group folded into the query axis:
+    q (B, H, T_q, D), k, v (B, H_kv, T_k, D), mask broadcastable to (B, H, T_q, T_k) -> (B, H, T_q, D). Chapter 02.
+
+    On CUDA, SDPA takes a mask or GQA in a fused kernel but not both (enable_gqa with a mask runs the unfused
+    math kernel). The G = H / H_kv query heads that read one K/V head are G more query rows of that head, so
+    (B, H_kv, G·T_q, D) against the unrepeated K/V is plain masked attention, which the fused kernels take;
+    the mask's rows repeat G times.
+    """
+    batch, n_heads, t_q, head_dim = q.shape
+    n_kv_heads, t_k = k.shape[1], k.shape[-2]
+    groups = n_heads // n_kv_heads
+    folded = q.reshape(batch, n_kv_heads, groups * t_q, head_dim)             # (B, H_kv, G·T_q, D)
+    while mask.dim() < 4:
+        mask = mask[None]
+    mask_batch, mask_heads = mask.shape[0], mask.shape[1]
+    if mask_heads == 1:                                                        # one mask for every head
+        rows = mask[:, :, None].expand(mask_batch, 1, groups, t_q, t_k)
+    else:                                                                      # a mask per query head
+        rows = mask.reshape(mask_batch, n_kv_heads, groups, mask.shape[2], mask.shape[3]).expand(
+            mask_batch, n_kv_heads, groups, t_q, t_k)
+    rows = rows.reshape(mask_batch, rows.shape[1], groups * t_q, t_k)          # (B, H_kv or 1, G·T_q, T_k)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=rows, scale=scale)   # (B, H_kv, G·T_q, D)
+    return out.reshape(batch, n_heads, t_q, head_dim)
 
 
 # --- Backends by name -------------------------------------------------------------------------------

@@ -18,13 +18,13 @@ Mode "eager" runs the same static step on any device, which is how the CPU tests
 """
 from __future__ import annotations
 
-import time
 import types
 
 import torch
 
 from .generate import GenerationResult, check_capacity, check_request, prefill, token_loop
 from .static_cache import StaticKVCache
+from .timing import stopwatch
 
 __all__ = ["StaticDecoder", "static_decode", "COMPILE_OPTIONS", "MODES"]
 
@@ -137,10 +137,9 @@ class StaticDecoder:
         import torch._dynamo
 
         self._check_threads()
-        start = time.perf_counter()
-        with torch._dynamo.config.patch(**self._trace_options):
+        with stopwatch(self.model.device) as watch, torch._dynamo.config.patch(**self._trace_options):
             logits = self.step(self.token, self.position)
-        self.compile_s = time.perf_counter() - start
+        self.compile_s = watch.seconds
         self._ready = True
         return logits
 
@@ -153,9 +152,9 @@ class StaticDecoder:
             if self.mode == "compiled":
                 self._first_compiled_call()
             else:
-                start = time.perf_counter()
-                self._capture(runs)
-                self.compile_s = time.perf_counter() - start
+                with stopwatch(self.model.device) as watch:
+                    self._capture(runs)
+                self.compile_s = watch.seconds
                 self._ready = True
         self.cache.reset()
         return self.compile_s
@@ -194,7 +193,7 @@ class StaticDecoder:
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Eager forward over the prompt (B, T) into the empty cache; returns the last logits (B, vocab)."""
         self.cache.reset()
-        return prefill(self.model, ids, self.cache)
+        return prefill(self.model, ids, self.cache, check_ids=False)      # checked by check_request, untimed
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor) -> torch.Tensor:

@@ -211,10 +211,14 @@ def check_request(config, input_ids, max_new_tokens: int = 16, eos_token_id: int
 # --- the two phases -----------------------------------------------------------------------------------
 
 @torch.inference_mode()
-def prefill(model: Transformer, input_ids: torch.Tensor, cache: Cache) -> torch.Tensor:
-    """One forward over the prompt, writing its K/V after the cache's length; returns the last logits (B, vocab). Chapter 01."""
+def prefill(model: Transformer, input_ids: torch.Tensor, cache: Cache, check_ids: bool = True) -> torch.Tensor:
+    """One forward over the prompt, writing its K/V after the cache's length; returns the last logits (B, vocab). Chapter 01.
+
+    check_ids=False skips the vocabulary check (a host sync) for ids `check_request` has already checked.
+    """
     ids = as_token_batch(input_ids)
-    model.check_token_ids(ids)
+    if check_ids:
+        model.check_token_ids(ids)
     return model(ids, cache=cache, last_only=True)[:, -1]
 
 
@@ -315,8 +319,8 @@ class EagerSteps:
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, vocab) after the prompt (B, T)."""
-        if self.use_cache:
-            return prefill(self.model, ids, self.cache)
+        if self.use_cache:                  # (the ids were checked by check_request, before the clock started)
+            return prefill(self.model, ids, self.cache, check_ids=False)
         self.context = ids                                                  # (B, T) grows by a token a step
         return self.model(ids, last_only=True)[:, -1]
 

@@ -176,18 +176,20 @@ class DraftModelDrafter(Drafter):
         self.cache.truncate(common)
         device = self.model.device
         feed = torch.tensor([context_ids[common:]], device=device)  # (1, T) the part the draft has not seen
-        drafts, probs = [], []
+        guesses, probs = [], []
         for i in range(k):
             logits = self.model(feed, cache=self.cache, last_only=True)[0, -1]      # (vocab,)
             if temperature == 0:
-                token = int(logits.argmax())
+                token = logits.argmax().view(1)                                      # (1,) left on the device
             else:
                 q = probabilities(logits, temperature)                               # (vocab,)
-                token = int(torch.multinomial(q, 1, generator=generator))
+                token = torch.multinomial(q, 1, generator=generator)                 # (1,)
                 probs.append(q)
-            drafts.append(token)
+            guesses.append(token)
             if i + 1 < k:
-                feed = torch.tensor([[token]], device=device)                        # (1, 1)
+                feed = token.view(1, 1)                                              # (1, 1) the next input
+        # one host read for the k guesses: reading each as it is made would wait for the device k times
+        drafts = torch.cat(guesses).tolist()
         self.cached_ids = list(context_ids) + drafts[:-1]                            # what the cache now holds
         return drafts, (torch.stack(probs) if probs else None)                       # (k, vocab)
 

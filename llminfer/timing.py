@@ -2,6 +2,8 @@
 
     synchronize(device)                          wait for queued work on device
     time_fn(fn, device, warmup=2, repeats=10)    -> TimingResult(median_s, iqr_s, times_s)
+    with stopwatch(device) as watch: ...         one timed block, synchronised: watch.seconds
+    probe_bytes(device, cpu_bytes)               a bandwidth probe's size: cpu_bytes, at least 1 GiB on a GPU
     measure_copy_bandwidth(device, dtype)        -> Ceiling (bytes read + written per second)
     measure_matvec_bandwidth(device, dtype)      -> Ceiling (matrix bytes per second of a matvec)
     measure_matmul_flops(device, dtype)          -> Ceiling (FLOP/s of a square matmul)
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,7 +41,7 @@ __all__ = ["TimingResult", "Ceiling", "synchronize", "time_fn", "free_memory_byt
            "check_fits", "measure_copy_bandwidth", "measure_matvec_bandwidth",
            "measure_matmul_flops", "measure_ceilings", "measure_bandwidth", "dtype_bytes",
            "CeilingProbe", "ceiling_probes", "copy_probe", "matvec_probe", "matmul_probe", "load_per_core",
-           "machine_summary"]
+           "machine_summary", "stopwatch", "Stopwatch", "probe_bytes"]
 
 
 def load_per_core() -> float:
@@ -127,8 +130,43 @@ def time_fn(fn: Callable[[], object], device, warmup: int = 2, repeats: int = 10
     return TimingResult.from_times(times)
 
 
+class Stopwatch:
+    """What `stopwatch` measured: seconds (set when its block ends). Chapter 04."""
+    seconds: float = float("nan")
+
+
+@contextmanager
+def stopwatch(device):
+    """Times the block once, by the host clock, waiting for device's queued work before and after: a CUDA
+    call returns when its kernels are queued, not when they are done. Yields a Stopwatch. Chapter 04.
+
+        with stopwatch(device) as watch:
+            decoder.warmup()
+        print(watch.seconds)
+    """
+    device = as_device(device)
+    watch = Stopwatch()
+    synchronize(device)
+    start = _benchmark_clock()
+    yield watch
+    synchronize(device)
+    watch.seconds = _benchmark_clock() - start
+
+
+# A bandwidth probe must stream far more than the caches hold and run long enough that launching the kernel is
+# noise. On a CPU 128-256 MiB does both; HBM streams 128 MiB in about 40 µs, close to a launch's own cost, so a
+# probe that small reads low and a decode then seems to beat its ceiling (MBU above 1). 1 GiB at the least there.
+MIN_GPU_PROBE_BYTES = 1 << 30
+
+
+def probe_bytes(device, cpu_bytes: int = 256 << 20) -> int:
+    """The working set of a bandwidth probe on device: cpu_bytes on a CPU, at least 1 GiB on a GPU. Chapter 04."""
+    device = as_device(device)
+    return cpu_bytes if device.type == "cpu" else max(cpu_bytes, MIN_GPU_PROBE_BYTES)
+
+
 def _default_bytes(device: torch.device) -> int:
-    return (1 << 30) if device.type == "cuda" else (256 << 20)
+    return probe_bytes(device)
 
 
 class CeilingProbe:

@@ -114,3 +114,57 @@ def test_a_mask_replaces_the_causal_rule_in_both_backends():
     for name in ("explicit", "sdpa"):
         got = llminfer.attention.get_backend(name)(q, k, v, causal=False, mask=mask)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# --- masked grouped-query attention, the query groups folded into the query axis (fused on CUDA) -------------
+
+def _repeated_reference(q, k, v, mask, scale=None):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+@pytest.mark.parametrize("mask_kind", ["decode", "static", "per_head", "two_dims", "additive"])
+@pytest.mark.parametrize("n_heads, n_kv_heads", [(8, 2), (4, 1), (6, 3)])
+def test_folded_query_groups_equal_repeated_kv(mask_kind, n_heads, n_kv_heads):
+    from llminfer.attention import grouped_query_sdpa
+
+    torch.manual_seed(0)
+    batch, t_q, t_k, head_dim = 3, (1 if mask_kind == "decode" else 5), 11, 16
+    q = torch.randn(batch, n_heads, t_q, head_dim)
+    k, v = torch.randn(2, batch, n_kv_heads, t_k, head_dim)
+    lengths = torch.tensor([4, 11, 7])
+    if mask_kind == "decode":        # the paged engine's gather: (S, 1, 1, L), each sequence its own length
+        mask = (torch.arange(t_k)[None, :] < lengths[:, None])[:, None, None, :]
+    elif mask_kind == "static":      # a static cache's written positions, the causal rule inside them
+        mask = causal_mask(t_q, t_k)[None, None]
+    elif mask_kind == "per_head":    # a different mask for every query head
+        mask = torch.rand(batch, n_heads, t_q, t_k) > 0.3
+        mask[..., 0] = True          # every row sees a key
+    elif mask_kind == "two_dims":
+        mask = causal_mask(t_q, t_k)
+    else:                            # a float mask added to the scores
+        mask = torch.randn(1, 1, t_q, t_k)
+    want = _repeated_reference(q, k, v, mask, scale=0.3)
+    got = grouped_query_sdpa(q, k, v, mask, scale=0.3)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if mask_kind == "per_head":      # the fold keeps each head's own mask: mixing two heads' masks is caught
+        swapped = mask.clone()
+        swapped[:, [0, 1]] = mask[:, [1, 0]]
+        assert not torch.allclose(grouped_query_sdpa(q, k, v, swapped, scale=0.3), want, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_masked_gqa_on_cuda_folds_the_groups_and_matches_repeated_kv():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2, 2, 2, 40, 64, device="cuda", dtype=torch.bfloat16)
+    mask = (torch.arange(40, device="cuda")[None, :] < torch.tensor([[17], [40]], device="cuda"))[:, None, None, :]
+    want = _repeated_reference(q.float(), k.float(), v.float(), mask)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        got = fast_attention(q, k, v, mask=mask)           # refused if it needed the math kernel
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

@@ -201,16 +201,20 @@ def test_pool_bytes_and_refusals(model, monkeypatch):
 
 @pytest.mark.gpu
 def test_flex_kernel_on_cuda_equals_gather():
-    """On CUDA the default kernel is FlexAttention (compiled); its tokens equal the gather kernel's."""
+    """On CUDA the default kernel is FlexAttention (compiled); its tokens equal the gather kernel's. head_dim 16:
+    inductor refuses FlexAttention below 16 on CUDA, and the engine would fall back to gather."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from llminfer.engine import LLMEngine
 
-    model = random_model(SMALL_CONFIGS["llama-gqa-tied"]).to("cuda")
+    config = SMALL_CONFIGS["llama-gqa-tied"].replace(dim=128)            # 8 heads of 16
+    assert config.head_dim >= 16
+    model = random_model(config).to("cuda")
     prompts = [[(7 * i + j) % 100 + 1 for j in range(5 + 9 * i)] for i in range(6)]
     params = SamplingParams(max_new_tokens=8)
     flex = LLMEngine(model, block_size=16, max_num_seqs=4)
     assert flex.cache.kernel_name == "flex"
     gather = LLMEngine(model, block_size=16, max_num_seqs=4, kernel="gather")
     assert [o.token_ids for o in flex.generate(prompts, params)] == [o.token_ids for o in gather.generate(prompts, params)]
-    assert flex.cache.kernel_name == "flex"             # no silent fallback
+    assert flex.cache.kernel_name == "flex"             # no fallback
+    assert flex.stats.paged_kernel == "flex" and flex.stats.kernel_fallbacks == 0, flex.stats.kernel_fallback

@@ -281,3 +281,27 @@ def test_cuda_matches_cpu(dtype):
     assert diff <= (1e-4 if dtype == torch.float32 else 5e-2)
     cached = llminfer.generate(gpu, ids, 10)
     assert len(cached.token_ids) == 10 and cached.ttft_s > 0
+
+
+def test_the_vocabulary_is_checked_once_per_request_and_not_inside_the_timed_loop(monkeypatch):
+    """check_request reads the ids back once (a host sync); the prefill inside TTFT does not read them again."""
+    import importlib
+
+    generate_module = importlib.import_module("llminfer.generate")     # (llminfer.generate is the function)
+    model_module = importlib.import_module("llminfer.model")
+
+    model = random_model(SMALL_CONFIGS["llama-mha-untied"])
+    calls = []
+
+    def counting(real, where):
+        def check(ids, vocab_size):
+            calls.append(where)
+            return real(ids, vocab_size)
+        return check
+    monkeypatch.setattr(generate_module, "check_token_ids", counting(generate_module.check_token_ids, "request"))
+    monkeypatch.setattr(model_module, "check_token_ids", counting(model_module.check_token_ids, "forward"))
+    llminfer.generate(model, [1, 2, 3], max_new_tokens=3)
+    assert calls == ["request"]
+    with pytest.raises(ValueError, match="token id 97"):           # a direct prefill still checks its ids
+        llminfer.prefill(model, torch.tensor([[1, 97]]), model.new_cache(max_seq_len=8))
+    assert calls == ["request", "forward"]

@@ -58,7 +58,7 @@ def test_a_moved_model_saves_loads_and_copies(tmp_path):
     model = random_model(SMALL_CONFIGS["qwen2-bias-gqa"])
     fast.use_huge_pages(model, min_bytes=0)
     llminfer.save_pretrained(model, tmp_path)
-    loaded, _ = llminfer.load_pretrained(tmp_path, load_tokenizer=False)
+    loaded, _ = llminfer.load_pretrained(tmp_path, device="cpu", load_tokenizer=False)   # huge pages: a CPU model
     twin = copy.deepcopy(model)
     for (name, p), (_, q), (_, r) in zip(model.named_parameters(), loaded.named_parameters(), twin.named_parameters()):
         assert torch.equal(p, q) and torch.equal(p, r), name

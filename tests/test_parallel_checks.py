@@ -293,3 +293,20 @@ def test_collective_waits_refuse_ranks_that_disagree():
         parallel.collective_waits([[[(0, 1)]], []])
     with pytest.raises(ValueError, match="different numbers of collectives"):
         parallel.collective_waits([[[(0, 1)]], [[(0, 1), (1, 2)]]])
+
+
+def test_an_nccl_rank_sets_its_device_before_joining_the_group_and_names_it(monkeypatch):
+    """NCCL binds a communicator to the current CUDA device: set_device first, then init with device_id."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(launch_module.dist, "TCPStore", lambda *args, **kwargs: "store")
+    monkeypatch.setattr(launch_module.torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(launch_module.dist, "init_process_group",
+                        lambda backend, **kwargs: calls.append(("init", backend, kwargs.get("device_id"))))
+    ctx = launch_module.join_group(1, 2, "nccl", 29500, timeout_s=5, threads=None)
+    assert calls == [("set_device", 1), ("init", "nccl", torch.device("cuda", 1))]
+    assert ctx.device == torch.device("cuda", 1)
+    calls.clear()
+    ctx = launch_module.join_group(0, 2, "gloo", 29500, timeout_s=5, threads=None)
+    assert calls == [("init", "gloo", None)] and ctx.device.type == "cpu"     # gloo: no device to bind

@@ -21,7 +21,7 @@ from small_models import SMALL_CONFIGS, random_model, word_tokenizer
 
 @pytest.fixture(scope="module")
 def bundled():
-    return llminfer.load_pretrained("tiny-capitals")
+    return llminfer.load_pretrained("tiny-capitals", device="cpu")      # compared with CPU tensors
 
 
 # --- rounding: at most half a step ------------------------------------------------------------------------
@@ -165,7 +165,7 @@ def test_save_and_load_round_trip(tmp_path, scheme, group, name):
     quant.save_pretrained(model, tmp_path, word_tokenizer(model.config.vocab_size))
     saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert saved["bits"] == int(scheme[3:]) and saved["group_size"] == group
-    loaded, tokenizer = quant.load_pretrained(tmp_path)
+    loaded, tokenizer = quant.load_pretrained(tmp_path, device="cpu")     # compared with a CPU model
     assert tokenizer is not None
     assert torch.equal(loaded(ids), model(ids))
     for (name_a, a), (name_b, b) in zip(quant.quantized_modules(model).items(),
@@ -189,7 +189,7 @@ def test_fused_model_saves_under_the_checkpoint_names(tmp_path):
         names = set(f.keys())
     assert "model.layers.0.self_attn.k_proj.qweight" in names and "model.layers.0.mlp.up_proj.zeros" in names
     assert not any("qkv_proj" in n or "gate_up_proj" in n for n in names)
-    loaded, _ = quant.load_pretrained(tmp_path, load_tokenizer=False)
+    loaded, _ = quant.load_pretrained(tmp_path, device="cpu", load_tokenizer=False)
     assert torch.equal(loaded(ids), expected)
 
 
@@ -226,11 +226,11 @@ def test_loading_int4_where_there_is_no_kernel_and_no_fallback_is_refused(tmp_pa
 
     monkeypatch.setattr(reader, "safe_open", must_not_open)
     with pytest.raises(ValueError, match=r"no packed int4 kernel .* kernel='auto'"):
-        quant.load_pretrained(tmp_path, kernel="packed")
+        quant.load_pretrained(tmp_path, device="cpu", kernel="packed")
     with pytest.raises(ValueError, match=r"no native kernel .* kernel='auto'"):
-        quant.load_pretrained(tmp_path, kernel="native")
+        quant.load_pretrained(tmp_path, device="cpu", kernel="native")
     monkeypatch.setattr(reader, "safe_open", opened)
-    loaded, _ = quant.load_pretrained(tmp_path, kernel="auto")      # the fallback gives the same numbers
+    loaded, _ = quant.load_pretrained(tmp_path, device="cpu", kernel="auto")   # the fallback: the same numbers
     ids = torch.tensor([[2, 7, 1, 8]])
     torch.testing.assert_close(loaded(ids), model(ids), atol=1e-5, rtol=1e-5)
     assert {m.kernel for m in quant.quantized_modules(loaded).values()} == {"dequantize"}

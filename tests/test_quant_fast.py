@@ -20,7 +20,7 @@ from small_models import SMALL_CONFIGS, random_model
 
 @pytest.fixture(scope="module")
 def bundled():
-    return llminfer.load_pretrained("tiny-capitals")
+    return llminfer.load_pretrained("tiny-capitals", device="cpu")      # compared with CPU tensors
 
 
 # --- fused projections ------------------------------------------------------------------------------------

@@ -117,3 +117,20 @@ def test_the_machine_line_names_the_cpu_its_class_threads_and_load(monkeypatch):
     zen4 = device_module.parse_cpuinfo(fixture)
     assert line == (f"{zen4.model} (avx512_bf16 class, {zen4.logical_cpus} CPUs) · torch threads "
                     f"{torch.get_num_threads()} · load 0.25 per core")
+
+
+def test_stopwatch_waits_for_the_device_before_and_after_the_block(monkeypatch):
+    events = []
+    monkeypatch.setattr(timing, "synchronize", lambda device: events.append(("sync", torch.device(device).type)))
+    with timing.stopwatch("cuda") as watch:
+        events.append("work")
+        time.sleep(0.02)
+    assert events == [("sync", "cuda"), "work", ("sync", "cuda")]
+    assert 0.015 < watch.seconds < 1.0
+
+
+def test_bandwidth_probes_are_at_least_a_gibibyte_on_a_gpu():
+    assert timing.probe_bytes("cpu", 128 << 20) == 128 << 20
+    assert timing.probe_bytes("cuda", 128 << 20) == 1 << 30            # HBM streams 128 MiB in tens of µs
+    assert timing.probe_bytes("cuda", 4 << 30) == 4 << 30
+    assert timing.probe_bytes("cpu") == 256 << 20

@@ -14,7 +14,7 @@ import torch
 
 from .sequence import Sequence
 
-__all__ = ["AttentionMetadata"]
+__all__ = ["AttentionMetadata", "to_device"]
 
 
 @dataclass
@@ -70,6 +70,7 @@ class AttentionMetadata:
         if self.prepared:
             return self
         self.check()
+        device = torch.device(device)
         size = self.block_size
         positions, slots, token_seq = [], [], []
         starts = [0]
@@ -85,37 +86,93 @@ class AttentionMetadata:
             tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
         seq_lens = self.seq_lens
         self.query_start_loc_list = starts
-        self.positions = torch.tensor(positions, dtype=torch.long, device=device)        # (N,)
-        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)          # (N,)
-        self.token_seq = torch.tensor(token_seq, dtype=torch.long, device=device)         # (N,) sequence of each token
-        self.query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)     # (S + 1,)
-        self.seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int32, device=device)   # (S,)
-        self.block_table_tensor = tables.to(device)                                       # (S, max_blocks)
         sample = self.sample or [True] * self.num_seqs
-        self.logits_indices = torch.tensor([starts[i + 1] - 1 for i in range(self.num_seqs) if sample[i]],
-                                           dtype=torch.long, device=device)               # (n_sampled,)
+        host = {"positions": positions,                                   # (N,)
+                "slot_mapping": slots,                                    # (N,)
+                "token_seq": token_seq,                                   # (N,) sequence of each token
+                "query_start_loc": starts,                                # (S + 1,)
+                "seq_lens": seq_lens,                                     # (S,)
+                "block_tables": tables,                                   # (S, max_blocks)
+                "logits_indices": [starts[i + 1] - 1 for i in range(self.num_seqs) if sample[i]]}  # (n_sampled,)
 
         # The gather plan: single-token queries (decode steps) are attended together over padded K/V
         # with a mask; each multi-token chunk (a prefill) on its own with the causal rule.
         decode = [i for i, q in enumerate(self.query_lens) if q == 1]
         self.decode_seq_index = decode
         self.all_decode = len(decode) == self.num_seqs
+        longest = max((seq_lens[i] for i in decode), default=0)
         if decode:
-            longest = max(seq_lens[i] for i in decode)
             pos = torch.arange(longest)                                                    # (L,)
             rows = tables[decode]                                                          # (D, max_blocks)
             block_of = rows.gather(1, (pos // size).clamp(max=max_blocks - 1).expand(len(decode), -1))
-            decode_slots = block_of * size + pos % size                                    # (D, L)
-            lens = torch.tensor([seq_lens[i] for i in decode])
-            self.decode_token_index = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device)
-            self.decode_slots = decode_slots.to(device)
-            self.decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :].to(device)  # (D, 1, 1, L)
-        self.prefill_plan = []
-        for i, q in enumerate(self.query_lens):
-            if q > 1:
-                pos = torch.arange(seq_lens[i])
-                table = tables[i]
-                chunk_slots = table[pos // size] * size + pos % size                       # (L,)
-                self.prefill_plan.append((starts[i], starts[i + 1], chunk_slots.to(device)))
+            host["decode_slots"] = block_of * size + pos % size                            # (D, L)
+            host["decode_lens"] = [seq_lens[i] for i in decode]                            # (D,)
+            host["decode_token_index"] = [starts[i] for i in decode]                       # (D,)
+        chunks = [i for i, q in enumerate(self.query_lens) if q > 1]
+        for i in chunks:
+            pos = torch.arange(seq_lens[i])
+            host[f"chunk_slots_{i}"] = tables[i][pos // size] * size + pos % size          # (L,)
+
+        moved = to_device(host, device)                      # one host-to-device copy for the whole step
+        self.positions, self.slot_mapping = moved["positions"], moved["slot_mapping"]
+        self.token_seq = moved["token_seq"]
+        self.query_start_loc = moved["query_start_loc"].to(torch.int32)
+        self.seq_lens_tensor = moved["seq_lens"].to(torch.int32)
+        self.block_table_tensor = moved["block_tables"]
+        self.logits_indices = moved["logits_indices"]
+        if decode:
+            self.decode_token_index = moved["decode_token_index"]
+            self.decode_slots = moved["decode_slots"]
+            lens = moved["decode_lens"]
+            self.decode_mask = (torch.arange(longest, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        self.prefill_plan = [(starts[i], starts[i + 1], moved[f"chunk_slots_{i}"]) for i in chunks]
         self.prepared = True
         return self
+
+
+# --- one copy per step ------------------------------------------------------------------------------------------
+
+_STAGING: dict[torch.device, list] = {}      # device -> [pinned host buffer, event of the last copy out of it]
+
+
+def _staging_buffer(device: torch.device, numel: int) -> torch.Tensor:
+    """A pinned host buffer of at least numel int64 for copies to device, once the last copy out of it is done."""
+    entry = _STAGING.get(device)
+    if entry is not None and entry[1] is not None:
+        entry[1].synchronize()                      # (done already, in practice: each step reads its tokens back)
+    if entry is None or entry[0].numel() < numel:
+        capacity = max(numel, 2 * entry[0].numel() if entry else 4096)
+        entry = _STAGING[device] = [torch.empty(capacity, dtype=torch.long, pin_memory=True), None]
+    return entry[0]
+
+
+def to_device(host: dict, device: torch.device | str, pack: bool | None = None) -> dict[str, torch.Tensor]:
+    """The host index lists and int64 tensors of `host`, as int64 tensors of the same shapes on device, moved in
+    one copy (pack=None: packed for any device but the CPU). Chapter 05.
+
+    A step needs about ten small index tensors; moving each with its own `.to(device)` is ten blocking copies
+    from pageable memory. Packed, they go into one buffer (pinned, on CUDA) and cross in one asynchronous
+    copy; each result is a view of the one device tensor.
+    """
+    device = torch.device(device)
+    tensors = {name: value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.long)
+               for name, value in host.items()}
+    if pack is None:
+        pack = device.type != "cpu"
+    if not pack:
+        return {name: t.to(device) for name, t in tensors.items()}
+    total = sum(t.numel() for t in tensors.values())
+    if device.type == "cuda":
+        staging = _staging_buffer(device, total)[:total]
+        torch.cat([t.reshape(-1) for t in tensors.values()], out=staging)
+        flat = staging.to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        _STAGING[device][1] = event
+    else:
+        flat = torch.cat([t.reshape(-1) for t in tensors.values()]).to(device)
+    out, offset = {}, 0
+    for name, t in tensors.items():
+        out[name] = flat[offset:offset + t.numel()].view(t.shape)
+        offset += t.numel()
+    return out

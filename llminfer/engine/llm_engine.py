@@ -84,6 +84,9 @@ class EngineStats:
     prefix_query_tokens: int
     tokens_computed: int           # positions run through the model, all steps
     evictions: int
+    paged_kernel: str = ""         # the paged-attention kernel the cache runs now ('flex', 'gather', ...)
+    kernel_fallbacks: int = 0      # times an automatic kernel failed and 'gather' took over (visible, not silent)
+    kernel_fallback: str = ""      # the last such failure: which kernel, and why
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -353,7 +356,8 @@ class LLMEngine:
         scheduled = self.clock()
         tokens = self.runner.execute(metadata)
         self.scheduler.finish_step(metadata)
-        synchronize(self.model.device)
+        if all(token is None for token in tokens):   # reading tokens back waited for the step; with none, wait here
+            synchronize(self.model.device)           # so the step's end time includes its kernels
         now = self.clock()
         events, finished = [], []
         for seq, token in zip(metadata.seqs, tokens):
@@ -385,7 +389,9 @@ class LLMEngine:
             kv_pool_bytes=self.cache.nbytes, num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running), num_finished=self._num_finished,
             preemptions=self.scheduler.preemptions, prefix_hit_tokens=bm.hit_tokens,
-            prefix_query_tokens=bm.queried_tokens, tokens_computed=self._tokens_computed, evictions=bm.evictions)
+            prefix_query_tokens=bm.queried_tokens, tokens_computed=self._tokens_computed, evictions=bm.evictions,
+            paged_kernel=self.cache.kernel_name, kernel_fallbacks=self.cache.kernel_fallbacks,
+            kernel_fallback=self.cache.kernel_fallback)
 
     # --- offline use -------------------------------------------------------------------------------
 

@@ -132,12 +132,14 @@ class ModelRunner:
         metadata.prepare(self.device)
         logits = self.logits(metadata)                                   # (n_sampled, vocab)
         sampled = [i for i, flag in enumerate(metadata.sample or [True] * metadata.num_seqs) if flag]
-        tokens = logits.argmax(dim=-1).tolist() if sampled else []      # the step's one host sync
+        chosen = logits.argmax(dim=-1)                                   # (n_sampled,) on the device
         for row, i in enumerate(sampled):
             params = metadata.seqs[i].params
-            if not params.greedy:
-                tokens[row] = int(sample_next(logits[row:row + 1], params.temperature, params.top_k, params.top_p,
-                                              metadata.seqs[i].generator)[0])
+            if not params.greedy:                                        # each request has its own generator
+                chosen[row:row + 1] = sample_next(logits[row:row + 1], params.temperature, params.top_k,
+                                                  params.top_p, metadata.seqs[i].generator)
+        # the step's one host sync, inherent: the scheduler needs the tokens (EOS, lengths) to plan the next step
+        tokens = chosen.tolist() if sampled else []
         out: list[int | None] = [None] * metadata.num_seqs
         for row, i in enumerate(sampled):
             out[i] = tokens[row]

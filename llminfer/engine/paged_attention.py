@@ -22,16 +22,18 @@ A new kernel (chapter 07's Triton paged attention) registers itself with `regist
 """
 from __future__ import annotations
 
+import bisect
 import importlib.util
 from typing import Callable
 
 import torch
 
 from ..attention import Registry
-from .attention_metadata import AttentionMetadata
+from .attention_metadata import AttentionMetadata, to_device
 
 __all__ = ["register_paged_kernel", "get_paged_kernel", "paged_kernels", "default_paged_kernel",
-           "gather_attention", "flex_attention_paged", "native_paged_attention", "gather_kv"]
+           "gather_attention", "flex_attention_paged", "native_paged_attention", "gather_kv", "flex_block_mask",
+           "FLEX_BLOCK"]
 
 
 def gather_kv(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -65,32 +67,81 @@ def gather_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     return out
 
 
-def _flex_block_mask(metadata: AttentionMetadata, num_blocks: int, device):
-    """The FlexAttention block mask of one step (built once, shared by every layer)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+FLEX_BLOCK = 128   # FlexAttention's tile: 128 queries by 128 key slots (its default sparse block size)
+
+
+def flex_block_mask(metadata: AttentionMetadata, num_blocks: int, device):
+    """The FlexAttention block mask of one step, built from its block tables (once, shared by every layer). Chapter 06.
+
+    The keys are the pool's num_blocks · block_size slots. Which 128-slot key tiles each 128-query tile needs is
+    read off the block tables of the sequences its tokens belong to, so the mask's index tensors grow with
+    those sequences' blocks, not with the pool. Inside a tile, `mask_mod` lets a token see a slot only if its own
+    sequence's table names the slot's block and the slot's position is not after its own. For that it needs the
+    column of each pool block in the table that holds it (one int64 per block, -1 if no sequence of the step
+    holds it): a block shared by several sequences (a cached prefix, a fork) sits at the same column in each,
+    since a block holds positions block_size · column onward wherever it is shared.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
 
     cached = getattr(metadata, "_flex_mask", None)
     if cached is not None:
         return cached
-    size = metadata.block_size
-    # logical[s, b]: the logical index of physical block b in sequence s's table, or -1 if s does not own b
-    logical = torch.full((metadata.num_seqs, num_blocks), -1, dtype=torch.long)
-    for s, table in enumerate(metadata.block_tables):
-        logical[s, torch.tensor(table, dtype=torch.long)] = torch.arange(len(table))
-    logical = logical.to(device)
+    device = torch.device(device)
+    size, n_tokens = metadata.block_size, metadata.num_tokens
+    starts = metadata.query_start_loc_list                           # (S + 1,) host offsets of each sequence
+    used = [-(-seq_len // size) for seq_len in metadata.seq_lens]    # blocks each sequence holds after the step
+    tiles_of_seq = []
+    for table, n_used in zip(metadata.block_tables, used):
+        tiles = set()
+        for block in table[:n_used]:
+            tiles.update(range(block * size // FLEX_BLOCK, ((block + 1) * size - 1) // FLEX_BLOCK + 1))
+        tiles_of_seq.append(tiles)
+    rows = []
+    for first in range(0, n_tokens, FLEX_BLOCK):                     # each query tile: its tokens' sequences
+        last = min(n_tokens, first + FLEX_BLOCK) - 1
+        seq_first, seq_last = bisect.bisect_right(starts, first) - 1, bisect.bisect_right(starts, last) - 1
+        rows.append(sorted(set().union(*tiles_of_seq[seq_first:seq_last + 1])))
+    width = max(len(row) for row in rows)
+    moved = to_device({"kv_num_blocks": [len(row) for row in rows],
+                       "kv_indices": [row + [0] * (width - len(row)) for row in rows],
+                       "used": used}, device)
+    kv_num_blocks = moved["kv_num_blocks"].to(torch.int32)[None, None]    # (1, 1, q_tiles)
+    kv_indices = moved["kv_indices"].to(torch.int32)[None, None]          # (1, 1, q_tiles, width)
+
+    tables = metadata.block_table_tensor                                   # (S, max_blocks)
+    columns = torch.arange(tables.shape[1], device=device).expand_as(tables)
+    held = torch.where(columns < moved["used"][:, None], tables, num_blocks)   # padding goes to a spare entry
+    column_of_block = torch.full((num_blocks + 1,), -1, dtype=torch.long, device=device)
+    column_of_block.scatter_(0, held.reshape(-1), columns.reshape(-1))   # (num_blocks + 1,)
     token_seq, positions = metadata.token_seq, metadata.positions
 
     def mask_mod(b, h, q_idx, kv_idx):
-        slot_logical = logical[token_seq[q_idx], kv_idx // size]
-        return (slot_logical >= 0) & (slot_logical * size + kv_idx % size <= positions[q_idx])
+        block = kv_idx // size
+        column = column_of_block[block]
+        seq = token_seq[q_idx]
+        owned = (column >= 0) & (tables[seq, column.clamp(min=0)] == block)
+        # (a padded table entry names block 0 at a column past the sequence's length: the position rule hides it)
+        return owned & (column * size + kv_idx % size <= positions[q_idx])
 
-    n_tokens = metadata.num_tokens
-    mask = create_block_mask(mask_mod, 1, None, n_tokens, num_blocks * size, device=device)
+    mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(n_tokens, num_blocks * size), compute_q_blocks=False)
     metadata._flex_mask = mask
     return mask
 
 
 _compiled_flex = None
+
+
+def _flex_function(device: torch.device):
+    """flex_attention, compiled on CUDA (one compiled function for every shape, dynamic); eager elsewhere."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+    return _compiled_flex
 
 
 def flex_attention_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, metadata: AttentionMetadata,
@@ -101,18 +152,11 @@ def flex_attention_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     that slot's block and the slot's position is not after the query's. Compiled on CUDA; elsewhere torch
     runs its unfused reference version (correct, slow: for tests).
     """
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
     num_blocks, block_size, n_kv_heads, head_dim = k_pool.shape
     keys = k_pool.view(1, num_blocks * block_size, n_kv_heads, head_dim).transpose(1, 2)    # (1, H_kv, slots, D)
     values = v_pool.view(1, num_blocks * block_size, n_kv_heads, head_dim).transpose(1, 2)
-    mask = _flex_block_mask(metadata, num_blocks, q.device)
-    fn = flex_attention
-    if q.device.type == "cuda":
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=True)
-        fn = _compiled_flex
+    mask = flex_block_mask(metadata, num_blocks, q.device)
+    fn = _flex_function(q.device)
     return fn(q, keys, values, block_mask=mask, enable_gqa=q.shape[1] != n_kv_heads)
 
 

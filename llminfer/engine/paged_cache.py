@@ -25,11 +25,12 @@ from typing import Callable
 import torch
 
 from .. import costs
+from ..attention import get_backend
 from ..device import check_fits, dtype_bytes
 from ..kv_cache import CacheBase, cache_shape
 from .attention_metadata import AttentionMetadata
 from .block_manager import BlockManager
-from .paged_attention import default_paged_kernel, gather_attention, get_paged_kernel
+from .paged_attention import FLEX_BLOCK, default_paged_kernel, gather_attention, get_paged_kernel
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
@@ -53,6 +54,8 @@ class PagedKVCache(CacheBase):
         self.kernel_name = kernel or default_paged_kernel(self.device)
         self._kernel = get_paged_kernel(self.kernel_name)       # an unknown name is refused here
         self._auto_kernel = kernel is None
+        self.kernel_fallbacks = 0                # automatic choices that failed and fell back to 'gather'
+        self.kernel_fallback = ""                # the last such failure: which kernel, and why
         needed = costs.kv_cache_bytes(costs.KVShape(n_layers, n_kv_heads, head_dim), num_blocks * block_size,
                                       dtype_bytes(dtype))                 # a pool's bytes: its positions' K/V
         check_fits(needed, self.device, f"a paged KV cache of {num_blocks} blocks × {block_size} positions × "
@@ -71,8 +74,62 @@ class PagedKVCache(CacheBase):
     def for_model(cls, model, num_blocks: int, block_size: int = 16, kernel: str | None = None) -> "PagedKVCache":
         """A pool shaped for `model`, on its device and dtype."""
         shape = cache_shape(model)
-        return cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, num_blocks, block_size, model.device,
-                   model.dtype, kernel)
+        cache = cls(shape.n_layers, shape.n_kv_heads, shape.head_dim, num_blocks, block_size, model.device,
+                    model.dtype, kernel)
+        if cache.kernel_name == "flex" and cache.device.type == "cuda":     # compile now, not in a request
+            cache.warm_up(shape.n_kv_heads * (model.config.n_heads // model.config.n_kv_heads))
+        return cache
+
+    @torch.inference_mode()
+    def warm_up(self, n_heads: int) -> list[int]:
+        """Runs the kernel on the pool (read only) once per shape class a compiled FlexAttention specialises on;
+        returns the query count of each run. Chapter 06.
+
+        The classes: fewer than 128 queries (its decoding kernel) and 128 or more (its prefill kernel), each with
+        one sequence and with several, their blocks in one key tile and in several (torch specialises a size of
+        1 apart from larger ones). A compiled kernel compiles on the first call of each class, which would
+        otherwise land inside a request's TTFT (the server's first request, a benchmark's first long prompt).
+        A class the pool is too small for is skipped. A kernel that fails here falls back to 'gather' as in a
+        step (counted in `kernel_fallbacks`).
+        """
+        size, blocks = self.block_size, self.num_blocks
+        far = max(1, FLEX_BLOCK // size)                              # the first block of the second key tile
+
+        def decode(table):                                            # one query after every block of table
+            return 1, (len(table) - 1) * size, table
+
+        def prefill(n, first=0):                                      # n queries from position 0
+            return n, 0, list(range(first, first + -(-n // size)))
+        plans = [[decode([0])], [decode([0, 1])], [decode([0, far])],
+                 [decode([0, 1]), decode([2, 3])], [decode([0, far]), decode([1, far + 1])],
+                 [prefill(FLEX_BLOCK)], [prefill(FLEX_BLOCK + 1)], [prefill(65), prefill(64, first=-(-65 // size))]]
+        run = []
+        for plan in plans:
+            if max(max(table) for _, _, table in plan) >= blocks:
+                continue                                              # the pool cannot hold this shape
+            seqs = [Sequence(-1, [0] * (c + n), SamplingParams(max_new_tokens=1), 0.0) for n, c, _ in plan]
+            meta = AttentionMetadata(seqs=seqs, query_lens=[n for n, _, _ in plan],
+                                     context_lens=[c for _, c, _ in plan], block_tables=[t for _, _, t in plan],
+                                     block_size=size).prepare(self.device)
+            q = torch.zeros(1, n_heads, meta.num_tokens, self.k[0].shape[-1], device=self.device, dtype=self.k[0].dtype)
+            self._run_kernel(q, self.k[0], self.v[0], meta, get_backend("sdpa"))
+            run.append(meta.num_tokens)
+        return run
+
+    def _run_kernel(self, q, k_pool, v_pool, meta, backend) -> torch.Tensor:
+        """The kernel's output (1, H, N, D); an automatic choice that fails (e.g. no compiler for it) is counted
+        and replaced by 'gather' for this cache from then on."""
+        try:
+            return self._kernel(q, k_pool, v_pool, meta, backend)                  # (1, H, N, D)
+        except Exception as exc:
+            if not self._auto_kernel or self._kernel is gather_attention:
+                raise
+            self.kernel_fallbacks += 1
+            self.kernel_fallback = f"{self.kernel_name} -> gather: {exc!r}"[:500]
+            warnings.warn(f"paged-attention kernel {self.kernel_name!r} failed ({exc!r}); using 'gather' (counted "
+                          "in the engine's stats as kernel_fallbacks)")
+            self.kernel_name, self._kernel = "gather", gather_attention
+            return gather_attention(q, k_pool, v_pool, meta, backend)
 
     # --- what it holds -----------------------------------------------------------------------------
 
@@ -225,14 +282,7 @@ class PagedKVCache(CacheBase):
         k_pool, v_pool = self.k[layer_idx], self.v[layer_idx]
         k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, meta.slot_mapping, k[0].transpose(0, 1))  # (N, H_kv, D)
         v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, meta.slot_mapping, v[0].transpose(0, 1))
-        try:
-            out = self._kernel(q, k_pool, v_pool, meta, backend)                    # (1, H, N, D)
-        except Exception as exc:        # an automatic choice that fails here (e.g. no compiler) falls back
-            if not self._auto_kernel or self._kernel is gather_attention:
-                raise
-            warnings.warn(f"paged-attention kernel {self.kernel_name!r} failed ({exc!r}); using 'gather'")
-            self.kernel_name, self._kernel = "gather", gather_attention
-            out = gather_attention(q, k_pool, v_pool, meta, backend)
+        out = self._run_kernel(q, k_pool, v_pool, meta, backend)                   # (1, H, N, D)
         if batch > 1:
             out = out.reshape(n_heads, batch, seq_len, head_dim).transpose(0, 1)
         return out

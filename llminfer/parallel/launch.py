@@ -121,8 +121,12 @@ def join_group(rank: int, world_size: int, backend: str, port: int, timeout_s: f
     _set_loopback_env()
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    return WorkerContext(rank, world_size, backend, _device_for(backend, rank))
+    # the device first: NCCL binds its communicator to the current CUDA device, and device_id makes it do so
+    # eagerly, on this rank's own GPU, instead of guessing one at the first collective
+    device = _device_for(backend, rank)
+    device_id = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **device_id)
+    return WorkerContext(rank, world_size, backend, device)
 
 
 def _worker_entry(rank: int, world_size: int, backend: str, port: int, payload: bytes, results, threads: int | None,
@@ -274,9 +278,11 @@ def distributed_worker(backend: str | None = None, timeout_s: float = DEFAULT_TI
         torch.set_num_threads(threads)
     if os.environ["MASTER_ADDR"] in (LOOPBACK, "localhost"):
         _set_loopback_env()
+    device = _device_for(backend, local_rank)              # before the group: NCCL binds to this device
+    device_id = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+                            timeout=datetime.timedelta(seconds=timeout_s), **device_id)
     try:
-        yield WorkerContext(rank, world_size, backend, _device_for(backend, local_rank))
+        yield WorkerContext(rank, world_size, backend, device)
     finally:
         dist.destroy_process_group()

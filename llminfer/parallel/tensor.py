@@ -22,8 +22,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llminfer.device import synchronize
-
 from .plan import TensorParallelPlan, tensor_parallel_plan
 
 __all__ = ["CommStats", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead",
@@ -32,46 +30,76 @@ __all__ = ["CommStats", "ColumnParallelLinear", "RowParallelLinear", "VocabParal
 
 @dataclass
 class CommStats:
-    """Collectives made while `recording()`: how many, the bytes each rank contributed, the seconds spent. Chapter 10."""
+    """Collectives made while `recording()`: how many, the bytes each rank contributed, the seconds spent. Chapter 10.
+
+    On the CPU (gloo) a collective returns when it is done, so a clock around the call times it. On CUDA the
+    call only queues the collective: it is timed by two CUDA events around it on the stream, read once the
+    recording is over (`seconds` waits for them). Synchronising the device around every collective instead
+    would stall the queue of kernels twice per layer and count the stall as communication.
+    """
 
     enabled: bool = False
     calls: int = 0
     nbytes: int = 0
-    seconds: float = 0.0
     by_kind: dict = field(default_factory=dict)    # kind -> [calls, bytes, seconds]
-    spans: list = field(default_factory=list)      # (entered, left) of each collective, perf_counter seconds
+    _seconds: float = 0.0
+    _pending: list = field(default_factory=list)   # (kind, start event, end event) not yet read
+    spans: list = field(default_factory=list)      # CPU: (entered, left) of each collective, perf_counter seconds
+
+    @property
+    def seconds(self) -> float:
+        """Seconds spent in the collectives recorded so far (waits for the CUDA events of the pending ones)."""
+        self.settle()
+        return self._seconds
 
     def reset(self) -> None:
-        self.calls, self.nbytes, self.seconds, self.by_kind, self.spans = 0, 0, 0.0, {}, []
+        self.calls, self.nbytes, self._seconds, self.by_kind, self._pending, self.spans = 0, 0, 0.0, {}, [], []
+
+    def settle(self) -> None:
+        """Reads the pending CUDA events into the totals (one wait, for the last of them)."""
+        if not self._pending:
+            return
+        self._pending[-1][2].synchronize()
+        for kind, start, end in self._pending:
+            seconds = start.elapsed_time(end) / 1e3            # elapsed_time is in milliseconds
+            self._seconds += seconds
+            self.by_kind[kind][2] += seconds
+        self._pending = []
 
     @contextmanager
     def recording(self):
-        """Counts and times every collective inside the block (synchronising the device around each)."""
+        """Counts and times every collective inside the block; the totals are final when it ends."""
         self.enabled = True
         try:
             yield self
         finally:
             self.enabled = False
+            self.settle()
 
     def run(self, kind: str, tensor: torch.Tensor, fn) -> None:
         """Calls fn() (a collective on tensor), timing it when recording."""
         if not self.enabled:
             fn()
             return
-        synchronize(tensor.device)
-        start = time.perf_counter()
-        fn()
-        synchronize(tensor.device)
-        end = time.perf_counter()
-        seconds = end - start
         nbytes = tensor.numel() * tensor.element_size()
-        self.spans.append((start, end))          # perf_counter is CLOCK_MONOTONIC: comparable across ranks
+        entry = self.by_kind.setdefault(kind, [0, 0, 0.0])
         self.calls += 1
         self.nbytes += nbytes
-        self.seconds += seconds
-        entry = self.by_kind.setdefault(kind, [0, 0, 0.0])
         entry[0] += 1
         entry[1] += nbytes
+        if tensor.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            self._pending.append((kind, start, end))
+            return
+        start_s = time.perf_counter()
+        fn()
+        end_s = time.perf_counter()
+        seconds = end_s - start_s
+        self.spans.append((start_s, end_s))      # perf_counter is CLOCK_MONOTONIC: comparable across ranks
+        self._seconds += seconds
         entry[2] += seconds
 
 

@@ -1,0 +1,428 @@
+"""`make test-gpu`: the one-shot check of every CUDA path on one NVIDIA GPU, in under 10 minutes, into one folder.
+
+    python -m llminfer.bench.gpu_check [--out FOLDER] [--steps pytest,flex,graphs,chapters,bench] [--budget-s 570]
+
+The steps, in this order, each in its own process with its own time limit (a crash or a hang in one leaves
+the others to run, and the folder says which):
+
+    pytest     pytest -m gpu: the unit tests that need CUDA
+    flex       the paged engine on FlexAttention, bfloat16: fewer than 128 and 128 or more queries a step,
+               compiles counted (at the warm-up, and any after it), the kernels that ran named, tokens
+               against the gather kernel, peak memory against the pool-wide mask it replaced
+    graphs     the CUDA-graph decoder on the Llama-3.2-1B shape, bfloat16: tokens against the same step run
+               eagerly, ITL of both, and which SDPA kernel the masked grouped-query attention runs
+    chapters   every chapter under strict nbval, on the CUDA device, a few at a time
+    bench      python -m llminfer.bench --quick --device cuda
+
+The folder (default data/benchmarks/gpu-check-<UTC time>) holds report.json (every step's status, seconds,
+figures), summary.md (the same as a table), each step's log and the JSON the flex and graphs steps write.
+Without CUDA it refuses at once, saying why, before it creates anything.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+STEPS = ("pytest", "flex", "graphs", "chapters", "bench")
+# seconds each step may take at most (their sum stays under the default budget; a later step gets what is left)
+STEP_LIMIT_S = {"pytest": 100, "flex": 75, "graphs": 75, "chapters": 210, "bench": 100}
+DEFAULT_BUDGET_S = 570                       # under 10 minutes, with room for starting and writing
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class StepResult:
+    """One step of the check: passed / failed / timed out / skipped, its seconds and what it measured."""
+    name: str
+    status: str                              # "passed", "failed", "timeout", "skipped"
+    seconds: float = 0.0
+    detail: str = ""                         # one line: the command, or why it was skipped or failed
+    figures: dict = field(default_factory=dict)
+
+
+# --- the CPU-side logic (unit-tested on any machine) ---------------------------------------------------------------
+
+def select_steps(requested: str | None) -> list[str]:
+    """The steps to run, in the check's order, from a comma-separated list (None: all). Unknown names are refused."""
+    if requested is None or requested.strip() == "":
+        return list(STEPS)
+    names = [name.strip() for name in requested.split(",") if name.strip()]
+    unknown = [name for name in names if name not in STEPS]
+    if unknown:
+        raise ValueError(f"unknown step(s) {', '.join(map(repr, unknown))}; choose from {', '.join(STEPS)} "
+                         "(comma-separated, e.g. --steps flex,graphs)")
+    return [name for name in STEPS if name in names]
+
+
+def cuda_refusal(available: bool, device_count: int, torch_version: str, cuda_version: str | None) -> str | None:
+    """The message that refuses the check on a machine without a usable CUDA device, or None where it can run."""
+    if available and device_count >= 1:
+        return None
+    build = f"torch {torch_version} built with CUDA {cuda_version}" if cuda_version else \
+        f"torch {torch_version} is a CPU-only build"
+    why = "torch.cuda.is_available() is False" if not available else "no CUDA device is visible"
+    return (f"make test-gpu needs an NVIDIA GPU, and {why} on this machine ({build}). Run it where "
+            "nvidia-smi lists a GPU and torch has CUDA (check CUDA_VISIBLE_DEVICES); on this machine, "
+            "`make test` checks the CPU paths.")
+
+
+def step_budgets(steps: list[str], budget_s: float) -> dict[str, float]:
+    """Each step's time limit: its own cap, scaled down together if the caps add up to more than budget_s."""
+    if budget_s <= 0:
+        raise ValueError(f"budget_s must be positive, got {budget_s}")
+    total = sum(STEP_LIMIT_S[s] for s in steps)
+    scale = min(1.0, budget_s / total) if total else 1.0
+    return {s: STEP_LIMIT_S[s] * scale for s in steps}
+
+
+def default_out(now: datetime.datetime | None = None) -> Path:
+    """data/benchmarks/gpu-check-<UTC time>: one folder per run."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    return ROOT / "data" / "benchmarks" / f"gpu-check-{now.strftime('%Y%m%d-%H%M%S')}"
+
+
+def summary_markdown(machine: dict, results: list[StepResult]) -> str:
+    """The report as a short markdown page: the machine, then one row per step and its figures."""
+    lines = ["# make test-gpu", ""]
+    lines += [f"- {key}: {value}" for key, value in machine.items()]
+    lines += ["", "| step | status | seconds | detail |", "| --- | --- | --- | --- |"]
+    for r in results:
+        detail = r.detail.replace("|", "/").replace("\n", " ")[:200]
+        lines.append(f"| {r.name} | {r.status} | {r.seconds:.1f} | {detail} |")
+    for r in results:
+        if r.figures:
+            lines += ["", f"## {r.name}", "", "```json", json.dumps(r.figures, indent=1, default=str), "```"]
+    passed = sum(r.status == "passed" for r in results)
+    lines += ["", f"{passed} of {len(results)} steps passed."]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path, machine: dict, results: list[StepResult]) -> Path:
+    """Writes report.json and summary.md into out (created if needed); returns the report.json path."""
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine, "steps": [asdict(r) for r in results],
+              "passed": all(r.status in ("passed", "skipped") for r in results)}
+    path = out / "report.json"
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (out / "summary.md").write_text(summary_markdown(machine, results))
+    return path
+
+
+def chapter_paths(root: Path = ROOT) -> list[Path]:
+    """The chapters, numbered ones then appendices, as `make test` runs them."""
+    chapters = root / "chapters"
+    return sorted(chapters.glob("[0-9][0-9]_*.ipynb")) + sorted(chapters.glob("A[0-9]_*.ipynb"))
+
+
+# --- running the steps --------------------------------------------------------------------------------------------
+
+def _run(command: list[str], log: Path, limit_s: float, env: dict | None = None) -> tuple[str, float, int | None]:
+    """Runs command with its output in log; returns (status, seconds, exit code)."""
+    start = time.monotonic()
+    with log.open("w") as handle:
+        try:
+            done = subprocess.run(command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, timeout=limit_s,
+                                  env=env, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return "timeout", time.monotonic() - start, None
+    return ("passed" if done.returncode == 0 else "failed"), time.monotonic() - start, done.returncode
+
+
+def _tail(path: Path, chars: int = 300) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return " ".join(text[-chars:].split())
+
+
+def _pytest_step(out: Path, limit_s: float) -> StepResult:
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+    status, seconds, _ = _run(command, out / "pytest.log", limit_s)
+    return StepResult("pytest", status, seconds, _tail(out / "pytest.log", 200))
+
+
+def _inner_step(name: str, out: Path, limit_s: float) -> StepResult:
+    """The flex and graphs steps: this module again, in a fresh process, writing <name>.json."""
+    command = [sys.executable, "-m", "llminfer.bench.gpu_check", "--inner", name, "--out", str(out)]
+    status, seconds, _ = _run(command, out / f"{name}.log", limit_s)
+    figures_path = out / f"{name}.json"
+    figures = json.loads(figures_path.read_text()) if figures_path.exists() else {}
+    if status == "passed" and not figures.get("ok", False):
+        status = "failed"
+    detail = "; ".join(figures.get("failures", [])) or _tail(out / f"{name}.log", 200)
+    return StepResult(name, status, seconds, detail, figures)
+
+
+def _chapters_step(out: Path, limit_s: float, workers: int | None = None) -> StepResult:
+    """Every chapter under strict nbval, a few at a time on the one GPU; each chapter's log in chapters/."""
+    folder = out / "chapters"
+    folder.mkdir(exist_ok=True)
+    paths = chapter_paths()
+    workers = workers or max(1, min(6, (os.cpu_count() or 2) // 2))
+    start = time.monotonic()
+    deadline = start + limit_s
+
+    def one(path: Path) -> tuple[str, str, float]:
+        left = deadline - time.monotonic()
+        if left < 5:
+            return path.name, "skipped", 0.0
+        command = [sys.executable, "-m", "pytest", "-q", "--nbval", "--nbval-sanitize-with", "chapters/sanitize.cfg",
+                   "-p", "no:cacheprovider", str(path.relative_to(ROOT))]
+        status, seconds, _ = _run(command, folder / f"{path.stem}.log", left)
+        return path.name, status, seconds
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        rows = list(pool.map(one, paths))
+    by_chapter = {name: {"status": status, "seconds": round(seconds, 1)} for name, status, seconds in rows}
+    bad = [name for name, status, _ in rows if status != "passed"]
+    status = "passed" if not bad else ("timeout" if all(by_chapter[n]["status"] in ("timeout", "skipped")
+                                                       for n in bad) else "failed")
+    detail = f"{len(rows) - len(bad)} of {len(rows)} chapters passed" + (f"; not: {', '.join(bad)}" if bad else "")
+    return StepResult("chapters", status, time.monotonic() - start, detail, {"chapters": by_chapter})
+
+
+def _bench_step(out: Path, limit_s: float) -> StepResult:
+    command = [sys.executable, "-m", "llminfer.bench", "--quick", "--device", "cuda", "--out", str(out / "bench")]
+    status, seconds, _ = _run(command, out / "bench.log", limit_s)
+    return StepResult("bench", status, seconds, _tail(out / "bench.log", 200))
+
+
+RUNNERS = {"pytest": _pytest_step, "flex": lambda out, limit_s: _inner_step("flex", out, limit_s),
+           "graphs": lambda out, limit_s: _inner_step("graphs", out, limit_s), "chapters": _chapters_step,
+           "bench": _bench_step}
+
+
+def machine_facts() -> dict:
+    """The GPU, driver, torch / CUDA / Triton versions and the host CPU, for the report."""
+    import torch
+
+    facts = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+        facts["triton"] = triton.__version__
+    except ImportError:
+        facts["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        facts.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                     capability=".".join(map(str, torch.cuda.get_device_capability(0))))
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        facts["driver"] = smi.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        facts["driver"] = None
+    from llminfer.device import cpu_capabilities
+    cpu = cpu_capabilities()
+    facts["host_cpu"] = f"{cpu.model} ({cpu.isa_level} class, {cpu.logical_cpus} CPUs)"
+    return facts
+
+
+def run_check(out: Path, steps: list[str], budget_s: float) -> list[StepResult]:
+    """Runs the steps in order within budget_s seconds; writes the report after each (a later hang keeps it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    machine = machine_facts()
+    limits = step_budgets(steps, budget_s)
+    deadline = time.monotonic() + budget_s
+    results: list[StepResult] = []
+    for name in steps:
+        left = deadline - time.monotonic()
+        if left < 10:
+            results.append(StepResult(name, "skipped", 0.0, "no time left in the budget"))
+        else:
+            print(f"[test-gpu] {name} (at most {min(limits[name], left):.0f} s)", file=sys.stderr, flush=True)
+            results.append(RUNNERS[name](out, min(limits[name], left)))
+            print(f"[test-gpu] {name}: {results[-1].status} in {results[-1].seconds:.0f} s", file=sys.stderr,
+                  flush=True)
+        write_report(out, machine, results)
+    return results
+
+
+# --- the GPU steps' bodies (run in their own process, on a GPU) -------------------------------------------------------
+
+def _compiles() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _kernel_names(fn) -> list[str]:
+    """Names of the CUDA kernels fn() launches (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sorted({event.key for event in prof.key_averages() if event.device_type.name == "CUDA"})
+
+
+def flex_smoke(out: Path, device: str = "cuda", num_blocks: int = 200_000) -> dict:
+    """The paged engine on FlexAttention in bfloat16 against gather: tokens, compiles, kernels, peak memory.
+    (device='cpu' with a small pool runs the same steps eagerly, to try the step itself on any machine.)"""
+    import torch
+
+    import llminfer
+    from llminfer.engine import LLMEngine, SamplingParams
+
+    torch._logging.set_logs(recompiles=True)                       # each recompile and its reason, in flex.log
+    failures, figures = [], {}
+    on_cuda = torch.device(device).type == "cuda"
+    model, tokenizer = llminfer.load_pretrained("tiny-capitals", device=device, dtype=torch.bfloat16)
+    cfg = model.config
+    figures["model"] = f"tiny-capitals, bfloat16, head_dim {cfg.head_dim}, {cfg.n_heads}/{cfg.n_kv_heads} heads"
+    countries = ["France", "Japan", "Peru", "Kenya", "Chile", "Italy", "Egypt", "Canada"]
+    short = [tokenizer.encode(f"The capital of {c} is") for c in countries]               # steps of < 128 queries
+    long_text = " ".join(f"The capital of {c} is" for c in countries * 2)
+    long = [tokenizer.encode(long_text)[: cfg.max_seq_len - 16] for _ in range(3)]      # a step of >= 128 queries
+    params = SamplingParams(max_new_tokens=8)
+    compiles_before = _compiles()                                   # (a large pool: 200,000 blocks, 3.2 M slots)
+    start = time.perf_counter()
+    flex = LLMEngine(model, block_size=16, num_blocks=num_blocks, max_num_seqs=8, max_model_len=cfg.max_seq_len,
+                     max_num_batched_tokens=512, kernel=None if on_cuda else "flex")
+    figures["warm_up_s"] = round(time.perf_counter() - start, 2)
+    figures["compiles_at_warm_up"] = _compiles() - compiles_before
+    gather = LLMEngine(model, block_size=16, num_blocks=num_blocks, max_num_seqs=8, max_model_len=cfg.max_seq_len,
+                       max_num_batched_tokens=512, kernel="gather")
+    compiles_after_warm_up = _compiles()
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    got = {name: [o.token_ids for o in flex.generate(prompts, params)] for name, prompts in
+           (("short", short), ("long", long))}
+    figures["peak_above_pools_mib"] = 0.0
+    if on_cuda:
+        torch.cuda.synchronize()
+        figures["peak_above_pools_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+    n_long = sum(len(p) for p in long)
+    figures["largest_step_tokens"] = max(r.num_tokens for r in flex.trace)
+    figures["pool_wide_mask_mib"] = round(figures["largest_step_tokens"] * num_blocks * 16 / 2**20, 1)
+    figures["compiles_after_warm_up"] = _compiles() - compiles_after_warm_up
+    want = {name: [o.token_ids for o in gather.generate(prompts, params)] for name, prompts in
+            (("short", short), ("long", long))}
+    for name in got:
+        same = sum(a == b for a, b in zip(got[name], want[name]))
+        figures[f"{name}_same_tokens"] = f"{same}/{len(got[name])}"
+        if same < len(got[name]) - 1:                              # bfloat16: allow one near-tie
+            failures.append(f"{name} prompts: flex and gather agree on {same} of {len(got[name])}")
+    stats = flex.stats
+    figures.update(paged_kernel=stats.paged_kernel, kernel_fallbacks=stats.kernel_fallbacks,
+                   kernel_fallback=stats.kernel_fallback, long_step_tokens=n_long)
+    if stats.paged_kernel != "flex" or stats.kernel_fallbacks:    # (the kernel the engine chose by itself, on CUDA)
+        failures.append(f"the engine fell back: {stats.kernel_fallback}")
+    if figures["largest_step_tokens"] < 128:
+        failures.append("no step reached 128 queries")
+    if figures["compiles_after_warm_up"]:
+        failures.append(f"{figures['compiles_after_warm_up']} compile(s) after the warm-up (see flex.log)")
+    if figures["peak_above_pools_mib"] > max(256.0, figures["pool_wide_mask_mib"] / 4):
+        failures.append(f"peak {figures['peak_above_pools_mib']} MiB above the pools")
+    if not on_cuda:
+        figures.update(ok=not failures, failures=failures)
+        return figures
+    probe = LLMEngine(model, block_size=16, num_blocks=512, max_num_seqs=8, max_model_len=cfg.max_seq_len)
+    probe.add_request(short[0], SamplingParams(max_new_tokens=4))
+    probe.step()
+    kernels = _kernel_names(probe.step)                               # one decode step
+    figures["decode_kernels"] = [k for k in kernels if "flex" in k.lower() or "triton" in k.lower()][:12]
+    if not any("flex" in k.lower() or "triton_tem" in k.lower() for k in kernels):
+        failures.append(f"no FlexAttention kernel among the decode step's kernels: {kernels[:20]}")
+    figures.update(ok=not failures, failures=failures)
+    return figures
+
+
+def graphs_smoke(out: Path) -> dict:
+    """The CUDA-graph decoder on the Llama-3.2-1B shape in bfloat16: tokens against its eager step, ITL, SDPA kernel."""
+    import statistics
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import llminfer
+    from llminfer.cuda_graphs import StaticDecoder
+
+    failures, figures = [], {}
+    model = llminfer.load_random("llama-3.2-1b", device="cuda", dtype=torch.bfloat16, max_seq_len=512)
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0)).tolist()[0]
+    runs = {}
+    for mode in ("eager", "graph"):
+        decoder = StaticDecoder(model, max_seq_len=256, mode=mode)
+        decoder.warmup()
+        decoder.generate(ids, max_new_tokens=4)                         # warm
+        result = decoder.generate(ids, max_new_tokens=64)
+        runs[mode] = result
+        figures[f"{mode}_itl_ms_median"] = round(statistics.median(result.itl_s) * 1e3, 3)
+        figures[f"{mode}_ttft_ms"] = round(result.ttft_s * 1e3, 2)
+        if mode == "graph":
+            figures["capture_s"] = round(decoder.compile_s, 2)
+    same = runs["graph"].token_ids == runs["eager"].token_ids
+    figures["tokens_equal"] = same
+    if not same:
+        failures.append("the graph's tokens differ from the same step run eagerly")
+    eager_step = StaticDecoder(model, max_seq_len=256, mode="eager")
+    eager_step.generate(ids, max_new_tokens=2)
+    token = torch.zeros(1, dtype=torch.long, device="cuda")
+    kernels = _kernel_names(lambda: eager_step.decode(token))
+    figures["attention_kernels"] = [k for k in kernels if any(w in k.lower() for w in
+                                                              ("fmha", "flash", "attention", "cudnn", "softmax"))]
+    try:                                                                # refused if it would need the math kernel
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+            eager_step.decode(token)
+        figures["fused_sdpa"] = True
+    except RuntimeError as exc:
+        figures["fused_sdpa"] = False
+        failures.append(f"masked GQA needs SDPA's math kernel: {exc}"[:300])
+    figures.update(ok=not failures, failures=failures)
+    return figures
+
+
+def _inner(name: str, out: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        figures = {"flex": flex_smoke, "graphs": graphs_smoke}[name](out)
+    except Exception as exc:                                          # recorded, so the report says what broke
+        import traceback
+        traceback.print_exc()
+        figures = {"ok": False, "failures": [f"{type(exc).__name__}: {exc}"[:500]]}
+    (out / f"{name}.json").write_text(json.dumps(figures, indent=1, default=str) + "\n")
+    return 0 if figures.get("ok") else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the check; exits 2 with one clear line on bad arguments or a machine without CUDA."""
+    parser = argparse.ArgumentParser(prog="python -m llminfer.bench.gpu_check", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, help="report folder (default data/benchmarks/gpu-check-<UTC time>)")
+    parser.add_argument("--steps", help=f"comma-separated subset of {','.join(STEPS)} (default: all, in order)")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="seconds for all the steps")
+    parser.add_argument("--inner", choices=["flex", "graphs"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        steps = select_steps(args.steps)
+        step_budgets(steps, args.budget_s)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    import torch
+
+    refusal = cuda_refusal(torch.cuda.is_available(), torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                           torch.__version__, torch.version.cuda)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
+    if args.inner:
+        return _inner(args.inner, args.out)
+    out = args.out or default_out()
+    results = run_check(out, steps, args.budget_s)
+    print((out / "summary.md").read_text())
+    print(f"wrote {out / 'report.json'} and {out / 'summary.md'}")
+    return 0 if all(r.status in ("passed", "skipped") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
