@@ -204,7 +204,8 @@ def run(args) -> dict:
             kv = (len(ids) + args.new_tokens / 2) * costs.kv_bytes_per_token(cfg, meta["kv_element_bytes"])
             row = summarise(found)
             per_token = meta["weight_bytes"] + kv
-            row.update(format=meta["format"], bytes_per_token=per_token, mbu=per_token * row["tokens_per_s"] / bandwidth,
+            row.update(format=meta["format"], bytes_per_token=per_token,
+                       mbu=per_token * row["tokens_per_s"] / bandwidth,
                        compile_s=meta.get("compile_s"), text=tokenizer.decode(found[0].token_ids),
                        same_tokens_every_round=all(r.token_ids == found[0].token_ids for r in found))
             rows[label] = row
@@ -241,7 +242,8 @@ def table(report: dict) -> str:
     lines = [f"{report['machine']['cpu']}, {s['threads']} thread(s), {s['file']}, {s['prompt_tokens']}-token chat "
              f"prompt, {s['new_tokens']} new tokens, {s['repeats']} rounds; load {report['load_average_before']} -> "
              f"{report['load_average_after']}",
-             f"bandwidth ceiling {report['bandwidth']['read_bytes_per_s'] / 1e9:.1f} GB/s ({report['bandwidth']['what']})",
+             f"bandwidth ceiling {report['bandwidth']['read_bytes_per_s'] / 1e9:.1f} GB/s "
+             f"({report['bandwidth']['what']})",
              f"{'contender':<18}{'tokens/s':>10}{'MB/token':>10}{'MBU':>7}{'distinct':>10}"]
     for label, row in report["contenders"].items():
         lines.append(f"{label:<18}{row['tokens_per_s']:>10.1f}{row['bytes_per_token'] / 1e6:>10.0f}"
