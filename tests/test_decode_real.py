@@ -80,3 +80,20 @@ def test_bad_arguments_are_refused_and_decode_real_routes_there():
     assert args.formats == ["q4_1", "bf16"] and args.threads == 2
     with pytest.raises(ValueError, match="neither an installed model"):
         decode_real._path("no-such-model")
+
+
+def test_a_short_run_writes_its_report(tmp_path, capsys):
+    code = decode.main(["--real", "--formats", "q4_1", "--new-tokens", "3", "--repeats", "1", "--threads", "1",
+                        "--no-compile", "--no-llama-cpp", "--out", str(tmp_path)])
+    assert code == 0
+    (path,) = tmp_path.glob("decode-real-*.json")
+    import json
+
+    report = json.loads(path.read_text())
+    row = report["contenders"]["llminfer q4_1"]
+    assert set(report["contenders"]) == {"llminfer q4_1"} and report["token_agreement"] == {}
+    assert row["bytes_per_token"] > sum(report["file_bytes_by_type"].values())   # the file's bytes plus the K/V
+    assert row["mbu"] == pytest.approx(row["bytes_per_token"] * row["tokens_per_s"]
+                                       / report["bandwidth"]["read_bytes_per_s"])
+    assert report["settings"]["prompt_tokens"] > 20 and report["settings"]["threads"] == 1
+    assert "llminfer q4_1" in capsys.readouterr().out
