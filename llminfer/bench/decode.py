@@ -346,6 +346,10 @@ def plot(report: dict, path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark and writes data/benchmarks/decode-<machine>.json and .png."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--real" in argv:                         # the real-weights section: one GGUF file against llama.cpp
+        from .decode_real import main as real_main
+        return real_main([arg for arg in argv if arg != "--real"])
     args = _parse(argv)
     report = run(args)
     for row in report["contenders"].values():

@@ -1,0 +1,273 @@
+"""`python -m llminfer.bench.decode_real` (or `python -m llminfer.bench.decode --real`): llminfer against
+llama.cpp on one real GGUF file, SmolLM2-135M-Instruct by default. Chapter 08.
+
+Both engines decode the same chat prompt greedily from the same weights, at the same thread count:
+
+    q4_1   the file as stored: llminfer keeps its Q4_1 / Q8_0 blocks (`quant.keep_quantized`), llama.cpp
+           reads the file itself
+    f32    the file dequantized to float32: llminfer's model, and a GGUF of it written for llama.cpp
+    bf16   the same rounded to bfloat16, both sides
+
+llminfer runs its fast path (fused projections, native CPU kernels, the step compiled unless --no-compile).
+The contenders take turns, one generation each per round, with a streaming-read bandwidth probe the size of the
+float32 weights sampled between rounds, so every tokens/s stands beside a ceiling measured under the same load
+(MBU = bytes read per token × tokens/s ÷ that bandwidth). With real weights the text is no longer one repeated
+token, so the tokens of llminfer and llama.cpp are compared in every round: where they part, and how far they
+agree. Results: the terminal and data/benchmarks/decode-real-<machine>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .. import costs, timing
+from ..checkpoint import load_pretrained
+from ..fast import compile_decode
+from ..gguf_reader import INSTALLED, installed_gguf, read_header
+from ..quant.checkpoint import keep_quantized
+from ..quant.gguf_export import llama_cpp_available, llama_cpp_generate, load_llama_cpp, write_gguf
+
+__all__ = ["FORMATS", "DEFAULT_PROMPT", "compare_tokens", "summarise", "interleave", "file_bytes_by_type",
+           "llminfer_contender", "llama_cpp_contender", "run", "table", "main"]
+
+FORMATS = ("q4_1", "f32", "bf16")
+GGUF_KIND = {"q4_1": None, "f32": "F32", "bf16": "BF16"}       # None: llama.cpp reads the file as it is
+DEFAULT_PROMPT = ("Explain in a few sentences why the sky is blue, as you would to a curious child.")
+
+
+def _log(message: str) -> None:
+    print(f"[bench.decode_real] {message}", file=sys.stderr, flush=True)
+
+
+def compare_tokens(reference: list[int], other: list[int]) -> dict:
+    """How two greedy runs agree: same (bool), the index of the first difference (None if none), the length of
+    their common prefix, and the fraction of positions that agree. Chapter 08."""
+    common = 0
+    for a, b in zip(reference, other):
+        if a != b:
+            break
+        common += 1
+    same = common == len(reference) == len(other)
+    positions = max(len(reference), len(other))
+    agree = sum(a == b for a, b in zip(reference, other))
+    return {"same": same, "first_difference": None if same else common, "common_prefix": common,
+            "agreement": agree / positions if positions else 1.0}
+
+
+def summarise(results) -> dict:
+    """tokens/s (1 ÷ the median gap between tokens over every round), the same per round, the median TTFT and
+    the number of distinct tokens generated, from a list of GenerationResults. Chapter 08."""
+    if not results:
+        raise ValueError("summarise needs at least one GenerationResult, got none")
+    gaps = [gap for result in results for gap in result.itl_s]
+    if not gaps:
+        raise ValueError("summarise needs runs of at least 2 new tokens (no gap between tokens to time)")
+    return {"tokens_per_s": 1.0 / statistics.median(gaps),
+            "round_tokens_per_s": [1.0 / statistics.median(r.itl_s) for r in results if r.itl_s],
+            "ttft_median_s": statistics.median(r.ttft_s for r in results),
+            "distinct_tokens": len(set(results[0].token_ids)), "rounds": len(results)}
+
+
+def interleave(contenders: dict, repeats: int, between=None) -> dict[str, list]:
+    """Runs every contender once per round, in turn, `repeats` rounds after one untimed warm-up each; calls
+    between() after each round (a ceiling probe). Returns label -> the rounds' GenerationResults. Chapter 08."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be at least 1")
+    for runner in contenders.values():
+        runner()
+    results = {label: [] for label in contenders}
+    for round_index in range(repeats):
+        _log(f"round {round_index + 1}/{repeats}")
+        for label, runner in contenders.items():
+            results[label].append(runner())
+        if between is not None:
+            between()
+    return results
+
+
+def file_bytes_by_type(path) -> dict[str, int]:
+    """Bytes of a GGUF file's tensors by stored type ('Q4_1', 'Q8_0', 'F32', ...), from its header. Chapter 08."""
+    totals: dict[str, int] = {}
+    for tensor in read_header(path).tensors.values():
+        totals[tensor.type_name] = totals.get(tensor.type_name, 0) + tensor.nbytes
+    return totals
+
+
+def llminfer_contender(model, ids: list[int], new_tokens: int, compile: bool = False):
+    """A runner () -> GenerationResult: llminfer's fast path (fused, native kernels, compiled if asked) decoding
+    new_tokens after ids greedily; the model is changed in place. Returns (runner, decoder). Chapter 08."""
+    decoder = compile_decode(model, max_seq_len=len(ids) + new_tokens + 8, compile=compile)
+    prompt = torch.tensor([ids])
+    return (lambda: decoder.generate(prompt, new_tokens)), decoder
+
+
+def llama_cpp_contender(path, ids: list[int], new_tokens: int, threads: int):
+    """A runner () -> GenerationResult: llama.cpp on the GGUF file at `threads` threads, greedy. Chapter 08."""
+    llm = load_llama_cpp(path, len(ids) + new_tokens + 8, threads)
+    return lambda: llama_cpp_generate(llm, ids, new_tokens)
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m llminfer.bench.decode_real", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help=f"an installed model ({', '.join(INSTALLED)}) or a path to a llama-architecture .gguf")
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message, sent through the chat template")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="for both engines (default: torch's count)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
+    parser.add_argument("--out", default="data/benchmarks")
+    args = parser.parse_args(argv)
+    formats = [f for f in args.formats.split(",") if f]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        parser.error(f"--formats {args.formats!r}: unknown {unknown}; choose from {', '.join(FORMATS)}")
+    if args.new_tokens < 2 or args.repeats < 1:
+        parser.error(f"--new-tokens {args.new_tokens} must be >= 2 and --repeats {args.repeats} >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads {args.threads} must be a positive integer")
+    args.formats = formats
+    return args
+
+
+def _path(model: str) -> Path:
+    if model in INSTALLED:
+        return installed_gguf(model)
+    path = Path(model)
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ValueError(f"--model {model!r} is neither an installed model ({', '.join(INSTALLED)}) nor a .gguf "
+                         "file; pass one of those")
+    return path
+
+
+def run(args) -> dict:
+    """Returns the report of one interleaved run on the real file (and writes nothing). Chapter 08."""
+    from .decode import _cpu_flags, _llama_cpp_version, _slug
+    from .report import device_slug, load_average, machine
+
+    started, load_before = time.perf_counter(), load_average()
+    path = _path(args.model)
+    threads = args.threads or torch.get_num_threads()
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    use_llama = args.llama_cpp and llama_cpp_available()
+    workdir = tempfile.TemporaryDirectory(prefix="llminfer-decode-real-")
+    try:
+        fp32, tokenizer = load_pretrained(path, device="cpu", dtype=torch.float32)
+        cfg = fp32.config
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        by_type = file_bytes_by_type(path)
+        n_matrix, norms = costs.matmul_params(cfg), cfg.n_layers * 2 * cfg.dim + cfg.dim
+        weight_bytes = {"q4_1": sum(by_type.values()), "f32": 4 * (n_matrix + norms),
+                        "bf16": 2 * (n_matrix + norms)}
+        llama_weight_bytes = dict(weight_bytes, bf16=2 * n_matrix + 4 * norms)   # llama.cpp keeps norms in F32
+        ggufs = {"q4_1": path}
+        if use_llama:
+            for name in args.formats:
+                if GGUF_KIND[name]:                      # written before llminfer fuses the model in place
+                    _log(f"writing GGUF {GGUF_KIND[name]} of the dequantized file")
+                    ggufs[name] = write_gguf(fp32, Path(workdir.name) / f"{GGUF_KIND[name]}.gguf", GGUF_KIND[name])
+        contenders, info = {}, {}
+        for name in args.formats:
+            _log(f"preparing llminfer {name}")
+            if name == "q4_1":
+                model, _ = load_pretrained(path, device="cpu", load_tokenizer=False, transform=keep_quantized())
+            elif name == "f32":
+                model = fp32
+            else:
+                model, _ = load_pretrained(path, device="cpu", dtype=torch.bfloat16, load_tokenizer=False)
+            element = 2 if name == "bf16" else 4
+            contenders[f"llminfer {name}"], decoder = llminfer_contender(model, ids, args.new_tokens, args.compile)
+            info[f"llminfer {name}"] = {"format": name, "weight_bytes": weight_bytes[name], "kv_element_bytes": element,
+                                        "compile_s": getattr(decoder, "compile_s", None)}
+            if use_llama:
+                contenders[f"llama.cpp {name}"] = llama_cpp_contender(ggufs[name], ids, args.new_tokens, threads)
+                info[f"llama.cpp {name}"] = {"format": name, "weight_bytes": llama_weight_bytes[name],
+                                             "kv_element_bytes": 2}    # llama.cpp's default KV cache is f16
+        probe = timing.read_probe("cpu", torch.float32, weight_bytes["f32"], huge_pages=True)
+        probe.sample(2)
+        samples: list[float] = []
+        results = interleave(contenders, args.repeats, between=lambda: samples.extend(probe.sample(2)))
+        bandwidth = probe.rate_of(samples)
+        rows = {}
+        for label, found in results.items():
+            meta = info[label]
+            kv = (len(ids) + args.new_tokens / 2) * costs.kv_bytes_per_token(cfg, meta["kv_element_bytes"])
+            row = summarise(found)
+            per_token = meta["weight_bytes"] + kv
+            row.update(format=meta["format"], bytes_per_token=per_token,
+                       mbu=per_token * row["tokens_per_s"] / bandwidth,
+                       compile_s=meta.get("compile_s"), text=tokenizer.decode(found[0].token_ids),
+                       same_tokens_every_round=all(r.token_ids == found[0].token_ids for r in found))
+            rows[label] = row
+        agreement, ratios = {}, {}
+        for name in args.formats:
+            mine, theirs = results.get(f"llminfer {name}"), results.get(f"llama.cpp {name}")
+            if mine and theirs:
+                agreement[name] = [compare_tokens(a.token_ids, b.token_ids) for a, b in zip(mine, theirs)]
+                ratios[f"llminfer {name} / llama.cpp {name}"] = (rows[f"llminfer {name}"]["tokens_per_s"]
+                                                                 / rows[f"llama.cpp {name}"]["tokens_per_s"])
+        flags = _cpu_flags()
+        return {
+            "what": "decode, batch 1, the real GGUF file, llminfer against llama.cpp interleaved, chapter 08",
+            "machine": machine(torch.device("cpu")), "cpu_flags": flags,
+            "slug": _slug(device_slug(torch.device("cpu")), flags),
+            "settings": {"model": args.model, "file": path.name, "prompt": args.prompt, "prompt_tokens": len(ids),
+                         "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": threads,
+                         "compile": args.compile, "formats": args.formats,
+                         "llama_cpp": _llama_cpp_version() if use_llama else None},
+            "file_bytes_by_type": by_type,
+            "load_average_before": load_before, "load_average_after": load_average(),
+            "bandwidth": {"read_bytes_per_s": bandwidth, "what": probe.what, "samples": len(samples)},
+            "contenders": rows, "token_agreement": agreement, "ratios": ratios,
+            "elapsed_s": time.perf_counter() - started,
+        }
+    finally:
+        torch.set_num_threads(saved_threads)
+        workdir.cleanup()
+
+
+def table(report: dict) -> str:
+    """The run as a text table. Chapter 08."""
+    s = report["settings"]
+    lines = [f"{report['machine']['cpu']}, {s['threads']} thread(s), {s['file']}, {s['prompt_tokens']}-token chat "
+             f"prompt, {s['new_tokens']} new tokens, {s['repeats']} rounds; load {report['load_average_before']} -> "
+             f"{report['load_average_after']}",
+             f"bandwidth ceiling {report['bandwidth']['read_bytes_per_s'] / 1e9:.1f} GB/s "
+             f"({report['bandwidth']['what']})",
+             f"{'contender':<18}{'tokens/s':>10}{'MB/token':>10}{'MBU':>7}{'distinct':>10}"]
+    for label, row in report["contenders"].items():
+        lines.append(f"{label:<18}{row['tokens_per_s']:>10.1f}{row['bytes_per_token'] / 1e6:>10.0f}"
+                     f"{row['mbu']:>7.2f}{row['distinct_tokens']:>10}")
+    for name, value in report["ratios"].items():
+        lines.append(f"{name:<34}{value:>6.2f}x")
+    for name, rounds in report["token_agreement"].items():
+        parts = ", ".join("same" if r["same"] else f"part at {r['first_difference']}" for r in rounds)
+        lines.append(f"tokens {name}, llminfer against llama.cpp, per round: {parts}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark and writes data/benchmarks/decode-real-<machine>.json."""
+    args = _parse(argv)
+    report = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / f"decode-real-{report['slug']}.json"
+    target.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    print(table(report))
+    print(f"\nwrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
