@@ -147,7 +147,7 @@ def test_engines_warm_flex_up_at_init_on_cuda_only(monkeypatch):
     calls = []
     monkeypatch.setattr(PagedKVCache, "warm_up", lambda self, n_heads: calls.append((self.kernel_name, n_heads)))
     model = random_model(SMALL_CONFIGS["qwen2-bias-gqa"])
-    PagedKVCache.for_model(model, num_blocks=8, block_size=16, kernel="flex")     # a CPU cache: eager, nothing to compile
+    PagedKVCache.for_model(model, num_blocks=8, block_size=16, kernel="flex")   # CPU: eager, nothing to compile
     assert calls == []
     monkeypatch.setattr(PagedKVCache, "__init__", _fake_cuda_init(PagedKVCache.__init__))
     PagedKVCache.for_model(model, num_blocks=8, block_size=16, kernel="flex")
