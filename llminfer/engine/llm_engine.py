@@ -21,6 +21,7 @@ their blocks. `engine.trace` keeps what every step ran, for the scheduling chart
 """
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import time
@@ -34,6 +35,7 @@ from ..costs import kv_cache_bytes
 from ..device import dtype_bytes, free_memory_bytes, synchronize
 from ..generate import check_request
 from ..generate import is_int as _is_int
+from .attention_metadata import AttentionMetadata
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
@@ -44,6 +46,8 @@ from .sequence import RequestOutput, Sequence, SequenceStatus, StepOutput
 __all__ = ["LLMEngine", "EngineStats", "StepRecord"]
 
 KV_MEMORY_FRACTION = 0.5    # with num_blocks=None the pool takes at most this share of free memory
+
+log = logging.getLogger("llminfer.engine")
 
 
 @dataclass(frozen=True)
@@ -351,13 +355,18 @@ class LLMEngine:
         if metadata is None:
             return []
         scheduled = self.clock()
-        tokens = self.runner.execute(metadata)
+        tokens = self._execute(metadata)
         self.scheduler.finish_step(metadata)
         synchronize(self.model.device)
         now = self.clock()
         events, finished = [], []
         for seq, token in zip(metadata.seqs, tokens):
             if token is None:
+                continue
+            if isinstance(token, Exception):
+                self._fail(seq, token)
+                events.append(StepOutput(seq.request_id, None, True))
+                finished.append(seq.request_id)
                 continue
             done = seq.append_token(token, now)
             events.append(StepOutput(seq.request_id, token, done))
@@ -374,6 +383,43 @@ class LLMEngine:
                                      self.block_manager.num_used_blocks, len(running),
                                      sum(s.num_computed_tokens for s in running), scheduled - start, now - scheduled))
         return events
+
+    def _execute(self, metadata: AttentionMetadata) -> list:
+        """The step's token per scheduled sequence (None: prompt unfinished; an exception: that request failed).
+
+        When the batch raises, each sequence runs again alone, so that only the requests whose own forward or
+        sampling raises fail; rewriting a position's K/V writes the same values, so the rerun is exact."""
+        try:
+            return self.runner.execute(metadata)
+        except Exception as exc:            # a bug, or one request's values; KeyboardInterrupt still stops
+            if metadata.num_seqs == 1:
+                return [exc]
+        out: list = []
+        for i, seq in enumerate(metadata.seqs):
+            alone = AttentionMetadata(seqs=[seq], query_lens=[metadata.query_lens[i]],
+                                      context_lens=[metadata.context_lens[i]], block_tables=[metadata.block_tables[i]],
+                                      block_size=metadata.block_size,
+                                      sample=[metadata.sample[i]] if metadata.sample else [],
+                                      kinds=[metadata.kinds[i]] if metadata.kinds else [])
+            try:
+                out.extend(self.runner.execute(alone))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        """Finishes seq with finish_reason "error" and frees its blocks; the other requests go on."""
+        log.warning("request %d failed in step %d: %s: %s", seq.request_id, self._steps + 1, type(exc).__name__,
+                    exc, exc_info=exc)
+        bm = self.block_manager
+        for block_id in seq.block_table:    # K/V its failed step may have half-written: never reused from the cache
+            if bm.blocks[block_id].ref_count == 1:
+                bm._evict(bm.blocks[block_id])
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED_ERROR
+        seq.error = f"{type(exc).__name__}: {exc}"
+        del self._requests[seq.request_id]
+        self._finish(seq)
 
     @property
     def stats(self) -> EngineStats:

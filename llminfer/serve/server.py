@@ -359,8 +359,9 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
             if body.return_timings:
                 choice["timings"] = _timings(handles[index], update_last, received, timings, state.clock())
             choices.append(choice)
-        if any(u.error for _, u, _, _ in results):
-            raise APIError(f"the engine failed: {results[0][1].error}", status_code=500, type="server_error")
+        errors = [u.error for _, u, _, _ in results if u.error]
+        if errors:
+            raise APIError(errors[0], status_code=500, type="server_error", code="engine_error")
         prompt_tokens = sum(len(p) for p in prompts)
         return {"id": response_id, "object": kind, "created": created, "model": state.config.model_name,
                 "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -438,11 +439,9 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
                 index, update = await queue.get()
                 if text_done[index]:
                     continue
-                if update.error is not None:
-                    yield _sse(error_body(f"the engine failed: {update.error}", "server_error"))
-                    text_done[index] = True
-                    finished += 1
-                    continue
+                if update.error is not None:          # this request failed: an error event, then the stream ends
+                    yield _sse(error_body(update.error, "server_error", code="engine_error"))
+                    return
                 counts[index] += len(update.token_ids)
                 delta = texts[index].add(update.token_ids, final=update.finished)
                 done = update.finished or texts[index].stopped

@@ -1,0 +1,191 @@
+"""A server one request cannot take down: faults, limits, types, keys and errors, over real HTTP on 127.0.0.1."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+import llminfer
+from llminfer.engine import LLMEngine, SamplingParams
+from llminfer.engine import model_runner as model_runner_module
+from llminfer.serve.server import OpenAIServer, ServeConfig, ServerThread, build_app
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "tiny-capitals"
+GOOD = ["The capital of France", "The capital of Japan", "The capital of Spain", "The capital of Chile"]
+POISON = "The capital of Peru"
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return llminfer.load_pretrained(MODEL)
+
+
+def reference(bundled, text: str, max_tokens: int = 16) -> str:
+    """llminfer.generate's greedy text for a prompt."""
+    model, tokenizer = bundled
+    result = llminfer.generate(model, tokenizer.encode(text), max_new_tokens=max_tokens,
+                               eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(result.token_ids)
+
+
+def make_server(bundled, engine_kwargs=None, **config) -> tuple[ServerThread, OpenAIServer]:
+    model, tokenizer = bundled
+    kwargs = dict(num_blocks=160, max_num_seqs=16, max_num_batched_tokens=512)
+    kwargs.update(engine_kwargs or {})
+    state = OpenAIServer(model, tokenizer, ServeConfig(model_name=MODEL, **config), engine=LLMEngine(model, **kwargs))
+    return ServerThread(build_app(server=state), drain_timeout_s=2.0), state
+
+
+@pytest.fixture(scope="module")
+def server(bundled):
+    thread, state = make_server(bundled)
+    with thread:
+        yield thread, state
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.005)
+    return condition()
+
+
+def assert_clean_error(response: httpx.Response, status: int) -> dict:
+    """The response is an OpenAI error body with this status, carrying no traceback and no file path."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert "Traceback" not in response.text and ".py" not in response.text and "/work" not in response.text
+    return body["error"]
+
+
+# --- 1. one request's fault fails that request alone -----------------------------------------------------
+
+class poisoned:
+    """Within the block, any engine step that holds a request with `prompt_ids` raises (a fault in its step),
+    and sampling at top_k=13 raises (a fault in its sampling); every step is slowed a little so streams overlap."""
+
+    def __init__(self, state: OpenAIServer, prompt_ids: list[int]):
+        self.runner, self.prompt_ids = state.engine.runner, list(prompt_ids)
+
+    def __enter__(self):
+        original, poison = self.runner.execute, self.prompt_ids
+        real_sample = model_runner_module.sample_next
+
+        def execute(metadata):
+            time.sleep(0.01)
+            if any(seq.prompt_token_ids == poison for seq in metadata.seqs):
+                raise RuntimeError("injected fault in /some/secret/path.py")
+            return original(metadata)
+
+        def sample_next(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
+            if top_k == 13:
+                raise FloatingPointError("injected sampling fault in /some/secret/path.py")
+            return real_sample(logits, temperature, top_k, top_p, generator)
+
+        self.runner.execute = execute
+        model_runner_module.sample_next = sample_next
+        self._real_sample = real_sample
+        return self
+
+    def __exit__(self, *exc):
+        del self.runner.execute
+        model_runner_module.sample_next = self._real_sample
+
+
+def test_a_fault_in_one_requests_step_fails_it_alone_while_others_stream(bundled, server):
+    thread, state = server
+    expected = {p: reference(bundled, p) for p in GOOD}
+    client = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    errors_before = state.metrics.requests.labels("error")._value.get()
+    texts: dict[str, str] = {}
+    started = threading.Barrier(len(GOOD) + 1)
+
+    def stream(prompt):
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True)
+        started.wait()
+        texts[prompt] = "".join(c.choices[0].text for c in chunks)
+
+    with poisoned(state, bundled[1].encode(POISON)):
+        workers = [threading.Thread(target=stream, args=(p,)) for p in GOOD]
+        for w in workers:
+            w.start()
+        started.wait()                               # every good stream is open
+        plain = httpx.post(thread.url + "/v1/completions", timeout=60,
+                           json={"model": MODEL, "prompt": POISON, "max_tokens": 16, "temperature": 0})
+        sampled = httpx.post(thread.url + "/v1/completions", timeout=60,
+                             json={"model": MODEL, "prompt": "I love", "max_tokens": 8, "temperature": 0.7,
+                                   "top_k": 13})
+        with pytest.raises(openai.APIError) as streamed:
+            for _ in client.completions.create(model=MODEL, prompt=POISON, max_tokens=16, temperature=0,
+                                               stream=True):
+                pass
+        for w in workers:
+            w.join(60)
+    for response in (plain, sampled):
+        error = assert_clean_error(response, 500)
+        assert error["type"] == "server_error" and "secret" not in error["message"]
+    assert "secret" not in str(streamed.value) and "Traceback" not in str(streamed.value)
+    assert texts == expected                         # the others streamed to their correct end
+    assert httpx.get(thread.url + "/health").status_code == 200
+    assert state.loop.state == "running"
+    again = client.completions.create(model=MODEL, prompt=POISON, max_tokens=16, temperature=0)
+    assert again.choices[0].text == reference(bundled, POISON)
+    assert state.metrics.requests.labels("error")._value.get() == errors_before + 3
+    assert wait_until(lambda: state.loop.stats.blocks_used == 0)
+    state.engine.block_manager.check_consistency([])
+
+
+def test_the_engine_fails_one_request_and_finishes_the_rest(bundled):
+    model, tokenizer = bundled
+    engine = LLMEngine(model, num_blocks=64)
+    poison = tokenizer.encode(POISON)
+    original = engine.runner.execute
+
+    def execute(metadata):
+        if any(seq.prompt_token_ids == poison for seq in metadata.seqs):
+            raise RuntimeError("injected")
+        return original(metadata)
+
+    engine.runner.execute = execute
+    params = SamplingParams(max_new_tokens=16, eos_token_id=tokenizer.eos_token_id)
+    outputs = engine.generate([tokenizer.encode(GOOD[0]), poison, tokenizer.encode(GOOD[1])], params)
+    assert [o.finish_reason for o in outputs] == ["stop", "error", "stop"]
+    assert outputs[1].error == "RuntimeError: injected" and outputs[1].token_ids == []
+    assert [tokenizer.decode(o.token_ids) for o in (outputs[0], outputs[2])] == [reference(bundled, GOOD[0]),
+                                                                                reference(bundled, GOOD[1])]
+    assert engine.stats.blocks_used == 0
+    engine.block_manager.check_consistency([])
+
+
+def test_a_step_that_raises_fails_the_requests_in_it_and_the_loop_goes_on(bundled, server):
+    thread, state = server
+    engine, calls = state.engine, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a scheduler bug at /some/secret/path.py")
+        return type(engine).step(engine)
+
+    engine.step = step
+    try:
+        failed = httpx.post(thread.url + "/v1/completions", timeout=60,
+                            json={"model": MODEL, "prompt": GOOD[0], "max_tokens": 8, "temperature": 0})
+    finally:
+        del engine.step
+    error = assert_clean_error(failed, 500)
+    assert "secret" not in error["message"] and "RuntimeError" in error["message"]
+    assert httpx.get(thread.url + "/health").status_code == 200
+    ok = httpx.post(thread.url + "/v1/completions", timeout=60,
+                    json={"model": MODEL, "prompt": GOOD[0], "max_tokens": 16, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == reference(bundled, GOOD[0])
