@@ -31,7 +31,7 @@ from .device import check_fits, dtype_bytes, synchronize
 from .kv_cache import Cache
 from .model import Transformer, check_token_ids
 
-__all__ = ["GenerationResult", "TokenTimer", "is_int", "check_sampling", "check_capacity", "check_request",
+__all__ = ["GenerationResult", "TokenTimer", "is_int", "check_flag", "check_int", "check_sampling", "check_capacity", "check_request",
            "as_token_batch", "prefill", "decode_step", "probabilities", "sample_next", "new_generator", "trim_at_eos", "EagerSteps",
            "token_loop", "generate", "MIN_TEMPERATURE"]
 
@@ -98,6 +98,26 @@ class TokenTimer:
 def is_int(value) -> bool:
     """Whether value is an integer (a bool is not). Chapter 01."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_flag(name: str, value) -> bool:
+    """Returns value if it is True or False, else raises ValueError naming the option (so "no" never means yes).
+    Chapter 01."""
+    if value is not True and value is not False:
+        raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__}); pass a bool")
+    return value
+
+
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """Returns value if it is an integer (not a bool, a float or a string) within [minimum, maximum], else raises
+    ValueError naming the option and the range. Chapter 01."""
+    bounds = (f" >= {minimum}" if maximum is None else f" in {minimum}..{maximum}") if minimum is not None else \
+        (f" <= {maximum}" if maximum is not None else "")
+    if not is_int(value):
+        raise ValueError(f"{name} must be an integer{bounds}, got {value!r} ({type(value).__name__})")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be an integer{bounds}, got {value!r}")
+    return value
 
 
 def check_sampling(max_new_tokens: int = 1, temperature: float = 0.0, top_k: int | None = None,

@@ -189,3 +189,57 @@ def test_a_step_that_raises_fails_the_requests_in_it_and_the_loop_goes_on(bundle
     ok = httpx.post(thread.url + "/v1/completions", timeout=60,
                     json={"model": MODEL, "prompt": GOOD[0], "max_tokens": 16, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == reference(bundled, GOOD[0])
+
+
+# --- 4. strict types ----------------------------------------------------------------------------------------
+
+LAX = [  # (field, value): each is the wrong type for its field
+    ("max_tokens", "8"), ("max_tokens", True), ("max_tokens", 2.0), ("temperature", True), ("temperature", "0.5"),
+    ("top_k", "3"), ("top_k", 3.0), ("stream", "yes"), ("stream", 1), ("seed", "7"), ("seed", 7.5),
+    ("top_p", False), ("ignore_eos", "true"), ("prompt", [True, False]), ("prompt", 5), ("stop", 3),
+]
+
+
+@pytest.mark.parametrize("field,value", LAX, ids=[f"{f}={v!r}" for f, v in LAX])
+def test_wrong_types_are_refused_naming_the_field(server, field, value):
+    thread, state = server
+    steps = state.loop.stats.steps
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, field: value}
+    error = assert_clean_error(httpx.post(thread.url + "/v1/completions", json=body, timeout=30), 400)
+    assert error["param"] == field or error["param"].startswith(field + "."), error
+    assert repr(value) in error["message"] or field in error["message"]
+    assert state.loop.stats.steps == steps                        # refused before the engine saw it
+
+
+def test_wrong_types_in_chat_messages_are_refused(server):
+    thread, _ = server
+    for messages, param in (([{"role": "user", "content": 5}], "messages.0.content"),
+                            ([{"role": True, "content": "hi"}], "messages.0.role")):
+        response = httpx.post(thread.url + "/v1/chat/completions", timeout=30,
+                              json={"model": MODEL, "messages": messages})
+        assert assert_clean_error(response, 400)["param"] == param
+
+
+def test_integer_valued_numbers_still_work(server):
+    thread, _ = server
+    response = httpx.post(thread.url + "/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0, "top_p": 1})
+    assert response.status_code == 200, response.text
+
+
+def test_library_options_are_strict(bundled):
+    from llminfer.quant import quantize
+    model, _ = bundled
+    for kwargs, words in ((dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False"),
+                          (dict(chunked_prefill=1), "chunked_prefill must be True or False"),
+                          (dict(kv_memory_fraction=True), "kv_memory_fraction")):
+        with pytest.raises(ValueError, match=words):
+            LLMEngine(model, num_blocks=64, **kwargs)
+    weight = model.layers[0].attention.wq.weight.clone() if hasattr(model.layers[0], "attention") else None
+    with pytest.raises(ValueError, match="include_head must be True or False, got 'no'"):
+        quantize(model, "int8", include_head="no")
+    with pytest.raises(ValueError, match=r"group_size=32\.0 is not supported"):
+        quantize(model, "int4", group_size=32.0)
+    assert not getattr(model, "quantization", None)               # refused before any layer changed
+    if weight is not None:
+        assert model.layers[0].attention.wq.weight.equal(weight)

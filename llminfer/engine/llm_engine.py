@@ -33,7 +33,7 @@ import torch
 
 from ..costs import kv_cache_bytes
 from ..device import dtype_bytes, free_memory_bytes, synchronize
-from ..generate import check_request
+from ..generate import check_flag, check_request
 from ..generate import is_int as _is_int
 from .attention_metadata import AttentionMetadata
 from .block_manager import BlockManager
@@ -124,7 +124,8 @@ class LLMEngine:
         if not _is_int(max_model_len) or not 1 <= max_model_len <= cfg.max_seq_len:
             raise ValueError(f"max_model_len must lie in 1..{cfg.max_seq_len} (the model's max_seq_len), "
                              f"got {max_model_len!r}")
-        if not 0 < kv_memory_fraction <= 1:
+        if isinstance(kv_memory_fraction, bool) or not isinstance(kv_memory_fraction, numbers.Real) \
+                or not 0 < kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must lie in (0, 1], got {kv_memory_fraction}")
         per_block = kv_cache_bytes(cfg, block_size, dtype_bytes(model.dtype))     # one block's K/V, all layers
         one_request = -(-max_model_len // block_size)
@@ -151,8 +152,9 @@ class LLMEngine:
                                  f"positions is too small for one request of max_model_len={max_model_len}; pass "
                                  f"num_blocks >= {one_request}, or max_model_len <= {num_blocks * block_size}")
             self.pool_sizing = f"{num_blocks} blocks (given)"
-        if optimize is not False and optimize is not True:
-            raise ValueError(f"optimize must be True or False, got {optimize!r}")
+        for name, flag in (("optimize", optimize), ("enable_prefix_caching", enable_prefix_caching),
+                           ("chunked_prefill", chunked_prefill)):
+            check_flag(name, flag)
         if optimize:
             # chapter 08's decode path on a copy: fused q/k/v and gate/up, the native CPU kernels, and the
             # layer stack in one native call over the block tables (attention too, where layers run alone)

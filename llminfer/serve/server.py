@@ -238,6 +238,16 @@ def _sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+def _field_path(loc: tuple) -> str | None:
+    """'prompt' or 'messages.0.role' from a pydantic error location, without the union branch it tried
+    ('prompt.list[int].0' names the field 'prompt.0')."""
+    parts = [str(p) for p in loc if isinstance(p, int) or ("[" not in p and p not in _TYPE_TAGS)]
+    return ".".join(parts) or None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
 def _finish_reason(update: Update, text: IncrementalText) -> str:
     return "stop" if text.stopped else (update.finish_reason or "abort")
 
@@ -293,12 +303,16 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
             parsed = schema.model_validate(body)
         except ValidationError as exc:
             first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or None
+            where = _field_path(first["loc"])
             if first["type"] == "extra_forbidden":
                 raise APIError(f"Unrecognized request argument supplied: {where}", param=where) from None
             if first["type"] == "missing":
                 raise APIError(f"Missing required parameter: {where!r}", param=where) from None
-            raise APIError(f"Invalid value for {where!r}: {first['msg']} (got {first.get('input')!r})",
+            if where == "prompt":                 # a union: name what it may be, not the first branch tried
+                raise APIError(f"Invalid value for 'prompt': it must be a string, a list of strings, a list of "
+                               f"token ids (integers) or a list of such lists (got {body.get('prompt')!r:.200})",
+                               param=where) from None
+            raise APIError(f"Invalid value for {where!r}: {first['msg']} (got {first.get('input')!r:.200})",
                            param=where) from None
         state._check_model(parsed.model)
         check_sampling_fields(parsed)
