@@ -243,3 +243,52 @@ def test_library_options_are_strict(bundled):
     assert not getattr(model, "quantization", None)               # refused before any layer changed
     if weight is not None:
         assert model.layers[0].attention.wq.weight.equal(weight)
+
+
+# --- 5. OpenAI-style errors everywhere ----------------------------------------------------------------------
+
+def post_raw(url: str, raw: bytes) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=30)
+
+
+def test_malformed_nested_and_badly_encoded_bodies_get_400(server):
+    thread, _ = server
+    deep = b'{"model": "tiny-capitals", "prompt": "hi", "logit_bias": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    nested = {"model": MODEL, "prompt": "hi", "metadata": None}
+    inner: dict = {}
+    nested["response_format"] = inner
+    for _ in range(40):
+        inner["x"] = {}
+        inner = inner["x"]
+    cases = [
+        (b'{"model": "tiny-capitals", "prompt": ', "parse"),
+        (deep, "nested"),
+        (json.dumps(nested).encode(), "nests deeper"),
+        (b'{"model": "tiny-capitals", "prompt": "\\ud800 lone"}', "not valid Unicode"),
+        (b'{"model": "tiny-capitals", "prompt": "\xff\xfe bad bytes"}', "parse"),
+        (b'{"model": "tiny-capitals", "\\udc80": 1}', "not valid Unicode"),
+    ]
+    for raw, words in cases:
+        error = assert_clean_error(post_raw(thread.url, raw), 400)
+        assert words in error["message"], error
+    chat = httpx.post(thread.url + "/v1/chat/completions", timeout=30,
+                      content=b'{"model": "tiny-capitals", "messages": [{"role": "user", "content": "\\ud83d"}]}')
+    assert assert_clean_error(chat, 400)["param"] == "messages.0.content"
+    assert httpx.get(thread.url + "/health").status_code == 200
+
+
+def test_unknown_routes_and_methods_get_openai_errors(server):
+    thread, _ = server
+    assert assert_clean_error(httpx.get(thread.url + "/v1/nothing"), 404)["code"] == "not_found"
+    assert assert_clean_error(httpx.post(thread.url + "/v2/completions", json={}), 404)["code"] == "not_found"
+    assert assert_clean_error(httpx.get(thread.url + "/v1/completions"), 405)["code"] == "method_not_allowed"
+
+
+def test_get_one_model_by_id(server):
+    thread, state = server
+    client = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    assert assert_clean_error(httpx.get(thread.url + "/v1/models/gpt-9"), 404)["code"] == "model_not_found"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -30,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import Engine, LLMEngine, SamplingParams
 from .async_engine import EngineLoop, EngineUnavailable, QueueFull, RequestHandle, Update
@@ -41,6 +43,8 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check
 __all__ = ["ServeConfig", "OpenAIServer", "build_app", "ServerThread", "IncrementalText"]
 
 DEFAULT_HOST = "127.0.0.1"
+
+log = logging.getLogger("llminfer.serve")
 
 
 @dataclass
@@ -238,6 +242,34 @@ def _sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+MAX_JSON_DEPTH = 32      # objects and arrays inside one another; OpenAI requests need about 6
+
+
+def check_json_values(body) -> None:
+    """APIError (400) for JSON nested deeper than MAX_JSON_DEPTH or a string that is not valid Unicode (a lone
+    surrogate such as "\\ud800", which JSON allows but UTF-8 cannot encode). Chapter 11."""
+    stack = [(body, 1, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise APIError(f"the string at {where or 'the top level'} is not valid Unicode ({exc.reason} at "
+                               f"character {exc.start}); send UTF-8 text without lone surrogates",
+                               param=where or None) from None
+            continue
+        if isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise APIError(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels at {where}; a request "
+                               f"nests at most {MAX_JSON_DEPTH}", param=where.split(".")[0] or None)
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    stack.append((key, depth, where))
+                stack.append((item, depth + 1, f"{where}.{key}" if where else str(key)))
+
+
 def _field_path(loc: tuple) -> str | None:
     """'prompt' or 'messages.0.role' from a pydantic error location, without the union branch it tried
     ('prompt.list[int].0' names the field 'prompt.0')."""
@@ -290,6 +322,24 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
         state.metrics.rejected.labels("invalid").inc()
         return JSONResponse(error_body(f"invalid request: {exc.errors()[:1]}"), status_code=400)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = (f"Unknown route {request.method} {request.url.path}; this server has POST /v1/completions, "
+                       "POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics")
+            body = error_body(message, code="not_found")
+        elif exc.status_code == 405:
+            body = error_body(f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+        else:
+            body = error_body(str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _server_error(request, exc: Exception):
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body(f"the server failed on this request ({type(exc).__name__}); the server log "
+                                       "has the details", "server_error"), status_code=500)
+
     async def read_body(request: Request, schema):
         raw = await request.body()
         try:
@@ -297,8 +347,12 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(f"We could not parse the JSON body of your request ({exc}); send a JSON object "
                            "(Content-Type: application/json)") from None
+        except RecursionError:
+            raise APIError(f"the JSON body is nested too deeply to parse; a request nests at most {MAX_JSON_DEPTH} "
+                           "levels") from None
         if not isinstance(body, dict):
             raise APIError(f"the request body must be a JSON object, got a JSON {type(body).__name__}")
+        check_json_values(body)
         try:
             parsed = schema.model_validate(body)
         except ValidationError as exc:
@@ -328,11 +382,18 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    def model_card() -> dict:
+        return {"id": state.config.model_name, "object": "model", "created": state.created, "owned_by": "llminfer",
+                "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.config.model_name, "object": "model",
-                                            "created": state.created, "owned_by": "llminfer",
-                                            "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        state._check_model(model_id)
+        return model_card()
 
     async def run(request: Request, body, prompts: list[list[int]], chat: bool, received: float):
         max_tokens = body.max_tokens
