@@ -292,3 +292,118 @@ def test_get_one_model_by_id(server):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-9")
     assert assert_clean_error(httpx.get(thread.url + "/v1/models/gpt-9"), 404)["code"] == "model_not_found"
+
+
+# --- 2. limits ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tight(bundled):
+    """A server with small limits: 8 KiB bodies, 0.5 s for headers, 1 s for a body, 1 s idle, 4 connections."""
+    thread, state = make_server(bundled, max_request_bytes=8192, header_timeout_s=0.5, body_timeout_s=1.0,
+                                keep_alive_timeout_s=1.0, max_connections=4, max_queued_requests=4)
+    with thread:
+        yield thread, state
+
+
+def test_a_body_over_the_limit_gets_413(tight):
+    thread, state = tight
+    big = {"model": MODEL, "prompt": "x" * 10_000, "max_tokens": 2}
+    assert assert_clean_error(httpx.post(thread.url + "/v1/completions", json=big, timeout=30), 413)["code"] == \
+        "request_too_large"
+
+    def chunks():                         # no Content-Length: the limit is found while reading
+        yield b'{"model": "tiny-capitals", "prompt": "'
+        for _ in range(20):
+            yield b"y" * 1000
+        yield b'"}'
+    response = httpx.post(thread.url + "/v1/completions", content=chunks(), timeout=30,
+                          headers={"Content-Type": "application/json"})
+    assert_clean_error(response, 413)
+    assert httpx.get(thread.url + "/health").status_code == 200
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(server, monkeypatch):
+    thread, state = server
+    calls = []
+    encode = state.tokenizer.encode
+    monkeypatch.setattr(state.tokenizer, "encode", lambda *a, **k: calls.append(threading.current_thread().name)
+                        or encode(*a, **k))
+    text = "a" * (state.max_prompt_chars + 1)
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": text}),
+                       ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text}]})):
+        error = assert_clean_error(httpx.post(thread.url + path, json=body, timeout=30), 400)
+        assert error["code"] == "context_length_exceeded" and str(state.max_prompt_chars) in error["message"]
+    assert calls == []                    # never tokenized
+    ok = httpx.post(thread.url + "/v1/completions", json={"model": MODEL, "prompt": GOOD[0], "max_tokens": 2},
+                    timeout=30)
+    assert ok.status_code == 200
+    assert calls and all(name != "llminfer-http" for name in calls)      # tokenized off the event loop's thread
+    model, tokenizer = llminfer.load_pretrained(MODEL)
+    longest = max(len(t) for t in tokenizer.backend.get_vocab(with_added_tokens=True))
+    assert state.max_prompt_chars == 2 * state.max_model_len * longest
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """True if the server closes the connection (recv gives b'' or a reset) within seconds."""
+    sock.settimeout(seconds)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_slow_headers_slow_bodies_and_idle_connections_are_closed(tight):
+    thread, _ = tight
+    with socket.create_connection((thread.host, thread.port)) as slow_headers:
+        slow_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")       # and never the rest
+        assert closed_within(slow_headers, 5.0)
+    with socket.create_connection((thread.host, thread.port)) as dripping:
+        dripping.sendall(b"GET /health HTTP/1.1\r\n")
+        for _ in range(4):                                     # a header byte every 0.25 s: slower than 0.5 s total
+            time.sleep(0.25)
+            try:
+                dripping.sendall(b"X")
+            except OSError:
+                break
+        assert closed_within(dripping, 5.0)
+    with socket.create_connection((thread.host, thread.port)) as slow_body:
+        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"model\"")
+        assert closed_within(slow_body, 6.0)
+    with socket.create_connection((thread.host, thread.port)) as idle:
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        idle.settimeout(5.0)
+        assert idle.recv(65536).startswith(b"HTTP/1.1 200")
+        assert closed_within(idle, 5.0)                        # keep-alive, then idle past 1 s
+    assert httpx.get(thread.url + "/health").status_code == 200
+
+
+def test_connections_beyond_the_limit_get_503(tight):
+    thread, _ = tight
+    held = [socket.create_connection((thread.host, thread.port)) for _ in range(4)]
+    try:
+        time.sleep(0.1)
+        with socket.create_connection((thread.host, thread.port)) as extra:
+            extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            extra.settimeout(5.0)
+            assert extra.recv(65536).startswith(b"HTTP/1.1 503")
+    finally:
+        for sock in held:
+            sock.close()
+    assert wait_until(lambda: httpx.get(thread.url + "/health").status_code == 200)
+
+
+def test_more_prompts_than_the_queue_holds_is_400_not_429(tight):
+    thread, state = tight
+    response = httpx.post(thread.url + "/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": ["hi"] * 5, "max_tokens": 2})
+    error = assert_clean_error(response, 400)
+    assert error["code"] == "too_many_prompts" and "at most 4" in error["message"]
+    ok = httpx.post(thread.url + "/v1/completions", timeout=30,
+                    json={"model": MODEL, "prompt": ["hi"] * 4, "max_tokens": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 4

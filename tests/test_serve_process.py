@@ -47,6 +47,16 @@ def test_the_module_serves_the_bundled_model_on_loopback_and_stops():
     (["--host", "example.com"], "IP address"),
     (["--port", "70000"], "--port"),
     (["--max-queued-requests", "0"], "--max-queued-requests"),
+    (["--default-temperature", "nan"], "--default-temperature"),
+    (["--default-temperature", "1e-300"], "--default-temperature"),
+    (["--default-temperature", "3"], "--default-temperature"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--num-blocks", "-1"], "--num-blocks"),
+    (["--max-request-bytes", "10"], "--max-request-bytes"),
+    (["--header-timeout", "0"], "--header-timeout"),
+    (["--body-timeout", "inf"], "--body-timeout"),
+    (["--max-connections", "0"], "--max-connections"),
+    (["--port", "-1"], "--port"),
 ])
 def test_bad_command_lines_are_refused(argv, words, capsys):
     with pytest.raises(SystemExit):

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import sys
+
+from ..generate import MIN_TEMPERATURE
 
 __all__ = ["main", "parse_args", "build_server"]
 
@@ -37,6 +40,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds in-flight requests get at shutdown")
     p.add_argument("--default-temperature", type=float, default=1.0,
                    help="temperature for requests that leave it unset (the OpenAI API's default is 1)")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                   help="largest request body accepted; larger ones get HTTP 413")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers before its connection is closed")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's body once its headers are in")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0, help="seconds an idle connection stays open")
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="concurrent connections; more get HTTP 503")
     p.add_argument("--disaggregated", action="store_true",
                    help="prefill and decode in two worker processes, K/V shipped between them (chapter 12; CPU)")
     p.add_argument("--log-level", default="info")
@@ -50,10 +62,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--host must be an IP address (127.0.0.1 for this machine only), got {args.host!r}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
-    if args.max_queued_requests < 1:
-        p.error(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
-    if args.drain_timeout < 0:
-        p.error(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 1),
+                             ("--block-size", args.block_size, 1), ("--num-blocks", args.num_blocks, 1),
+                             ("--max-num-seqs", args.max_num_seqs, 1), ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+                             ("--max-request-bytes", args.max_request_bytes, 1024),
+                             ("--max-connections", args.max_connections, 1)):
+        if value is not None and value < low:
+            p.error(f"{flag} must be >= {low}, got {value}")
+    for flag, value, low in (("--drain-timeout", args.drain_timeout, 0.0),
+                             ("--header-timeout", args.header_timeout, 0.001),
+                             ("--body-timeout", args.body_timeout, 0.001),
+                             ("--keep-alive-timeout", args.keep_alive_timeout, 0.001)):
+        if not math.isfinite(value) or value < low:
+            p.error(f"{flag} must be a finite number of seconds >= {low:g}, got {value}")
+    t = args.default_temperature
+    if not math.isfinite(t) or not (t == 0 or MIN_TEMPERATURE <= t <= 2):
+        p.error(f"--default-temperature must be 0 (greedy) or lie in {MIN_TEMPERATURE:.3g}..2, got {t}")
     if args.disaggregated and args.device not in (None, "cpu"):
         p.error(f"--disaggregated runs both workers on the CPU, got --device {args.device}; drop --device")
     return args
@@ -81,6 +105,9 @@ def build_server(args: argparse.Namespace):
     config = ServeConfig(
         model_name=args.served_model_name or args.model, max_queued_requests=args.max_queued_requests,
         drain_timeout_s=args.drain_timeout, default_temperature=args.default_temperature, add_bos=add_bos,
+        max_request_bytes=args.max_request_bytes, header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+        max_connections=args.max_connections,
         engine_kwargs=dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enable_prefix_caching=not args.no_prefix_caching,
@@ -104,13 +131,15 @@ def build_server(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import uvicorn
+
+    from .limits import uvicorn_options
     app = build_server(args)
     state = app.state.server
     where = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "reachable from the network"
     print(f"llminfer: serving {state.config.model_name!r} on http://{args.host}:{args.port}/v1 ({where}); "
           f"{state.engine!r}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=max(1, int(round(args.drain_timeout))))
+                timeout_graceful_shutdown=max(1, int(round(args.drain_timeout))), **uvicorn_options(state.config))
     return 0
 
 

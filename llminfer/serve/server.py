@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import numbers
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -32,10 +34,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..engine import Engine, LLMEngine, SamplingParams
+from ..generate import check_flag, check_int, check_sampling
 from .async_engine import EngineLoop, EngineUnavailable, QueueFull, RequestHandle, Update
 from .chat import ChatTemplate, load_chat_template
+from .limits import uvicorn_options
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_sampling_fields, error_body,
                        new_id, now_s)
@@ -49,13 +54,40 @@ log = logging.getLogger("llminfer.serve")
 
 @dataclass
 class ServeConfig:
-    """How the server runs: its name for the model, queue bound, shutdown drain, default sampling. Chapter 11."""
+    """How the server runs: its name for the model, queue bound, shutdown drain, default sampling, and what one
+    request or connection may cost (body bytes, header/body/idle timeouts, connections). Chapter 11."""
     model_name: str = "tiny-capitals"
     max_queued_requests: int = 128
     drain_timeout_s: float = 10.0
     default_temperature: float = 1.0          # the OpenAI API's default when a request leaves it unset
     add_bos: bool = False                     # prepend the BOS token to text prompts (tokenizer_config.json)
     engine_kwargs: dict = field(default_factory=dict)
+    max_request_bytes: int = 4 * 2**20        # a larger body gets 413
+    header_timeout_s: float = 10.0            # a request's headers must arrive within this (slow clients are closed)
+    body_timeout_s: float = 30.0              # and its body within this once the headers are in
+    keep_alive_timeout_s: float = 5.0         # an idle keep-alive connection is closed after this
+    max_connections: int = 256                # more concurrent connections get 503 from uvicorn
+
+    def __post_init__(self):
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ValueError(f"model_name must be a non-empty string, got {self.model_name!r}")
+        check_int("max_queued_requests", self.max_queued_requests, 1)
+        check_int("max_request_bytes", self.max_request_bytes, 1024)
+        check_int("max_connections", self.max_connections, 1)
+        check_flag("add_bos", self.add_bos)
+        for name in ("drain_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            value = getattr(self, name)
+            low = 0 if name == "drain_timeout_s" else 0.001
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+                    or value < low:
+                raise ValueError(f"{name} must be a finite number of seconds >= {low}, got {value!r}")
+        try:
+            check_sampling(temperature=self.default_temperature)
+        except ValueError as exc:
+            raise ValueError(f"default_temperature: {exc}") from None
+        if self.default_temperature > 2:
+            raise ValueError(f"default_temperature must lie in 0..2, as a request's temperature must, "
+                             f"got {self.default_temperature!r}")
 
 
 class IncrementalText:
@@ -114,6 +146,9 @@ class OpenAIServer:
         self.loop.on_finish = self.metrics.on_finish
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.config.vocab_size
+        # No token spells more than longest_token characters, so a text longer than max_model_len of them (twice
+        # that, for normalizers that merge characters) cannot fit: it is refused before it is tokenized.
+        self.max_prompt_chars = 2 * self.max_model_len * longest_token_chars(tokenizer)
         self.created = now_s()
         self.clock = self.engine.clock
 
@@ -146,9 +181,16 @@ class OpenAIServer:
                            f"ids (0..{self.vocab_size - 1})", param="prompt")
         return list(ids)
 
+    def _check_text_length(self, text: str, where: str, param: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise APIError(f"{where} has {len(text)} characters, more than the {self.max_prompt_chars} that could fit "
+                           f"this model's maximum context length of {self.max_model_len} tokens; shorten it",
+                           param=param, code="context_length_exceeded")
+
     def _text_prompt(self, text: str, where: str, param: str = "prompt") -> list[int]:
         if text == "":
             raise APIError(f"{where} is empty; send some text", param=param)
+        self._check_text_length(text, where, param)
         ids = self.tokenizer.encode(text, add_bos=self.config.add_bos)
         if not ids:
             raise APIError(f"{where} tokenizes to no tokens; send some text", param=param)
@@ -180,6 +222,7 @@ class OpenAIServer:
             raise APIError(str(exc), param="messages") from None
         if text == "":
             raise APIError("the messages render to an empty prompt; send some text", param="messages")
+        self._check_text_length(text, "the rendered messages", "messages")
         ids = self.tokenizer.encode(text, allow_special=True)
         if not ids:
             raise APIError("the messages tokenize to no tokens; send some text", param="messages")
@@ -217,6 +260,10 @@ class OpenAIServer:
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestHandle]:
         """Hands every prompt to the engine loop; all or none (an error aborts those already added)."""
         handles: list[RequestHandle] = []
+        if len(prompts) > self.loop.max_queued_requests:     # could never be queued, however idle the server
+            raise APIError(f"the request holds {len(prompts)} prompts but this server queues at most "
+                           f"{self.loop.max_queued_requests} requests (max_queued_requests); send at most that many "
+                           "prompts per request", param="prompt", code="too_many_prompts")
         try:
             for prompt, p in zip(prompts, params):
                 handles.append(await self.loop.add_request(prompt, p))
@@ -268,6 +315,36 @@ def check_json_values(body) -> None:
                 if isinstance(key, str):
                     stack.append((key, depth, where))
                 stack.append((item, depth + 1, f"{where}.{key}" if where else str(key)))
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters any one token of the tokenizer spells (special tokens included); 64 if unknown."""
+    backend = getattr(tokenizer, "backend", None)
+    try:
+        return max(max(len(token) for token in backend.get_vocab(with_added_tokens=True)), 1)
+    except (AttributeError, TypeError, ValueError):
+        return 64
+
+
+async def read_limited(request: Request, limit: int) -> bytes:
+    """The request body, or APIError 413 as soon as it is known to exceed limit bytes (Content-Length, or the
+    bytes received so far). Chapter 11."""
+    too_large = APIError(f"the request body is larger than this server's limit of {limit} bytes "
+                         "(--max-request-bytes); send a smaller request", status_code=413,
+                         code="request_too_large", headers={"Connection": "close"})
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError("the client went away before its request body arrived", status_code=408) from None
+    return b"".join(chunks)
 
 
 def _field_path(loc: tuple) -> str | None:
@@ -341,7 +418,7 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
                                        "has the details", "server_error"), status_code=500)
 
     async def read_body(request: Request, schema):
-        raw = await request.body()
+        raw = await read_limited(request, state.config.max_request_bytes)
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -551,14 +628,14 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
     async def completions(request: Request):
         received = state.clock()
         body = await read_body(request, CompletionRequest)
-        prompts = state.completion_prompts(body)
+        prompts = await asyncio.to_thread(state.completion_prompts, body)     # tokenizing: off the event loop
         return await run(request, body, prompts, chat=False, received=received)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         received = state.clock()
         body = await read_body(request, ChatCompletionRequest)
-        prompt = state.chat_prompt(body)
+        prompt = await asyncio.to_thread(state.chat_prompt, body)
         return await run(request, body, [prompt], chat=True, received=received)
 
     return app
@@ -580,8 +657,9 @@ class ServerThread:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = self._sock.getsockname()[:2]
+        limits = uvicorn_options(app.state.server.config) if hasattr(app.state, "server") else {}
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=max(1, int(drain_timeout_s)),
-                                access_log=False, lifespan="on")
+                                access_log=False, lifespan="on", **limits)
         self.server = uvicorn.Server(config)
         self.app = app
         self._thread = threading.Thread(target=self._serve, name="llminfer-http", daemon=True)
