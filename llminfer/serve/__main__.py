@@ -64,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--threads must be >= 1, got {args.threads}")
     for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 1),
                              ("--block-size", args.block_size, 1), ("--num-blocks", args.num_blocks, 1),
-                             ("--max-num-seqs", args.max_num_seqs, 1), ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+                             ("--max-num-seqs", args.max_num_seqs, 1),
+                             ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
                              ("--max-request-bytes", args.max_request_bytes, 1024),
                              ("--max-connections", args.max_connections, 1)):
         if value is not None and value < low:
