@@ -407,3 +407,47 @@ def test_more_prompts_than_the_queue_holds_is_400_not_429(tight):
     ok = httpx.post(thread.url + "/v1/completions", timeout=30,
                     json={"model": MODEL, "prompt": ["hi"] * 4, "max_tokens": 2})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
+
+
+# --- 3. API keys --------------------------------------------------------------------------------------------
+
+def test_an_api_key_guards_every_v1_route_and_leaves_health_open(bundled):
+    thread, state = make_server(bundled, api_key="sk-test-123")
+    with thread:
+        url = thread.url
+        good = openai.OpenAI(base_url=url + "/v1", api_key="sk-test-123", max_retries=0, timeout=30)
+        bad = openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0, timeout=30)
+        assert good.completions.create(model=MODEL, prompt=GOOD[0], max_tokens=16, temperature=0).choices[0].text \
+            == reference(bundled, GOOD[0])
+        assert good.models.retrieve(MODEL).id == MODEL
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model=MODEL, prompt=GOOD[0], max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):
+            bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        for path in ("/v1/models", "/v1/models/" + MODEL, "/v1/anything"):
+            error = assert_clean_error(httpx.get(url + path), 401)
+            assert error["code"] == "invalid_api_key"
+        assert_clean_error(httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi"},
+                                      headers={"Authorization": "Bearer sk-test-1234"}), 401)
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/metrics").status_code == 200
+        assert state.metrics.rejected.labels("unauthorized")._value.get() >= 7
+    with pytest.raises(ValueError, match="api_key"):
+        ServeConfig(api_key="")
+
+
+def test_a_network_host_needs_a_key_or_an_explicit_opt_out(monkeypatch, capsys):
+    from llminfer.serve.__main__ import parse_args
+    monkeypatch.delenv("LLMINFER_API_KEY", raising=False)
+    with pytest.raises(SystemExit):
+        parse_args(["--host", "0.0.0.0"])
+    assert "--allow-unauthenticated" in capsys.readouterr().err
+    assert parse_args(["--host", "0.0.0.0", "--api-key", "k"]).api_key == "k"
+    assert parse_args(["--host", "0.0.0.0", "--allow-unauthenticated"]).api_key is None
+    assert parse_args(["--host", "127.0.0.2"]).api_key is None                 # loopback needs no key
+    monkeypatch.setenv("LLMINFER_API_KEY", "from-env")
+    assert parse_args(["--host", "0.0.0.0"]).api_key == "from-env"
+    with pytest.raises(SystemExit):
+        parse_args(["--api-key", " "])

@@ -1,6 +1,7 @@
 """`python -m llminfer.serve --model tiny-capitals --port 8000`: the OpenAI-compatible server. Chapter 11.
 
-It listens on 127.0.0.1 (this machine only) unless --host names another address. Ctrl-C (SIGINT) or
+It listens on 127.0.0.1 (this machine only) unless --host names another address, which needs an API key
+(--api-key or LLMINFER_API_KEY; clients send it as a Bearer token) or --allow-unauthenticated. Ctrl-C (SIGINT) or
 SIGTERM shuts it down gracefully: no new connections, in-flight requests finish for up to
 --drain-timeout seconds, the rest are aborted, then the engine stops.
 
@@ -13,11 +14,22 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import math
+import os
 import sys
 
 from ..generate import MIN_TEMPERATURE
 
-__all__ = ["main", "parse_args", "build_server"]
+__all__ = ["main", "parse_args", "build_server", "API_KEY_VARIABLE"]
+
+API_KEY_VARIABLE = "LLMINFER_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether host is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -27,6 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the server to the network")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="clients must send it as 'Authorization: Bearer <key>' on every /v1 route (default: the "
+                        f"{API_KEY_VARIABLE} variable, which keeps it out of the process list)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback --host without an API key (anyone who reaches it may use it)")
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--block-size", type=int, default=16)
@@ -60,6 +77,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError:
         if args.host != "localhost":
             p.error(f"--host must be an IP address (127.0.0.1 for this machine only), got {args.host!r}")
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_VARIABLE) or None
+    if args.api_key is not None and (not args.api_key.strip() or not args.api_key.isprintable()):
+        p.error("--api-key must be a non-empty printable string")
+    if not is_loopback(args.host) and args.api_key is None and not args.allow_unauthenticated:
+        p.error(f"--host {args.host} exposes the server to the network, but no API key is set: pass --api-key (or "
+                f"set {API_KEY_VARIABLE}), or --allow-unauthenticated to serve it open to anyone")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 1),
@@ -108,7 +132,7 @@ def build_server(args: argparse.Namespace):
         drain_timeout_s=args.drain_timeout, default_temperature=args.default_temperature, add_bos=add_bos,
         max_request_bytes=args.max_request_bytes, header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
-        max_connections=args.max_connections,
+        max_connections=args.max_connections, api_key=args.api_key,
         engine_kwargs=dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enable_prefix_caching=not args.no_prefix_caching,
@@ -136,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     from .limits import uvicorn_options
     app = build_server(args)
     state = app.state.server
-    where = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "reachable from the network"
+    where = "this machine only" if is_loopback(args.host) else "reachable from the network"
+    where += ", API key required" if args.api_key else ", no API key"
     print(f"llminfer: serving {state.config.model_name!r} on http://{args.host}:{args.port}/v1 ({where}); "
           f"{state.engine!r}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

@@ -96,7 +96,7 @@ class ServerMetrics:
                                     buckets=TTFT_BUCKETS, registry=r)
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(reason)
-        for reason in ("invalid", "queue_full", "unavailable"):
+        for reason in ("invalid", "queue_full", "unavailable", "unauthorized"):
             self.rejected.labels(reason)
 
     def on_step(self, num_new_tokens: int, stats) -> None:

@@ -7,7 +7,8 @@
 or from a shell, `python -m llminfer.serve --model tiny-capitals` (see __main__.py).
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events with
-`stream=true`, else one JSON body), GET /v1/models, /health and /metrics (Prometheus text).
+`stream=true`, else one JSON body), GET /v1/models and /v1/models/{id}, /health and /metrics (Prometheus text).
+With an API key (ServeConfig.api_key, `--api-key` or LLMINFER_API_KEY) every /v1 route wants it as a Bearer token.
 
 A request's path: parse and check the body (400 with an OpenAI error body if anything is wrong, before
 the engine sees it), render the chat template, tokenize, hand the token ids to the engine loop (429 if
@@ -19,6 +20,7 @@ engine's next step.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
@@ -45,7 +47,7 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_sampling_fields, error_body,
                        new_id, now_s)
 
-__all__ = ["ServeConfig", "OpenAIServer", "build_app", "ServerThread", "IncrementalText"]
+__all__ = ["ServeConfig", "OpenAIServer", "build_app", "ServerThread", "IncrementalText", "BearerAuth"]
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -67,6 +69,7 @@ class ServeConfig:
     body_timeout_s: float = 30.0              # and its body within this once the headers are in
     keep_alive_timeout_s: float = 5.0         # an idle keep-alive connection is closed after this
     max_connections: int = 256                # more concurrent connections get 503 from uvicorn
+    api_key: str | None = None                # if set, every /v1 route wants "Authorization: Bearer <api_key>"
 
     def __post_init__(self):
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -75,6 +78,9 @@ class ServeConfig:
         check_int("max_request_bytes", self.max_request_bytes, 1024)
         check_int("max_connections", self.max_connections, 1)
         check_flag("add_bos", self.add_bos)
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()
+                                         or not self.api_key.isprintable()):
+            raise ValueError("api_key must be a non-empty printable string, or None for no key")
         for name in ("drain_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
             value = getattr(self, name)
             low = 0 if name == "drain_timeout_s" else 0.001
@@ -88,6 +94,30 @@ class ServeConfig:
         if self.default_temperature > 2:
             raise ValueError(f"default_temperature must lie in 0..2, as a request's temperature must, "
                              f"got {self.default_temperature!r}")
+
+
+class BearerAuth:
+    """ASGI middleware: a /v1 request without "Authorization: Bearer <key>" gets an OpenAI-style 401; /health and
+    /metrics stay open (for probes and scrapers). Chapter 11."""
+
+    def __init__(self, app, api_key: str, on_refusal=None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.on_refusal = on_refusal
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                if self.on_refusal is not None:
+                    self.on_refusal()
+                message = ("Incorrect API key provided" if given else
+                           "You didn't provide an API key; send it as the header 'Authorization: Bearer <key>'")
+                response = JSONResponse(error_body(message, code="invalid_api_key"), status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class IncrementalText:
@@ -384,6 +414,9 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
 
     app = FastAPI(title="llminfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+    if state.config.api_key is not None:
+        app.add_middleware(BearerAuth, api_key=state.config.api_key,
+                           on_refusal=state.metrics.rejected.labels("unauthorized").inc)
 
     def error_response(exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
