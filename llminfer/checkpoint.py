@@ -36,6 +36,7 @@ from .tokenizer import Tokenizer
 
 __all__ = ["load_pretrained", "save_pretrained", "load_random", "resolve_device", "bundled_models", "model_folder",
            "HUB_TIMEOUT_S", "Checkpoint", "StoredTensor", "ReadTransform", "open_checkpoint", "check_layout",
+           "check_header_shapes",
            "read_model", "read_config", "load_tokenizer", "expected_shapes", "read_json_object"]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -315,7 +316,28 @@ def open_checkpoint(path_or_name: str | Path) -> Checkpoint:
     files = _weight_files(source)
     tensors = {_llminfer_name(name): StoredTensor(name, path, shape, stored)
                for name, (path, shape, stored) in _tensor_layout(files).items()}
-    return Checkpoint(source, config, tensors, "safetensors", extra)
+    checkpoint = Checkpoint(source, config, tensors, "safetensors", extra)
+    check_header_shapes(checkpoint)
+    return checkpoint
+
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def check_header_shapes(checkpoint: Checkpoint) -> None:
+    """Raises ValueError unless the config's layer count, vocabulary and width agree with the tensor table, from
+    the headers alone (before a model, even on meta, is built for a config that could be absurd). Chapter 00."""
+    config, by = checkpoint.config, checkpoint.described_by
+    layers = {int(m.group(1)) for m in map(_LAYER_INDEX.match, checkpoint.tensors) if m}
+    stored = max(layers) + 1 if layers else 0
+    if stored != config.n_layers:
+        raise ValueError(f"{by} gives {config.n_layers} layers (n_layers) but the checkpoint's tensors hold "
+                         f"{stored} (layers.0 .. layers.{stored - 1}); the weights and {by} do not belong together")
+    entry = checkpoint.tensors.get("embed_tokens.weight")
+    if entry is not None and tuple(entry.shape) != (config.vocab_size, config.dim):
+        raise ValueError(f"tensor {entry.name!r} has shape {tuple(entry.shape)} in the checkpoint but {by} implies "
+                         f"{(config.vocab_size, config.dim)} (vocab_size, dim); the weights and {by} do not belong "
+                         "together")
 
 
 def _open_gguf(path: Path) -> Checkpoint:
@@ -325,7 +347,9 @@ def _open_gguf(path: Path) -> Checkpoint:
     tensors = {names[name]: StoredTensor(name, path, entry.shape, entry.type_name, entry,
                                          rope_heads(header, config, name))
                for name, entry in header.tensors.items()}
-    return Checkpoint(path, config, tensors, "gguf", gguf_header=header)
+    checkpoint = Checkpoint(path, config, tensors, "gguf", gguf_header=header)
+    check_header_shapes(checkpoint)
+    return checkpoint
 
 
 class ReadTransform:

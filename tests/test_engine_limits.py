@@ -1,0 +1,102 @@
+"""Sizes checked by arithmetic before allocation: the KV pool, its blocks, and a config against its checkpoint."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import llminfer
+from llminfer import checkpoint as checkpoint_module
+from llminfer.checkpoint import model_folder
+from llminfer.costs import kv_cache_bytes
+from llminfer.engine import LLMEngine
+from llminfer.engine import llm_engine as llm_engine_module
+
+
+@pytest.fixture(scope="module")
+def model():
+    return llminfer.load_pretrained("tiny-capitals", load_tokenizer=False)[0]
+
+
+@pytest.fixture
+def nothing_allocated(monkeypatch):
+    """Fails the test if the engine builds its block manager or its pool."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("allocated before the size was checked")
+    monkeypatch.setattr(llm_engine_module, "BlockManager", refuse)
+    monkeypatch.setattr(llm_engine_module.PagedKVCache, "for_model", refuse)
+
+
+def test_a_huge_num_blocks_is_refused_by_arithmetic(model, nothing_allocated):
+    per_block = kv_cache_bytes(model.config, 16, 4)
+    with pytest.raises(MemoryError, match=rf"num_blocks=1000000000 blocks .*\({per_block} bytes of K/V a block.* "
+                                          r"GiB but only .* GiB is free .*pass a smaller num_blocks"):
+        LLMEngine(model, num_blocks=10**9)
+
+
+def test_block_bookkeeping_counts_too(model, nothing_allocated, monkeypatch):
+    free = 10**9
+    monkeypatch.setattr("llminfer.device.free_memory_bytes", lambda device: free)
+    blocks = free // llm_engine_module.BLOCK_BOOKKEEPING_BYTES           # the K/V would fit at 1 byte a block...
+    monkeypatch.setattr(llm_engine_module, "kv_cache_bytes", lambda *a: 1)
+    with pytest.raises(MemoryError, match=rf"the bookkeeping of num_blocks={blocks} blocks"):
+        LLMEngine(model, num_blocks=blocks)
+
+
+def test_a_block_larger_than_a_request_is_refused(model, nothing_allocated):
+    with pytest.raises(ValueError, match=r"block_size=1048576 is larger than a request can fill \(max_model_len="
+                                         r"128\); pass block_size <= 128"):
+        LLMEngine(model, block_size=2**20)
+
+
+def test_kv_cache_memory_sizes_the_pool(model):
+    per_block = kv_cache_bytes(model.config, 16, 4)
+    engine = LLMEngine(model, kv_cache_memory=20 * per_block + 5)
+    assert engine.num_blocks == 20 and engine.cache.nbytes == 20 * per_block
+    assert "kv_cache_memory" in engine.pool_sizing
+    with pytest.raises(ValueError, match=rf"too few for one request .*pass kv_cache_memory >= {8 * per_block}"):
+        LLMEngine(model, kv_cache_memory=per_block)
+    with pytest.raises(ValueError, match="not both"):
+        LLMEngine(model, kv_cache_memory=20 * per_block, num_blocks=20)
+    with pytest.raises(ValueError, match="kv_cache_memory must be an integer"):
+        LLMEngine(model, kv_cache_memory=1e6)
+
+
+def test_the_default_pool_is_what_max_num_seqs_requests_need_capped_by_free_memory(model, monkeypatch):
+    per_block = kv_cache_bytes(model.config, 16, 4)
+    one_request = 128 // 16
+    monkeypatch.setattr(llm_engine_module, "free_memory_bytes", lambda device: 1 << 34)
+    assert LLMEngine(model, max_num_seqs=3).num_blocks == 3 * one_request          # the need
+    free = 10 * one_request * per_block
+    monkeypatch.setattr(llm_engine_module, "free_memory_bytes", lambda device: free)
+    capped = LLMEngine(model, max_num_seqs=16, kv_memory_fraction=0.3)
+    assert capped.num_blocks == int(0.3 * free) // per_block < 16 * one_request  # the cap
+    floor = LLMEngine(model, max_num_seqs=16, kv_memory_fraction=0.01)
+    assert floor.num_blocks == one_request                                        # at least one full request
+
+
+def _folder_with_config(tmp_path, **changes):
+    source = model_folder("tiny-capitals")
+    folder = tmp_path / "model"
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("changes,words", [
+    (dict(num_hidden_layers=10**5), r"config.json gives 100000 layers \(n_layers\) but the checkpoint's tensors "
+                                    r"hold 4 \(layers.0 .. layers.3\)"),
+    (dict(vocab_size=10**7), r"'model.embed_tokens.weight' has shape \(1024, 128\) in the checkpoint but config.json "
+                             r"implies \(10000000, 128\)"),
+])
+def test_a_config_that_disagrees_with_its_tensors_is_refused_from_the_headers(tmp_path, monkeypatch, changes, words):
+    folder = _folder_with_config(tmp_path, **changes)
+
+    def refuse(config):
+        raise AssertionError("built a model for the config before checking it against the headers")
+    monkeypatch.setattr(checkpoint_module, "_meta_model", refuse)
+    with pytest.raises(ValueError, match=words):
+        llminfer.load_pretrained(folder)
