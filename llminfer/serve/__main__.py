@@ -15,11 +15,16 @@ import argparse
 import ipaddress
 import math
 import os
+import re
 import sys
 
 from ..generate import MIN_TEMPERATURE
 
-__all__ = ["main", "parse_args", "build_server", "API_KEY_VARIABLE"]
+# The server's default cap on the KV pool, as a share of free memory (the library's LLMEngine takes up to half):
+# a server shares its machine, and short requests need far less than max_num_seqs full-length ones.
+SERVE_KV_MEMORY_FRACTION = 0.05
+
+__all__ = ["main", "parse_args", "build_server", "API_KEY_VARIABLE", "SERVE_KV_MEMORY_FRACTION"]
 
 API_KEY_VARIABLE = "LLMINFER_API_KEY"
 
@@ -30,6 +35,17 @@ def is_loopback(host: str) -> bool:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _size(text: str) -> int:
+    """Bytes from '536870912', '512MiB', '2GiB' or '1.5GB' (argparse type of --kv-cache-memory)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not match or float(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size like 536870912, '512MiB' or '2GiB'")
+    unit = (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(match.group(1)) * scale)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: from free memory)")
+    p.add_argument("--kv-cache-memory", type=_size, default=None,
+                   help="KV pool size in bytes, e.g. 512MiB or 2GiB (default: what --max-num-seqs full-length "
+                        "requests need, at most --kv-memory-fraction of the free memory)")
+    p.add_argument("--kv-memory-fraction", type=float, default=SERVE_KV_MEMORY_FRACTION,
+                   help="with neither --num-blocks nor --kv-cache-memory, the largest share of free memory the KV "
+                        "pool takes")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -100,6 +122,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              ("--keep-alive-timeout", args.keep_alive_timeout, 0.001)):
         if not math.isfinite(value) or value < low:
             p.error(f"{flag} must be a finite number of seconds >= {low:g}, got {value}")
+    if not math.isfinite(args.kv_memory_fraction) or not 0 < args.kv_memory_fraction <= 1:
+        p.error(f"--kv-memory-fraction must lie in (0, 1], got {args.kv_memory_fraction}")
+    if args.kv_cache_memory is not None and args.num_blocks is not None:
+        p.error("pass --num-blocks or --kv-cache-memory, not both")
     t = args.default_temperature
     if not math.isfinite(t) or not (t == 0 or MIN_TEMPERATURE <= t <= 2):
         p.error(f"--default-temperature must be 0 (greedy) or lie in {MIN_TEMPERATURE:.3g}..2, got {t}")
@@ -134,6 +160,7 @@ def build_server(args: argparse.Namespace):
         body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
         max_connections=args.max_connections, api_key=args.api_key,
         engine_kwargs=dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                           kv_cache_memory=args.kv_cache_memory, kv_memory_fraction=args.kv_memory_fraction,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enable_prefix_caching=not args.no_prefix_caching,
                            chunked_prefill=not args.no_chunked_prefill))
@@ -164,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     where += ", API key required" if args.api_key else ", no API key"
     print(f"llminfer: serving {state.config.model_name!r} on http://{args.host}:{args.port}/v1 ({where}); "
           f"{state.engine!r}", file=sys.stderr, flush=True)
+    sizing = getattr(state.engine, "pool_sizing", None)
+    if sizing is not None:
+        print(f"llminfer: KV pool {state.engine.cache.nbytes / 2**20:.1f} MiB = {sizing}", file=sys.stderr,
+              flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=max(1, int(round(args.drain_timeout))), **uvicorn_options(state.config))
     return 0
