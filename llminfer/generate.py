@@ -31,13 +31,14 @@ from .device import check_fits, dtype_bytes, synchronize
 from .kv_cache import Cache
 from .model import Transformer, check_token_ids
 
-__all__ = ["GenerationResult", "TokenTimer", "is_int", "check_flag", "check_int", "check_sampling", "check_capacity", "check_request",
-           "as_token_batch", "prefill", "decode_step", "probabilities", "sample_next", "new_generator", "trim_at_eos", "EagerSteps",
-           "token_loop", "generate", "MIN_TEMPERATURE"]
+__all__ = ["GenerationResult", "TokenTimer", "is_int", "check_flag", "check_int", "check_sampling", "check_capacity",
+           "check_request", "as_token_batch", "prefill", "decode_step", "probabilities", "sample_next", "new_generator",
+           "trim_at_eos", "EagerSteps", "token_loop", "generate", "MIN_TEMPERATURE", "SEED_RANGE"]
 
 # The smallest temperature sampling takes: the smallest normal float32. Logits are divided by it in float32,
 # so a smaller one (1e-300, say) becomes 0 there and every logit turns into inf or nan.
 MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+SEED_RANGE = (-2**63, 2**64 - 1)          # what torch.Generator.manual_seed takes
 
 
 @dataclass
@@ -144,6 +145,9 @@ def check_sampling(max_new_tokens: int = 1, temperature: float = 0.0, top_k: int
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
     if seed is not None and not is_int(seed):
         raise ValueError(f"seed must be an integer or None, got {seed!r}")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ValueError(f"seed={seed} is outside the range a random generator takes, -2**63 .. 2**64 - 1; pass a "
+                         "smaller seed (or None)")
     if eos_token_id is None:
         return
     if not is_int(eos_token_id):

@@ -100,3 +100,63 @@ def test_a_config_that_disagrees_with_its_tensors_is_refused_from_the_headers(tm
     monkeypatch.setattr(checkpoint_module, "_meta_model", refuse)
     with pytest.raises(ValueError, match=words):
         llminfer.load_pretrained(folder)
+
+
+# --- checks at load and before sampling ---------------------------------------------------------------------
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    folder = _folder_with_config(tmp_path)
+    tokenizer = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_tokens(["<one-too-many>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"has 1025 ids but the model's vocabulary has 1024: ids 1024..1024 would "
+                                         r"index past its embedding"):
+        llminfer.load_pretrained(folder)
+    with pytest.warns(UserWarning, match=r"vocabulary of 1024 ids but its tokenizer spells only 1000; a generated "
+                                         r"id in 1000..1023 cannot be decoded"):
+        checkpoint_module.check_vocabularies(1000, 1024)
+
+
+def test_nan_weights_load_with_a_warning(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+    folder = _folder_with_config(tmp_path)
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name][3, 5] = float("nan")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"1 weight tensor\(s\) of model hold NaN or inf values "
+                                         r"\(layers.1.mlp.up_proj.weight\)"):
+        model, _ = llminfer.load_pretrained(folder)
+    assert torch.isnan(model.layers[1].mlp.up_proj.weight).any()
+
+
+def test_clean_weights_load_without_a_warning(recwarn):
+    llminfer.load_pretrained("tiny-capitals")
+    assert not [w for w in recwarn if "NaN" in str(w.message) or "vocabulary" in str(w.message)]
+
+
+def test_the_seed_range_is_named(model):
+    from llminfer.engine import SamplingParams
+    for seed in (2**64, -2**63 - 1):
+        with pytest.raises(ValueError, match=r"seed=-?\d+ is outside the range a random generator takes, "
+                                             r"-2\*\*63 .. 2\*\*64 - 1"):
+            llminfer.generate(model, [1, 5, 6], max_new_tokens=2, temperature=1.0, seed=seed)
+        with pytest.raises(ValueError, match="outside the range"):
+            SamplingParams(temperature=1.0, seed=seed)
+    assert len(llminfer.generate(model, [1, 5, 6], max_new_tokens=2, temperature=1.0, seed=2**64 - 1).token_ids) == 2
+
+
+def test_a_drafter_proposing_ids_outside_the_vocabulary_is_refused(model):
+    from llminfer import speculative
+
+    class Wild(speculative.Drafter):
+        name = "wild"
+
+        def propose(self, context_ids, k):
+            return [3, model.config.vocab_size + 7][:k]
+
+    with pytest.raises(ValueError, match=r"the drafter 'wild' proposed 1031 as guess 1, not a token id of the "
+                                         r"target \(0..1023\)"):
+        speculative.generate(model, [1, 5, 6], Wild(), num_speculative_tokens=2, max_new_tokens=8)

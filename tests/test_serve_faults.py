@@ -451,3 +451,41 @@ def test_a_network_host_needs_a_key_or_an_explicit_opt_out(monkeypatch, capsys):
     assert parse_args(["--host", "0.0.0.0"]).api_key == "from-env"
     with pytest.raises(SystemExit):
         parse_args(["--api-key", " "])
+
+
+# --- 8. smaller fixes ---------------------------------------------------------------------------------------
+
+def test_aborts_are_counted_in_metrics(server):
+    thread, state = server
+    aborts = state.metrics.requests.labels("abort")._value.get()
+    runner = state.engine.runner
+    original = runner.execute
+    runner.execute = lambda metadata: (time.sleep(0.01), original(metadata))[1]
+    try:
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", thread.url + "/v1/completions",
+                             json={"model": MODEL, "prompt": "I love", "max_tokens": 100, "temperature": 0,
+                                   "stream": True, "ignore_eos": True}) as response:
+                lines = response.iter_lines()
+                assert sum(1 for line, _ in zip(lines, range(4)) if line.startswith("data:")) >= 2
+        assert wait_until(lambda: state.metrics.requests.labels("abort")._value.get() == aborts + 1)
+    finally:
+        del runner.execute
+    text = httpx.get(thread.url + "/metrics").text
+    assert f'llminfer_requests_total{{finish_reason="abort"}} {aborts + 1:.1f}' in text
+
+
+@pytest.mark.parametrize("changes,words", [
+    (dict(default_temperature=float("nan")), "default_temperature"),
+    (dict(default_temperature=1e-300), "default_temperature"),
+    (dict(default_temperature=5.0), "default_temperature must lie in 0..2"),
+    (dict(max_queued_requests=0), "max_queued_requests must be an integer >= 1"),
+    (dict(max_request_bytes=2.5e6), "max_request_bytes must be an integer"),
+    (dict(header_timeout_s=0), "header_timeout_s must be a finite number"),
+    (dict(body_timeout_s=float("inf")), "body_timeout_s"),
+    (dict(max_connections=True), "max_connections must be an integer"),
+    (dict(add_bos="yes"), "add_bos must be True or False"),
+])
+def test_server_options_are_checked_when_made(changes, words):
+    with pytest.raises(ValueError, match=words):
+        ServeConfig(**changes)
