@@ -6,12 +6,13 @@ STAMP  := $(VENV)/.installed
 NB     := $(sort $(wildcard chapters/[0-9][0-9]_*.ipynb)) $(sort $(wildcard chapters/A[0-9]_*.ipynb))
 export PYTHONHASHSEED := 0
 
-.PHONY: lab test test-unit test-notebooks test-e2e notebooks bench bench-quick model model-smollm2 serve clean help
+.PHONY: lab test test-unit test-notebooks test-e2e test-soak notebooks bench bench-quick model model-smollm2 serve clean help
 
 help:
 	@echo "make lab        create .venv if needed and open JupyterLab on chapters/"
 	@echo "make test       unit tests + every notebook under nbval (strict)"
 	@echo "make test-e2e   the widgets in JupyterLab, driven in headless Chromium"
+	@echo "make test-soak  a bounded soak of the server: good, bad and leaving clients (under 5 minutes)"
 	@echo "make notebooks  re-execute and normalise the chapters (commits their outputs)"
 	@echo "make bench      the side-by-side benchmarks: prefill/decode/ceilings, then decode by precision"
 	@echo "                beside llama.cpp when llama_cpp is installed (writes data/benchmarks/)"
@@ -62,6 +63,9 @@ test: $(STAMP) $(SMOLLM2_STAMP)
 
 test-e2e: $(STAMP)
 	$(PY) -m pytest -q -m e2e tests/e2e
+
+test-soak: $(STAMP)
+	$(PY) -m pytest -q -m soak tests/test_serve_soak.py
 
 notebooks: $(STAMP)
 	$(PY) -m llminfer.notebooks $(NB)
