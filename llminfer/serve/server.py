@@ -356,24 +356,34 @@ def longest_token_chars(tokenizer) -> int:
         return 64
 
 
+DRAIN_BYTES = 16 * 2**20     # a body over the limit is read and dropped up to this, so its client gets the 413
+
+
 async def read_limited(request: Request, limit: int) -> bytes:
-    """The request body, or APIError 413 as soon as it is known to exceed limit bytes (Content-Length, or the
-    bytes received so far). Chapter 11."""
-    too_large = APIError(f"the request body is larger than this server's limit of {limit} bytes "
-                         "(--max-request-bytes); send a smaller request", status_code=413,
-                         code="request_too_large", headers={"Connection": "close"})
+    """The request body, or APIError 413 if it exceeds limit bytes. Chapter 11.
+
+    The excess is read and dropped (never kept) up to DRAIN_BYTES more, so that the client, still sending, reads
+    the 413 instead of a reset connection; a larger body (by Content-Length, or as it arrives) is answered at once
+    and its connection closed."""
+    def too_large(close: bool = False) -> APIError:
+        return APIError(f"the request body is larger than this server's limit of {limit} bytes "
+                        "(--max-request-bytes); send a smaller request", status_code=413, code="request_too_large",
+                        headers={"Connection": "close"} if close else None)
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
+    if declared.isdigit() and int(declared) > limit + DRAIN_BYTES:
+        raise too_large(close=True)
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+            if size > limit + DRAIN_BYTES:
+                raise too_large(close=True)
+            if size <= limit:
+                chunks.append(chunk)
     except ClientDisconnect:
         raise APIError("the client went away before its request body arrived", status_code=408) from None
+    if size > limit:
+        raise too_large()
     return b"".join(chunks)
 
 
