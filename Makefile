@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed
 NB     := $(sort $(wildcard chapters/[0-9][0-9]_*.ipynb)) $(sort $(wildcard chapters/A[0-9]_*.ipynb))
 export PYTHONHASHSEED := 0
 
-.PHONY: lab test test-unit test-notebooks test-e2e test-gpu notebooks bench bench-quick model model-smollm2 serve clean help
+.PHONY: lab test test-unit test-notebooks test-e2e test-gpu test-soak notebooks bench bench-quick model model-smollm2 \
+	serve clean help
 
 help:
 	@echo "make lab        create .venv if needed and open JupyterLab on chapters/"
@@ -14,6 +15,7 @@ help:
 	@echo "make test-e2e   the widgets in JupyterLab, driven in headless Chromium"
 	@echo "make test-gpu   on one NVIDIA GPU (< 10 min): pytest -m gpu, FlexAttention and CUDA-graph smoke tests,"
 	@echo "                every chapter under nbval on CUDA, bench --quick; one report folder in data/benchmarks/"
+	@echo "make test-soak  a bounded soak of the server: good, bad and leaving clients (under 5 minutes)"
 	@echo "make notebooks  re-execute and normalise the chapters (commits their outputs)"
 	@echo "make bench      the side-by-side benchmarks: prefill/decode/ceilings, then decode by precision"
 	@echo "                beside llama.cpp when llama_cpp is installed (writes data/benchmarks/)"
@@ -68,6 +70,9 @@ test-e2e: $(STAMP)
 GPU_ARGS ?=
 test-gpu: $(STAMP) $(SMOLLM2_STAMP)
 	$(PY) -m llminfer.bench.gpu_check $(GPU_ARGS)
+
+test-soak: $(STAMP)
+	$(PY) -m pytest -q -m soak tests/test_serve_soak.py
 
 notebooks: $(STAMP)
 	$(PY) -m llminfer.notebooks $(NB)

@@ -36,6 +36,7 @@ from .tokenizer import Tokenizer
 
 __all__ = ["load_pretrained", "save_pretrained", "load_random", "resolve_device", "bundled_models", "model_folder",
            "HUB_TIMEOUT_S", "Checkpoint", "StoredTensor", "ReadTransform", "open_checkpoint", "check_layout",
+           "check_header_shapes", "check_vocabularies", "warn_if_not_finite",
            "read_model", "read_config", "load_tokenizer", "expected_shapes", "read_json_object"]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -315,7 +316,28 @@ def open_checkpoint(path_or_name: str | Path) -> Checkpoint:
     files = _weight_files(source)
     tensors = {_llminfer_name(name): StoredTensor(name, path, shape, stored)
                for name, (path, shape, stored) in _tensor_layout(files).items()}
-    return Checkpoint(source, config, tensors, "safetensors", extra)
+    checkpoint = Checkpoint(source, config, tensors, "safetensors", extra)
+    check_header_shapes(checkpoint)
+    return checkpoint
+
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def check_header_shapes(checkpoint: Checkpoint) -> None:
+    """Raises ValueError unless the config's layer count, vocabulary and width agree with the tensor table, from
+    the headers alone (before a model, even on meta, is built for a config that could be absurd). Chapter 00."""
+    config, by = checkpoint.config, checkpoint.described_by
+    layers = {int(m.group(1)) for m in map(_LAYER_INDEX.match, checkpoint.tensors) if m}
+    stored = max(layers) + 1 if layers else 0
+    if stored != config.n_layers:
+        raise ValueError(f"{by} gives {config.n_layers} layers (n_layers) but the checkpoint's tensors hold "
+                         f"{stored} (layers.0 .. layers.{stored - 1}); the weights and {by} do not belong together")
+    entry = checkpoint.tensors.get("embed_tokens.weight")
+    if entry is not None and tuple(entry.shape) != (config.vocab_size, config.dim):
+        raise ValueError(f"tensor {entry.name!r} has shape {tuple(entry.shape)} in the checkpoint but {by} implies "
+                         f"{(config.vocab_size, config.dim)} (vocab_size, dim); the weights and {by} do not belong "
+                         "together")
 
 
 def _open_gguf(path: Path) -> Checkpoint:
@@ -325,7 +347,9 @@ def _open_gguf(path: Path) -> Checkpoint:
     tensors = {names[name]: StoredTensor(name, path, entry.shape, entry.type_name, entry,
                                          rope_heads(header, config, name))
                for name, entry in header.tensors.items()}
-    return Checkpoint(path, config, tensors, "gguf", gguf_header=header)
+    checkpoint = Checkpoint(path, config, tensors, "gguf", gguf_header=header)
+    check_header_shapes(checkpoint)
+    return checkpoint
 
 
 class ReadTransform:
@@ -594,13 +618,41 @@ def load_pretrained(path_or_name: str | Path, device: str | torch.device | None 
             if checkpoint.format != "gguf" or "holds no tokenizer" not in str(exc):
                 raise
             missing = exc
+    if tokenizer is not None:
+        check_vocabularies(tokenizer.vocab_size, checkpoint.config.vocab_size, checkpoint.name)
     if transform is None:
         check_fits(checkpoint.config.n_params() * dtype_bytes(dtype), device,
                    f"the weights of {checkpoint.name} in {dtype}")
     model = read_model(checkpoint, transform, device=device, dtype=dtype)
+    warn_if_not_finite(model, checkpoint.name)
     if missing is not None:
         warnings.warn(f"{missing}. The weights are loaded; the tokenizer returned is None", stacklevel=2)
     return model, tokenizer
+
+
+def check_vocabularies(tokenizer_size: int, model_size: int, name: str = "the model") -> None:
+    """Raises ValueError if the tokenizer has ids the model's embedding lacks; warns if the model has ids the
+    tokenizer cannot spell (a padded vocabulary: a sampled one fails to decode). Chapter 00."""
+    if tokenizer_size > model_size:
+        raise ValueError(f"the tokenizer of {name} has {tokenizer_size} ids but the model's vocabulary has "
+                         f"{model_size}: ids {model_size}..{tokenizer_size - 1} would index past its embedding; the "
+                         "tokenizer and the weights do not belong together")
+    if tokenizer_size < model_size:
+        warnings.warn(f"the model {name} has a vocabulary of {model_size} ids but its tokenizer spells only "
+                      f"{tokenizer_size}; a generated id in {tokenizer_size}..{model_size - 1} cannot be decoded "
+                      "(a padded vocabulary is normal, a wrong tokenizer is not)", stacklevel=3)
+
+
+def warn_if_not_finite(model: nn.Module, name: str = "the model") -> list[str]:
+    """The names of floating-point weights holding NaN or inf (one pass over the weights), with a warning if any.
+    Chapter 00."""
+    bad = [n for n, p in model.named_parameters()
+           if p.is_floating_point() and not p.is_meta and not bool(torch.isfinite(p).all())]
+    if bad:
+        warnings.warn(f"{len(bad)} weight tensor(s) of {name} hold NaN or inf values ({', '.join(bad[:3])}"
+                      f"{', ...' if len(bad) > 3 else ''}); its outputs will be NaN. Is the checkpoint damaged, or "
+                      "stored in a dtype too narrow for its values?", stacklevel=3)
+    return bad
 
 
 def _parse_size(size: int | str) -> int:

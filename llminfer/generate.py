@@ -31,13 +31,14 @@ from .device import check_fits, dtype_bytes, synchronize
 from .kv_cache import Cache
 from .model import Transformer, check_token_ids
 
-__all__ = ["GenerationResult", "TokenTimer", "is_int", "check_sampling", "check_capacity", "check_request",
-           "as_token_batch", "prefill", "decode_step", "probabilities", "sample_next", "new_generator", "trim_at_eos", "EagerSteps",
-           "token_loop", "generate", "MIN_TEMPERATURE"]
+__all__ = ["GenerationResult", "TokenTimer", "is_int", "check_flag", "check_int", "check_sampling", "check_capacity",
+           "check_request", "as_token_batch", "prefill", "decode_step", "probabilities", "sample_next", "new_generator",
+           "trim_at_eos", "EagerSteps", "token_loop", "generate", "MIN_TEMPERATURE", "SEED_RANGE"]
 
 # The smallest temperature sampling takes: the smallest normal float32. Logits are divided by it in float32,
 # so a smaller one (1e-300, say) becomes 0 there and every logit turns into inf or nan.
 MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+SEED_RANGE = (-2**63, 2**64 - 1)          # what torch.Generator.manual_seed takes
 
 
 @dataclass
@@ -100,6 +101,26 @@ def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def check_flag(name: str, value) -> bool:
+    """Returns value if it is True or False, else raises ValueError naming the option (so "no" never means yes).
+    Chapter 01."""
+    if value is not True and value is not False:
+        raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__}); pass a bool")
+    return value
+
+
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """Returns value if it is an integer (not a bool, a float or a string) within [minimum, maximum], else raises
+    ValueError naming the option and the range. Chapter 01."""
+    bounds = (f" >= {minimum}" if maximum is None else f" in {minimum}..{maximum}") if minimum is not None else \
+        (f" <= {maximum}" if maximum is not None else "")
+    if not is_int(value):
+        raise ValueError(f"{name} must be an integer{bounds}, got {value!r} ({type(value).__name__})")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be an integer{bounds}, got {value!r}")
+    return value
+
+
 def check_sampling(max_new_tokens: int = 1, temperature: float = 0.0, top_k: int | None = None,
                    top_p: float | None = None, seed: int | None = None, eos_token_id: int | None = None,
                    vocab_size: int | None = None) -> None:
@@ -124,6 +145,9 @@ def check_sampling(max_new_tokens: int = 1, temperature: float = 0.0, top_k: int
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
     if seed is not None and not is_int(seed):
         raise ValueError(f"seed must be an integer or None, got {seed!r}")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ValueError(f"seed={seed} is outside the range a random generator takes, -2**63 .. 2**64 - 1; pass a "
+                         "smaller seed (or None)")
     if eos_token_id is None:
         return
     if not is_int(eos_token_id):

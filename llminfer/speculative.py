@@ -515,6 +515,20 @@ def _check_k(num_speculative_tokens, max_seq_len: int) -> None:
 
 
 @torch.inference_mode()
+def _checked_drafts(drafter, drafts, vocab_size: int) -> list[int]:
+    """The drafter's guesses as ints, or ValueError naming the first that is not a token id of the target."""
+    out = []
+    for position, token in enumerate(drafts):
+        if isinstance(token, torch.Tensor) and token.numel() == 1 and not token.is_floating_point():
+            token = token.item()
+        if not is_int(token) or not 0 <= token < vocab_size:
+            raise ValueError(f"the drafter {getattr(drafter, 'name', type(drafter).__name__)!r} proposed {token!r} "
+                             f"as guess {position}, not a token id of the target (0..{vocab_size - 1}); a drafter "
+                             "must propose ids of the target's vocabulary")
+        out.append(int(token))
+    return out
+
+
 def generate(model: Transformer, input_ids, drafter: Drafter, num_speculative_tokens: int = 4,
              max_new_tokens: int = 16, temperature: float = 0.0, eos_token_id: int | None = None,
              seed: int | None = None, tokenizer=None) -> SpeculativeResult:
@@ -566,7 +580,7 @@ def generate(model: Transformer, input_ids, drafter: Drafter, num_speculative_to
             drafts, q = propose(context, k, temperature, generator)
         else:
             drafts, q = drafter.propose(context, k), None
-        drafts = [int(t) for t in drafts[:k]]
+        drafts = _checked_drafts(drafter, drafts[:k], model.config.vocab_size)
         if q is not None:
             q = q[:len(drafts)]
         synchronize(device)

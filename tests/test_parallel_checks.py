@@ -129,6 +129,12 @@ def test_workers_must_be_importable_and_arguments_sendable(no_processes):
         parallel.launch(parallel.workers.comm_worker, world_size=0)
 
 
+@pytest.mark.parametrize("threads", [0, -2, 1.5, "4", True])
+def test_bad_thread_counts_are_refused_before_starting(no_processes, threads):
+    with pytest.raises(ValueError, match=r"threads must be an integer >= 1, got"):
+        parallel.launch(parallel.workers.comm_worker, threads=threads)
+
+
 def test_fork_is_refused_as_a_start_method(monkeypatch):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ValueError, match="'fork' is refused"):

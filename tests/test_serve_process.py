@@ -41,12 +41,23 @@ def test_the_module_serves_the_bundled_model_on_loopback_and_stops():
         assert [m.id for m in client.models.list().data] == ["tiny-capitals"]
     assert server.process.returncode == 0                                 # SIGINT: a graceful exit
     assert "127.0.0.1" in server.log() and listening_addresses(server.port) == []
+    assert "KV pool 2.0 MiB = 64 blocks (given)" in server.log()          # the pool's size, said at start
 
 
 @pytest.mark.parametrize("argv,words", [
     (["--host", "example.com"], "IP address"),
     (["--port", "70000"], "--port"),
     (["--max-queued-requests", "0"], "--max-queued-requests"),
+    (["--default-temperature", "nan"], "--default-temperature"),
+    (["--default-temperature", "1e-300"], "--default-temperature"),
+    (["--default-temperature", "3"], "--default-temperature"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--num-blocks", "-1"], "--num-blocks"),
+    (["--max-request-bytes", "10"], "--max-request-bytes"),
+    (["--header-timeout", "0"], "--header-timeout"),
+    (["--body-timeout", "inf"], "--body-timeout"),
+    (["--max-connections", "0"], "--max-connections"),
+    (["--port", "-1"], "--port"),
 ])
 def test_bad_command_lines_are_refused(argv, words, capsys):
     with pytest.raises(SystemExit):
@@ -56,3 +67,23 @@ def test_bad_command_lines_are_refused(argv, words, capsys):
 
 def test_the_default_host_is_loopback():
     assert parse_args([]).host == "127.0.0.1"
+
+
+def test_the_servers_kv_pool_is_capped_at_a_small_share_of_free_memory(monkeypatch):
+    from llminfer.costs import kv_cache_bytes
+    from llminfer.serve.__main__ import SERVE_KV_MEMORY_FRACTION, build_server
+    free = 20 << 20
+    monkeypatch.setattr("llminfer.engine.llm_engine.free_memory_bytes", lambda device: free)
+    engine = build_server(parse_args(["--model", "tiny-capitals", "--max-num-seqs", "64"])).state.server.engine
+    per_block = kv_cache_bytes(engine.config, 16, 4)
+    assert engine.num_blocks == int(SERVE_KV_MEMORY_FRACTION * free) // per_block < 64 * 128 // 16    # the cap
+    assert f"{SERVE_KV_MEMORY_FRACTION:.0%} of the" in engine.pool_sizing
+    monkeypatch.setattr("llminfer.engine.llm_engine.free_memory_bytes", lambda device: 1 << 40)
+    engine = build_server(parse_args(["--model", "tiny-capitals", "--max-num-seqs", "3"])).state.server.engine
+    assert engine.num_blocks == 3 * (128 // 16)                          # no more than max_num_seqs requests need
+    engine = build_server(parse_args(["--model", "tiny-capitals", "--kv-cache-memory", "1MiB"])).state.server.engine
+    assert engine.num_blocks == 2**20 // per_block and "kv_cache_memory" in engine.pool_sizing
+    with pytest.raises(SystemExit):
+        parse_args(["--kv-cache-memory", "lots"])
+    with pytest.raises(SystemExit):
+        parse_args(["--kv-cache-memory", "1GiB", "--num-blocks", "8"])

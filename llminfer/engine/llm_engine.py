@@ -21,6 +21,7 @@ their blocks. `engine.trace` keeps what every step ran, for the scheduling chart
 """
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import time
@@ -31,9 +32,10 @@ from typing import Sequence as SequenceType
 import torch
 
 from ..costs import kv_cache_bytes
-from ..device import dtype_bytes, free_memory_bytes, synchronize
-from ..generate import check_request
+from ..device import check_fits, dtype_bytes, free_memory_bytes, synchronize
+from ..generate import check_flag, check_int, check_request
 from ..generate import is_int as _is_int
+from .attention_metadata import AttentionMetadata
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
@@ -44,6 +46,9 @@ from .sequence import RequestOutput, Sequence, SequenceStatus, StepOutput
 __all__ = ["LLMEngine", "EngineStats", "StepRecord"]
 
 KV_MEMORY_FRACTION = 0.5    # with num_blocks=None the pool takes at most this share of free memory
+BLOCK_BOOKKEEPING_BYTES = 512   # host memory per block: a Block object and its free-queue entry, in two managers
+
+log = logging.getLogger("llminfer.engine")
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,10 @@ class EngineStats:
 class LLMEngine:
     """Continuous batching over a paged KV cache with prefix caching, driven one step at a time. Chapter 05.
 
+    The KV pool: num_blocks blocks, or as many as kv_cache_memory bytes hold, or by default what max_num_seqs
+    requests of max_model_len positions use, capped at kv_memory_fraction of the free memory (`pool_sizing`
+    says which and why). Every size is checked by arithmetic before anything is allocated.
+
     optimize=True runs a copy of the model on chapter 08's decode path (`model_runner.optimized_copy`; the
     caller's model is not changed): fused projections and, on a CPU, the native kernels, an engine step over
     every scheduled sequence in one native call that reads K/V in place through the block tables."""
@@ -108,7 +117,8 @@ class LLMEngine:
                  max_num_batched_tokens: int = 512, policy: str = "continuous", enable_prefix_caching: bool = True,
                  chunked_prefill: bool = True, max_model_len: int | None = None,
                  kv_memory_fraction: float = KV_MEMORY_FRACTION, kernel: str | None = None,
-                 clock=time.perf_counter, trace_limit: int = 100_000, optimize: bool = False):
+                 clock=time.perf_counter, trace_limit: int = 100_000, optimize: bool = False,
+                 kv_cache_memory: int | None = None):
         cfg = model.config
         if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a positive power of two (1, 2, 4, 8, 16, ...), got {block_size!r}; "
@@ -123,14 +133,35 @@ class LLMEngine:
         if not _is_int(max_model_len) or not 1 <= max_model_len <= cfg.max_seq_len:
             raise ValueError(f"max_model_len must lie in 1..{cfg.max_seq_len} (the model's max_seq_len), "
                              f"got {max_model_len!r}")
-        if not 0 < kv_memory_fraction <= 1:
+        if isinstance(kv_memory_fraction, bool) or not isinstance(kv_memory_fraction, numbers.Real) \
+                or not 0 < kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must lie in (0, 1], got {kv_memory_fraction}")
+        largest_block = max(16, 1 << (max_model_len - 1).bit_length())        # max_model_len, up to a power of two
+        if block_size > largest_block:
+            raise ValueError(f"block_size={block_size} is larger than a request can fill (max_model_len="
+                             f"{max_model_len}); pass block_size <= {largest_block} (16 is the usual choice)")
         per_block = kv_cache_bytes(cfg, block_size, dtype_bytes(model.dtype))     # one block's K/V, all layers
         one_request = -(-max_model_len // block_size)
-        if num_blocks is None:
-            # as many blocks as the memory allows, but never more than max_num_seqs full-length requests use
+        if kv_cache_memory is not None:
+            if num_blocks is not None:
+                raise ValueError(f"pass num_blocks or kv_cache_memory, not both (got num_blocks={num_blocks!r}, "
+                                 f"kv_cache_memory={kv_cache_memory!r})")
+            check_int("kv_cache_memory", kv_cache_memory, 1)
+            num_blocks = kv_cache_memory // per_block
+            if num_blocks < one_request:
+                raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes hold {num_blocks} blocks of {per_block} "
+                                 f"bytes, too few for one request of max_model_len={max_model_len} ({one_request} "
+                                 f"blocks); pass kv_cache_memory >= {one_request * per_block}, or a smaller "
+                                 "max_model_len")
+            self.pool_sizing = (f"{num_blocks} blocks: the {kv_cache_memory / 2**20:.1f} MiB of kv_cache_memory "
+                                f"at {per_block} bytes a block")
+        elif num_blocks is None:
+            # what max_num_seqs full-length requests use, but no more than kv_memory_fraction of the free memory
+            # (and at least one full-length request where the free memory holds it)
             free = free_memory_bytes(model.device)
             affordable = int(kv_memory_fraction * free) // per_block
+            if affordable < one_request and one_request * per_block <= 0.8 * free:
+                affordable = one_request
             useful = max_num_seqs * one_request
             num_blocks = min(affordable, useful)
             self.pool_sizing = (f"{num_blocks} blocks: min({affordable} that {kv_memory_fraction:.0%} of the "
@@ -150,8 +181,17 @@ class LLMEngine:
                                  f"positions is too small for one request of max_model_len={max_model_len}; pass "
                                  f"num_blocks >= {one_request}, or max_model_len <= {num_blocks * block_size}")
             self.pool_sizing = f"{num_blocks} blocks (given)"
-        if optimize is not False and optimize is not True:
-            raise ValueError(f"optimize must be True or False, got {optimize!r}")
+        # the arithmetic before any allocation: the pool on the device, the block bookkeeping in host memory
+        check_fits(num_blocks * per_block, model.device,
+                   f"num_blocks={num_blocks} blocks × block_size={block_size} positions ({per_block} bytes of K/V a "
+                   f"block, {cfg.n_layers} layers)", fix="pass a smaller num_blocks or kv_cache_memory (or leave both "
+                   "unset to size the pool from free memory)")
+        check_fits(num_blocks * BLOCK_BOOKKEEPING_BYTES, "cpu",
+                   f"the bookkeeping of num_blocks={num_blocks} blocks ({BLOCK_BOOKKEEPING_BYTES} bytes each)",
+                   fix="pass a smaller num_blocks")
+        for name, flag in (("optimize", optimize), ("enable_prefix_caching", enable_prefix_caching),
+                           ("chunked_prefill", chunked_prefill)):
+            check_flag(name, flag)
         if optimize:
             # chapter 08's decode path on a copy: fused q/k/v and gate/up, the native CPU kernels, and the
             # layer stack in one native call over the block tables (attention too, where layers run alone)
@@ -354,7 +394,7 @@ class LLMEngine:
         if metadata is None:
             return []
         scheduled = self.clock()
-        tokens = self.runner.execute(metadata)
+        tokens = self._execute(metadata)
         self.scheduler.finish_step(metadata)
         if all(token is None for token in tokens):   # reading tokens back waited for the step; with none, wait here
             synchronize(self.model.device)           # so the step's end time includes its kernels
@@ -362,6 +402,11 @@ class LLMEngine:
         events, finished = [], []
         for seq, token in zip(metadata.seqs, tokens):
             if token is None:
+                continue
+            if isinstance(token, Exception):
+                self._fail(seq, token)
+                events.append(StepOutput(seq.request_id, None, True))
+                finished.append(seq.request_id)
                 continue
             done = seq.append_token(token, now)
             events.append(StepOutput(seq.request_id, token, done))
@@ -378,6 +423,43 @@ class LLMEngine:
                                      self.block_manager.num_used_blocks, len(running),
                                      sum(s.num_computed_tokens for s in running), scheduled - start, now - scheduled))
         return events
+
+    def _execute(self, metadata: AttentionMetadata) -> list:
+        """The step's token per scheduled sequence (None: prompt unfinished; an exception: that request failed).
+
+        When the batch raises, each sequence runs again alone, so that only the requests whose own forward or
+        sampling raises fail; rewriting a position's K/V writes the same values, so the rerun is exact."""
+        try:
+            return self.runner.execute(metadata)
+        except Exception as exc:            # a bug, or one request's values; KeyboardInterrupt still stops
+            if metadata.num_seqs == 1:
+                return [exc]
+        out: list = []
+        for i, seq in enumerate(metadata.seqs):
+            alone = AttentionMetadata(seqs=[seq], query_lens=[metadata.query_lens[i]],
+                                      context_lens=[metadata.context_lens[i]], block_tables=[metadata.block_tables[i]],
+                                      block_size=metadata.block_size,
+                                      sample=[metadata.sample[i]] if metadata.sample else [],
+                                      kinds=[metadata.kinds[i]] if metadata.kinds else [])
+            try:
+                out.extend(self.runner.execute(alone))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        """Finishes seq with finish_reason "error" and frees its blocks; the other requests go on."""
+        log.warning("request %d failed in step %d: %s: %s", seq.request_id, self._steps + 1, type(exc).__name__,
+                    exc, exc_info=exc)
+        bm = self.block_manager
+        for block_id in seq.block_table:    # K/V its failed step may have half-written: never reused from the cache
+            if bm.blocks[block_id].ref_count == 1:
+                bm._evict(bm.blocks[block_id])
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED_ERROR
+        seq.error = f"{type(exc).__name__}: {exc}"
+        del self._requests[seq.request_id]
+        self._finish(seq)
 
     @property
     def stats(self) -> EngineStats:

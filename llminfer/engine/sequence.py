@@ -27,16 +27,20 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"        # sampled its eos token
     FINISHED_LENGTH = "length"       # made max_new_tokens
     FINISHED_ABORTED = "abort"       # aborted by the caller
+    FINISHED_ERROR = "error"         # its step or its sampling raised; the other requests go on
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("stop", "length", "abort", "error")
 
 
 class StepOutput(NamedTuple):
-    """One token made by `LLMEngine.step()`: which request, which token, and whether it finished it."""
+    """One token made by `LLMEngine.step()`: which request, which token, and whether it finished it.
+
+    token_id is None, with finished True, for a request that failed in the step (its RequestOutput has
+    finish_reason "error" and the error)."""
     request_id: int
-    token_id: int
+    token_id: int | None
     finished: bool
 
 
@@ -52,8 +56,9 @@ class RequestOutput(GenerationResult):
     prompt_token_ids: list[int] = field(default_factory=list, repr=False)
     num_cached_tokens: int = 0
     preemptions: int = 0
-    finish_reason: str | None = None      # "stop", "length" or "abort" (None while running)
+    finish_reason: str | None = None      # "stop", "length", "abort" or "error" (None while running)
     queue_s: float = 0.0                  # arrival to first scheduled step
+    error: str | None = None              # with finish_reason "error": what was raised
 
     @property
     def finished(self) -> bool:
@@ -78,6 +83,7 @@ class Sequence:
         self.preemptions = 0
         self.first_scheduled_time: float | None = None
         self.token_times: list[float] = []
+        self.error: str | None = None                # set when its step or sampling raised (FINISHED_ERROR)
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator(device=device)
@@ -141,7 +147,7 @@ class Sequence:
             num_prompt_tokens=self.num_prompt_tokens, use_cache=True, request_id=self.request_id,
             prompt_token_ids=list(self.prompt_token_ids), num_cached_tokens=max(self.num_cached_tokens, 0),
             preemptions=self.preemptions, finish_reason=self.status.value if self.status.finished else None,
-            queue_s=queue)
+            queue_s=queue, error=self.error)
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.request_id}, {self.status.value}, prompt={self.num_prompt_tokens}, "

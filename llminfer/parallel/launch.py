@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..generate import check_int
 from .plan import LOOPBACK, check_backend, check_port, check_world_size, loopback_interface
 
 __all__ = ["WorkerContext", "WorkerError", "launch", "check_worker", "distributed_worker", "join_group",
@@ -169,6 +170,8 @@ def launch(worker, args: tuple = (), world_size: int = 2, backend: str | None = 
     backend = check_backend(backend, world_size)
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if threads is not None:
+        check_int("threads", threads, 1)          # before any process is started
     try:
         payload = pickle.dumps((worker, tuple(args)))
     except Exception as exc:

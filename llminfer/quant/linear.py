@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..generate import check_flag
 from ..kernels import cpu as native_cpu
 from .weights import check_scheme, quantize_tensor
 
@@ -382,6 +383,7 @@ def quantize(model: nn.Module, scheme: str = "int8", group_size: int | None = No
     output head in floating point. Everything is checked before any layer is touched.
     """
     bits = _parse_scheme(scheme)
+    check_flag("include_head", include_head)
     if bits == 8 and group_size is not None:
         raise ValueError(f"int8 uses one scale per output channel; got group_size={group_size}. "
                          "Pass group_size=None, or choose int4 for group-wise scales")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..generate import is_int
+
 __all__ = ["QuantizedTensor", "quantize_tensor", "dequantize", "qrange", "SUPPORTED_BITS", "SUPPORTED_GROUPS",
            "check_scheme"]
 
@@ -31,13 +33,13 @@ def qrange(bits: int, symmetric: bool) -> tuple[int, int]:
 
 def check_scheme(bits, group_size, in_features: int | None = None, granularity: str | None = None) -> None:
     """Raise ValueError, before any compute, for a bit width or group size that cannot be used. Chapter 08."""
-    if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
+    if not is_int(bits) or bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits!r} is not supported; choose one of {SUPPORTED_BITS} "
                          "(int8 per channel, int4/int3/int2 per group or per channel)")
     if granularity is not None and granularity not in ("tensor", "channel", "group"):
         raise ValueError(f"granularity={granularity!r} must be 'tensor', 'channel' or 'group'")
     if granularity == "group" or (granularity is None and group_size is not None):
-        if isinstance(group_size, bool) or group_size not in SUPPORTED_GROUPS[1:]:
+        if not is_int(group_size) or group_size not in SUPPORTED_GROUPS[1:]:
             raise ValueError(f"group_size={group_size!r} is not supported; choose one of "
                              f"{', '.join(map(str, SUPPORTED_GROUPS[1:]))}, or None for one scale per output channel")
         if in_features is not None and in_features % group_size:

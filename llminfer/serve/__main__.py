@@ -1,6 +1,7 @@
 """`python -m llminfer.serve --model tiny-capitals --port 8000`: the OpenAI-compatible server. Chapter 11.
 
-It listens on 127.0.0.1 (this machine only) unless --host names another address. Ctrl-C (SIGINT) or
+It listens on 127.0.0.1 (this machine only) unless --host names another address, which needs an API key
+(--api-key or LLMINFER_API_KEY; clients send it as a Bearer token) or --allow-unauthenticated. Ctrl-C (SIGINT) or
 SIGTERM shuts it down gracefully: no new connections, in-flight requests finish for up to
 --drain-timeout seconds, the rest are aborted, then the engine stops.
 
@@ -12,9 +13,39 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
+import os
+import re
 import sys
 
-__all__ = ["main", "parse_args", "build_server"]
+from ..generate import MIN_TEMPERATURE
+
+# The server's default cap on the KV pool, as a share of free memory (the library's LLMEngine takes up to half):
+# a server shares its machine, and short requests need far less than max_num_seqs full-length ones.
+SERVE_KV_MEMORY_FRACTION = 0.05
+
+__all__ = ["main", "parse_args", "build_server", "API_KEY_VARIABLE", "SERVE_KV_MEMORY_FRACTION"]
+
+API_KEY_VARIABLE = "LLMINFER_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether host is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _size(text: str) -> int:
+    """Bytes from '536870912', '512MiB', '2GiB' or '1.5GB' (argparse type of --kv-cache-memory)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not match or float(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size like 536870912, '512MiB' or '2GiB'")
+    unit = (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(match.group(1)) * scale)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,10 +55,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the server to the network")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="clients must send it as 'Authorization: Bearer <key>' on every /v1 route (default: the "
+                        f"{API_KEY_VARIABLE} variable, which keeps it out of the process list)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback --host without an API key (anyone who reaches it may use it)")
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: from free memory)")
+    p.add_argument("--kv-cache-memory", type=_size, default=None,
+                   help="KV pool size in bytes, e.g. 512MiB or 2GiB (default: what --max-num-seqs full-length "
+                        "requests need, at most --kv-memory-fraction of the free memory)")
+    p.add_argument("--kv-memory-fraction", type=float, default=SERVE_KV_MEMORY_FRACTION,
+                   help="with neither --num-blocks nor --kv-cache-memory, the largest share of free memory the KV "
+                        "pool takes")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -37,6 +79,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds in-flight requests get at shutdown")
     p.add_argument("--default-temperature", type=float, default=1.0,
                    help="temperature for requests that leave it unset (the OpenAI API's default is 1)")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                   help="largest request body accepted; larger ones get HTTP 413")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers before its connection is closed")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's body once its headers are in")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0, help="seconds an idle connection stays open")
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="concurrent connections; more get HTTP 503")
     p.add_argument("--disaggregated", action="store_true",
                    help="prefill and decode in two worker processes, K/V shipped between them (chapter 12; CPU)")
     p.add_argument("--log-level", default="info")
@@ -48,12 +99,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError:
         if args.host != "localhost":
             p.error(f"--host must be an IP address (127.0.0.1 for this machine only), got {args.host!r}")
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_VARIABLE) or None
+    if args.api_key is not None and (not args.api_key.strip() or not args.api_key.isprintable()):
+        p.error("--api-key must be a non-empty printable string")
+    if not is_loopback(args.host) and args.api_key is None and not args.allow_unauthenticated:
+        p.error(f"--host {args.host} exposes the server to the network, but no API key is set: pass --api-key (or "
+                f"set {API_KEY_VARIABLE}), or --allow-unauthenticated to serve it open to anyone")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
-    if args.max_queued_requests < 1:
-        p.error(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
-    if args.drain_timeout < 0:
-        p.error(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 1),
+                             ("--block-size", args.block_size, 1), ("--num-blocks", args.num_blocks, 1),
+                             ("--max-num-seqs", args.max_num_seqs, 1),
+                             ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+                             ("--max-request-bytes", args.max_request_bytes, 1024),
+                             ("--max-connections", args.max_connections, 1)):
+        if value is not None and value < low:
+            p.error(f"{flag} must be >= {low}, got {value}")
+    for flag, value, low in (("--drain-timeout", args.drain_timeout, 0.0),
+                             ("--header-timeout", args.header_timeout, 0.001),
+                             ("--body-timeout", args.body_timeout, 0.001),
+                             ("--keep-alive-timeout", args.keep_alive_timeout, 0.001)):
+        if not math.isfinite(value) or value < low:
+            p.error(f"{flag} must be a finite number of seconds >= {low:g}, got {value}")
+    if not math.isfinite(args.kv_memory_fraction) or not 0 < args.kv_memory_fraction <= 1:
+        p.error(f"--kv-memory-fraction must lie in (0, 1], got {args.kv_memory_fraction}")
+    if args.kv_cache_memory is not None and args.num_blocks is not None:
+        p.error("pass --num-blocks or --kv-cache-memory, not both")
+    t = args.default_temperature
+    if not math.isfinite(t) or not (t == 0 or MIN_TEMPERATURE <= t <= 2):
+        p.error(f"--default-temperature must be 0 (greedy) or lie in {MIN_TEMPERATURE:.3g}..2, got {t}")
     if args.disaggregated and args.device not in (None, "cpu"):
         p.error(f"--disaggregated runs both workers on the CPU, got --device {args.device}; drop --device")
     return args
@@ -81,7 +156,11 @@ def build_server(args: argparse.Namespace):
     config = ServeConfig(
         model_name=args.served_model_name or args.model, max_queued_requests=args.max_queued_requests,
         drain_timeout_s=args.drain_timeout, default_temperature=args.default_temperature, add_bos=add_bos,
+        max_request_bytes=args.max_request_bytes, header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+        max_connections=args.max_connections, api_key=args.api_key,
         engine_kwargs=dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                           kv_cache_memory=args.kv_cache_memory, kv_memory_fraction=args.kv_memory_fraction,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enable_prefix_caching=not args.no_prefix_caching,
                            chunked_prefill=not args.no_chunked_prefill))
@@ -104,13 +183,20 @@ def build_server(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import uvicorn
+
+    from .limits import uvicorn_options
     app = build_server(args)
     state = app.state.server
-    where = "this machine only" if args.host in ("127.0.0.1", "localhost", "::1") else "reachable from the network"
+    where = "this machine only" if is_loopback(args.host) else "reachable from the network"
+    where += ", API key required" if args.api_key else ", no API key"
     print(f"llminfer: serving {state.config.model_name!r} on http://{args.host}:{args.port}/v1 ({where}); "
           f"{state.engine!r}", file=sys.stderr, flush=True)
+    sizing = getattr(state.engine, "pool_sizing", None)
+    if sizing is not None:
+        print(f"llminfer: KV pool {state.engine.cache.nbytes / 2**20:.1f} MiB = {sizing}", file=sys.stderr,
+              flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=max(1, int(round(args.drain_timeout))))
+                timeout_graceful_shutdown=max(1, int(round(args.drain_timeout))), **uvicorn_options(state.config))
     return 0
 
 

@@ -21,6 +21,10 @@ What the loop guarantees:
 - **Abort within one step.** An abort is taken from the inbox before the next step runs, so the aborted
   request's KV blocks are back in the pool before the engine computes anything more.
   `abort_log` records, per abort, the engine's step count when it was asked for and when it was done.
+- **One request fails alone.** A request whose step or sampling raises finishes with an error (the engine
+  reruns the rest of its batch without it); if a whole step raises, the requests in the engine fail and the
+  loop goes on, unless MAX_FAILED_STEPS steps in a row raise. Clients hear the exception's type, never its
+  text or a traceback; the log has those.
 - **Clean shutdown.** `stop(drain_timeout_s)` refuses new requests, lets the running ones finish for up
   to that long, then aborts the rest (their handlers see finish_reason "abort") and ends the thread.
 """
@@ -28,16 +32,28 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
 from ..engine import Engine, RequestOutput, SamplingParams
 from ..engine.protocol import protocol_gaps
 
-__all__ = ["EngineLoop", "RequestHandle", "Update", "QueueFull", "EngineUnavailable", "AbortRecord"]
+__all__ = ["EngineLoop", "RequestHandle", "Update", "QueueFull", "EngineUnavailable", "AbortRecord",
+           "MAX_FAILED_STEPS"]
+
+log = logging.getLogger("llminfer.serve")
+
+MAX_FAILED_STEPS = 3     # this many engine steps in a row that raise put the loop in its failed state
+
+
+def client_message(exc: BaseException | str) -> str:
+    """What a client is told about an engine failure: the exception's type, never its text, paths or traceback."""
+    kind = exc if isinstance(exc, str) else type(exc).__name__
+    return (f"the server failed while generating this request ({kind}); other requests are not affected, "
+            "and the server log has the details")
 
 
 class QueueFull(RuntimeError):
@@ -53,10 +69,10 @@ class Update:
     """What one engine step made for one request: new token ids, and whether (and why) it finished."""
     token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None      # "stop" (eos), "length", "abort"; None while running
+    finish_reason: str | None = None      # "stop" (eos), "length", "abort", "error"; None while running
     output: RequestOutput | None = None   # the engine's record of the request, on the finishing update
     engine_time_s: float = 0.0            # the engine clock after the step that made these tokens
-    error: str | None = None              # set if the engine failed
+    error: str | None = None              # set if the engine failed on this request (a message for the client)
 
 
 @dataclass(frozen=True)
@@ -238,7 +254,9 @@ class EngineLoop:
                 if handle is None:
                     continue                   # already finished and delivered
                 was_running = self.engine.abort(request_id)
-                self.engine.pop_output(request_id)
+                output = self.engine.pop_output(request_id)
+                if self.on_finish is not None:
+                    self.on_finish(output)
                 self.stats = self.engine.stats
                 self.abort_log.append(AbortRecord(request_id, asked_at, self.steps, was_running,
                                                   self.stats.blocks_used))
@@ -249,7 +267,10 @@ class EngineLoop:
         if self.on_finish is not None:
             self.on_finish(output)
         if handle is not None:
-            self._deliver(handle, Update(tokens, True, output.finish_reason, output, now))
+            error = None
+            if output.finish_reason == "error":
+                error = client_message((output.error or "Exception").split(":")[0])
+            self._deliver(handle, Update(tokens, True, output.finish_reason, output, now, error))
 
     def _abort_everything(self, reason: str | None = None) -> None:
         for request_id in list(self._handles):
@@ -263,6 +284,7 @@ class EngineLoop:
         self.stats = self.engine.stats
 
     def _run(self) -> None:
+        failed_steps = 0
         try:
             while True:
                 self._wake.clear()
@@ -276,13 +298,24 @@ class EngineLoop:
                 if not self.engine.has_unfinished():
                     self._wake.wait(0.5)
                     continue
-                events = self.engine.step()
+                try:
+                    events = self.engine.step()
+                    failed_steps = 0
+                except Exception as exc:            # not one request's fault: those in the engine fail, not the loop
+                    failed_steps += 1
+                    log.error("engine step failed (%d in a row)", failed_steps, exc_info=exc)
+                    if failed_steps >= MAX_FAILED_STEPS:
+                        raise
+                    self._abort_everything(client_message(exc))
+                    continue
                 now = self.engine.clock()
                 self.steps += 1
                 made: dict[int, list[int]] = {}
                 finished = []
                 for event in events:
-                    made.setdefault(event.request_id, []).append(event.token_id)
+                    tokens = made.setdefault(event.request_id, [])
+                    if event.token_id is not None:
+                        tokens.append(event.token_id)
                     if event.finished:
                         finished.append(event.request_id)
                 for request_id in finished:
@@ -293,9 +326,10 @@ class EngineLoop:
                         self._deliver(handle, Update(tokens, False, None, None, now))
                 self.stats = self.engine.stats
                 if self.on_step is not None:
-                    self.on_step(len(events), self.stats)
-        except BaseException:                   # a bug or an out-of-memory: every waiting handler hears of it
-            self.error = traceback.format_exc(limit=4)
+                    self.on_step(sum(e.token_id is not None for e in events), self.stats)
+        except BaseException as exc:            # a bug or an out-of-memory: every waiting handler hears of it
+            log.critical("the engine loop failed", exc_info=exc)
+            self.error = f"it stopped after an internal error ({type(exc).__name__}; the server log has the details)"
             self.state = "failed"
             try:
                 self._abort_everything(self.error)

@@ -563,10 +563,15 @@ class DisaggregatedEngine:
         self._finished[seq.request_id] = seq
         self._num_finished += 1
 
-    def _record(self, request_id: int, token: int, when: float, finished: bool, events: list) -> None:
+    def _record(self, request_id: int, token: int | None, when: float, finished: bool, events: list) -> None:
         seq = self._tracked.get(request_id)
         if seq is None:
             return                                  # aborted meanwhile
+        if token is None:                           # its step failed in the decode worker: it alone finishes
+            seq.status, seq.error = SequenceStatus.FINISHED_ERROR, "the decode worker's step failed on it"
+            self._finish(self._tracked.pop(request_id))
+            events.append(StepOutput(request_id, None, True))
+            return
         done = seq.append_token(token, when)
         if done != finished:                        # pragma: no cover - the workers decide as the engine does
             raise WorkerError(f"request {request_id}: the worker says finished={finished}, its sequence {done}")

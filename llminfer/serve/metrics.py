@@ -13,7 +13,7 @@ mirror what vLLM exports, so the same dashboards read both:
 | `llminfer_prefix_cache_queries_total`, `..._hits_total` | counter | those positions, counted |
 | `llminfer_engine_steps_total`, `llminfer_preemptions_total` | counter | engine steps run; preemptions |
 | `llminfer_prompt_tokens_total`, `llminfer_generation_tokens_total` | counter | tokens in and out |
-| `llminfer_requests_total{finish_reason}` | counter | finished requests: stop, length, abort |
+| `llminfer_requests_total{finish_reason}` | counter | finished requests: stop, length, abort, error |
 | `llminfer_requests_rejected_total{reason}` | counter | refused: invalid, queue_full, unavailable |
 | `llminfer_time_to_first_token_seconds` | histogram | TTFT as the engine saw it |
 | `llminfer_inter_token_latency_seconds` | histogram | every gap between a request's tokens (ITL) |
@@ -94,9 +94,9 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.queue_time = Histogram("llminfer_request_queue_time_seconds", "Arrival to first scheduled step",
                                     buckets=TTFT_BUCKETS, registry=r)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(reason)
-        for reason in ("invalid", "queue_full", "unavailable"):
+        for reason in ("invalid", "queue_full", "unavailable", "unauthorized"):
             self.rejected.labels(reason)
 
     def on_step(self, num_new_tokens: int, stats) -> None:

@@ -55,14 +55,14 @@ def now_s() -> int:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
 
 
 class _Sampling(BaseModel):
     """The fields the two endpoints share."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     frequency_penalty: float | None = None
@@ -93,7 +93,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None

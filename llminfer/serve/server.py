@@ -7,7 +7,8 @@
 or from a shell, `python -m llminfer.serve --model tiny-capitals` (see __main__.py).
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events with
-`stream=true`, else one JSON body), GET /v1/models, /health and /metrics (Prometheus text).
+`stream=true`, else one JSON body), GET /v1/models and /v1/models/{id}, /health and /metrics (Prometheus text).
+With an API key (ServeConfig.api_key, `--api-key` or LLMINFER_API_KEY) every /v1 route wants it as a Bearer token.
 
 A request's path: parse and check the body (400 with an OpenAI error body if anything is wrong, before
 the engine sees it), render the chat template, tokenize, hand the token ids to the engine loop (429 if
@@ -19,7 +20,11 @@ engine's next step.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
+import math
+import numbers
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -30,28 +35,89 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..engine import Engine, LLMEngine, SamplingParams
+from ..generate import check_flag, check_int, check_sampling
 from .async_engine import EngineLoop, EngineUnavailable, QueueFull, RequestHandle, Update
 from .chat import ChatTemplate, load_chat_template
+from .limits import uvicorn_options
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_sampling_fields, error_body,
                        new_id, now_s)
 
-__all__ = ["ServeConfig", "OpenAIServer", "build_app", "ServerThread", "IncrementalText"]
+__all__ = ["ServeConfig", "OpenAIServer", "build_app", "ServerThread", "IncrementalText", "BearerAuth"]
 
 DEFAULT_HOST = "127.0.0.1"
+
+log = logging.getLogger("llminfer.serve")
 
 
 @dataclass
 class ServeConfig:
-    """How the server runs: its name for the model, queue bound, shutdown drain, default sampling. Chapter 11."""
+    """How the server runs: its name for the model, queue bound, shutdown drain, default sampling, and what one
+    request or connection may cost (body bytes, header/body/idle timeouts, connections). Chapter 11."""
     model_name: str = "tiny-capitals"
     max_queued_requests: int = 128
     drain_timeout_s: float = 10.0
     default_temperature: float = 1.0          # the OpenAI API's default when a request leaves it unset
     add_bos: bool = False                     # prepend the BOS token to text prompts (tokenizer_config.json)
     engine_kwargs: dict = field(default_factory=dict)
+    max_request_bytes: int = 4 * 2**20        # a larger body gets 413
+    header_timeout_s: float = 10.0            # a request's headers must arrive within this (slow clients are closed)
+    body_timeout_s: float = 30.0              # and its body within this once the headers are in
+    keep_alive_timeout_s: float = 5.0         # an idle keep-alive connection is closed after this
+    max_connections: int = 256                # more concurrent connections get 503 from uvicorn
+    api_key: str | None = None                # if set, every /v1 route wants "Authorization: Bearer <api_key>"
+
+    def __post_init__(self):
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ValueError(f"model_name must be a non-empty string, got {self.model_name!r}")
+        check_int("max_queued_requests", self.max_queued_requests, 1)
+        check_int("max_request_bytes", self.max_request_bytes, 1024)
+        check_int("max_connections", self.max_connections, 1)
+        check_flag("add_bos", self.add_bos)
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()
+                                         or not self.api_key.isprintable()):
+            raise ValueError("api_key must be a non-empty printable string, or None for no key")
+        for name in ("drain_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            value = getattr(self, name)
+            low = 0 if name == "drain_timeout_s" else 0.001
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+                    or value < low:
+                raise ValueError(f"{name} must be a finite number of seconds >= {low}, got {value!r}")
+        try:
+            check_sampling(temperature=self.default_temperature)
+        except ValueError as exc:
+            raise ValueError(f"default_temperature: {exc}") from None
+        if self.default_temperature > 2:
+            raise ValueError(f"default_temperature must lie in 0..2, as a request's temperature must, "
+                             f"got {self.default_temperature!r}")
+
+
+class BearerAuth:
+    """ASGI middleware: a /v1 request without "Authorization: Bearer <key>" gets an OpenAI-style 401; /health and
+    /metrics stay open (for probes and scrapers). Chapter 11."""
+
+    def __init__(self, app, api_key: str, on_refusal=None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.on_refusal = on_refusal
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                if self.on_refusal is not None:
+                    self.on_refusal()
+                message = ("Incorrect API key provided" if given else
+                           "You didn't provide an API key; send it as the header 'Authorization: Bearer <key>'")
+                response = JSONResponse(error_body(message, code="invalid_api_key"), status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class IncrementalText:
@@ -110,6 +176,9 @@ class OpenAIServer:
         self.loop.on_finish = self.metrics.on_finish
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.config.vocab_size
+        # No token spells more than longest_token characters, so a text longer than max_model_len of them (twice
+        # that, for normalizers that merge characters) cannot fit: it is refused before it is tokenized.
+        self.max_prompt_chars = 2 * self.max_model_len * longest_token_chars(tokenizer)
         self.created = now_s()
         self.clock = self.engine.clock
 
@@ -142,9 +211,16 @@ class OpenAIServer:
                            f"ids (0..{self.vocab_size - 1})", param="prompt")
         return list(ids)
 
+    def _check_text_length(self, text: str, where: str, param: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise APIError(f"{where} has {len(text)} characters, more than the {self.max_prompt_chars} that could fit "
+                           f"this model's maximum context length of {self.max_model_len} tokens; shorten it",
+                           param=param, code="context_length_exceeded")
+
     def _text_prompt(self, text: str, where: str, param: str = "prompt") -> list[int]:
         if text == "":
             raise APIError(f"{where} is empty; send some text", param=param)
+        self._check_text_length(text, where, param)
         ids = self.tokenizer.encode(text, add_bos=self.config.add_bos)
         if not ids:
             raise APIError(f"{where} tokenizes to no tokens; send some text", param=param)
@@ -176,6 +252,7 @@ class OpenAIServer:
             raise APIError(str(exc), param="messages") from None
         if text == "":
             raise APIError("the messages render to an empty prompt; send some text", param="messages")
+        self._check_text_length(text, "the rendered messages", "messages")
         ids = self.tokenizer.encode(text, allow_special=True)
         if not ids:
             raise APIError("the messages tokenize to no tokens; send some text", param="messages")
@@ -213,6 +290,10 @@ class OpenAIServer:
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestHandle]:
         """Hands every prompt to the engine loop; all or none (an error aborts those already added)."""
         handles: list[RequestHandle] = []
+        if len(prompts) > self.loop.max_queued_requests:     # could never be queued, however idle the server
+            raise APIError(f"the request holds {len(prompts)} prompts but this server queues at most "
+                           f"{self.loop.max_queued_requests} requests (max_queued_requests); send at most that many "
+                           "prompts per request", param="prompt", code="too_many_prompts")
         try:
             for prompt, p in zip(prompts, params):
                 handles.append(await self.loop.add_request(prompt, p))
@@ -236,6 +317,84 @@ class OpenAIServer:
 def _sse(payload: dict | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), allow_nan=False)
     return f"data: {data}\n\n"
+
+
+MAX_JSON_DEPTH = 32      # objects and arrays inside one another; OpenAI requests need about 6
+
+
+def check_json_values(body) -> None:
+    """APIError (400) for JSON nested deeper than MAX_JSON_DEPTH or a string that is not valid Unicode (a lone
+    surrogate such as "\\ud800", which JSON allows but UTF-8 cannot encode). Chapter 11."""
+    stack = [(body, 1, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise APIError(f"the string at {where or 'the top level'} is not valid Unicode ({exc.reason} at "
+                               f"character {exc.start}); send UTF-8 text without lone surrogates",
+                               param=where or None) from None
+            continue
+        if isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise APIError(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels at {where}; a request "
+                               f"nests at most {MAX_JSON_DEPTH}", param=where.split(".")[0] or None)
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    stack.append((key, depth, where))
+                stack.append((item, depth + 1, f"{where}.{key}" if where else str(key)))
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters any one token of the tokenizer spells (special tokens included); 64 if unknown."""
+    backend = getattr(tokenizer, "backend", None)
+    try:
+        return max(max(len(token) for token in backend.get_vocab(with_added_tokens=True)), 1)
+    except (AttributeError, TypeError, ValueError):
+        return 64
+
+
+DRAIN_BYTES = 16 * 2**20     # a body over the limit is read and dropped up to this, so its client gets the 413
+
+
+async def read_limited(request: Request, limit: int) -> bytes:
+    """The request body, or APIError 413 if it exceeds limit bytes. Chapter 11.
+
+    The excess is read and dropped (never kept) up to DRAIN_BYTES more, so that the client, still sending, reads
+    the 413 instead of a reset connection; a larger body (by Content-Length, or as it arrives) is answered at once
+    and its connection closed."""
+    def too_large(close: bool = False) -> APIError:
+        return APIError(f"the request body is larger than this server's limit of {limit} bytes "
+                        "(--max-request-bytes); send a smaller request", status_code=413, code="request_too_large",
+                        headers={"Connection": "close"} if close else None)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit + DRAIN_BYTES:
+        raise too_large(close=True)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit + DRAIN_BYTES:
+                raise too_large(close=True)
+            if size <= limit:
+                chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError("the client went away before its request body arrived", status_code=408) from None
+    if size > limit:
+        raise too_large()
+    return b"".join(chunks)
+
+
+def _field_path(loc: tuple) -> str | None:
+    """'prompt' or 'messages.0.role' from a pydantic error location, without the union branch it tried
+    ('prompt.list[int].0' names the field 'prompt.0')."""
+    parts = [str(p) for p in loc if isinstance(p, int) or ("[" not in p and p not in _TYPE_TAGS)]
+    return ".".join(parts) or None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
 def _finish_reason(update: Update, text: IncrementalText) -> str:
@@ -265,6 +424,9 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
 
     app = FastAPI(title="llminfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+    if state.config.api_key is not None:
+        app.add_middleware(BearerAuth, api_key=state.config.api_key,
+                           on_refusal=state.metrics.rejected.labels("unauthorized").inc)
 
     def error_response(exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
@@ -280,25 +442,51 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
         state.metrics.rejected.labels("invalid").inc()
         return JSONResponse(error_body(f"invalid request: {exc.errors()[:1]}"), status_code=400)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = (f"Unknown route {request.method} {request.url.path}; this server has POST /v1/completions, "
+                       "POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics")
+            body = error_body(message, code="not_found")
+        elif exc.status_code == 405:
+            body = error_body(f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+        else:
+            body = error_body(str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _server_error(request, exc: Exception):
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body(f"the server failed on this request ({type(exc).__name__}); the server log "
+                                       "has the details", "server_error"), status_code=500)
+
     async def read_body(request: Request, schema):
-        raw = await request.body()
+        raw = await read_limited(request, state.config.max_request_bytes)
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(f"We could not parse the JSON body of your request ({exc}); send a JSON object "
                            "(Content-Type: application/json)") from None
+        except RecursionError:
+            raise APIError(f"the JSON body is nested too deeply to parse; a request nests at most {MAX_JSON_DEPTH} "
+                           "levels") from None
         if not isinstance(body, dict):
             raise APIError(f"the request body must be a JSON object, got a JSON {type(body).__name__}")
+        check_json_values(body)
         try:
             parsed = schema.model_validate(body)
         except ValidationError as exc:
             first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or None
+            where = _field_path(first["loc"])
             if first["type"] == "extra_forbidden":
                 raise APIError(f"Unrecognized request argument supplied: {where}", param=where) from None
             if first["type"] == "missing":
                 raise APIError(f"Missing required parameter: {where!r}", param=where) from None
-            raise APIError(f"Invalid value for {where!r}: {first['msg']} (got {first.get('input')!r})",
+            if where == "prompt":                 # a union: name what it may be, not the first branch tried
+                raise APIError(f"Invalid value for 'prompt': it must be a string, a list of strings, a list of "
+                               f"token ids (integers) or a list of such lists (got {body.get('prompt')!r:.200})",
+                               param=where) from None
+            raise APIError(f"Invalid value for {where!r}: {first['msg']} (got {first.get('input')!r:.200})",
                            param=where) from None
         state._check_model(parsed.model)
         check_sampling_fields(parsed)
@@ -314,11 +502,18 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    def model_card() -> dict:
+        return {"id": state.config.model_name, "object": "model", "created": state.created, "owned_by": "llminfer",
+                "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.config.model_name, "object": "model",
-                                            "created": state.created, "owned_by": "llminfer",
-                                            "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        state._check_model(model_id)
+        return model_card()
 
     async def run(request: Request, body, prompts: list[list[int]], chat: bool, received: float):
         max_tokens = body.max_tokens
@@ -359,8 +554,9 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
             if body.return_timings:
                 choice["timings"] = _timings(handles[index], update_last, received, timings, state.clock())
             choices.append(choice)
-        if any(u.error for _, u, _, _ in results):
-            raise APIError(f"the engine failed: {results[0][1].error}", status_code=500, type="server_error")
+        errors = [u.error for _, u, _, _ in results if u.error]
+        if errors:
+            raise APIError(errors[0], status_code=500, type="server_error", code="engine_error")
         prompt_tokens = sum(len(p) for p in prompts)
         return {"id": response_id, "object": kind, "created": created, "model": state.config.model_name,
                 "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -438,11 +634,9 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
                 index, update = await queue.get()
                 if text_done[index]:
                     continue
-                if update.error is not None:
-                    yield _sse(error_body(f"the engine failed: {update.error}", "server_error"))
-                    text_done[index] = True
-                    finished += 1
-                    continue
+                if update.error is not None:          # this request failed: an error event, then the stream ends
+                    yield _sse(error_body(update.error, "server_error", code="engine_error"))
+                    return
                 counts[index] += len(update.token_ids)
                 delta = texts[index].add(update.token_ids, final=update.finished)
                 done = update.finished or texts[index].stopped
@@ -477,14 +671,14 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
     async def completions(request: Request):
         received = state.clock()
         body = await read_body(request, CompletionRequest)
-        prompts = state.completion_prompts(body)
+        prompts = await asyncio.to_thread(state.completion_prompts, body)     # tokenizing: off the event loop
         return await run(request, body, prompts, chat=False, received=received)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         received = state.clock()
         body = await read_body(request, ChatCompletionRequest)
-        prompt = state.chat_prompt(body)
+        prompt = await asyncio.to_thread(state.chat_prompt, body)
         return await run(request, body, [prompt], chat=True, received=received)
 
     return app
@@ -506,8 +700,9 @@ class ServerThread:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = self._sock.getsockname()[:2]
+        limits = uvicorn_options(app.state.server.config) if hasattr(app.state, "server") else {}
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=max(1, int(drain_timeout_s)),
-                                access_log=False, lifespan="on")
+                                access_log=False, lifespan="on", **limits)
         self.server = uvicorn.Server(config)
         self.app = app
         self._thread = threading.Thread(target=self._serve, name="llminfer-http", daemon=True)

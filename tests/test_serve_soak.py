@@ -1,0 +1,165 @@
+"""A bounded soak of the server (`make test-soak`, out of the default run): good requests at 80% of the peak rate
+measured at the start, mixed with bad requests and clients that leave mid-stream. Every good request must get
+llminfer.generate's greedy completion and no 5xx; afterwards the KV pool is empty and the RSS back near its
+baseline. LLMINFER_SOAK_S sets the soak's length (45 s by default)."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import random
+import statistics
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+import llminfer
+from llminfer.engine import LLMEngine
+from llminfer.serve.server import OpenAIServer, ServeConfig, ServerThread, build_app
+
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(290)]
+
+MODEL = "tiny-capitals"
+PROMPTS = ["The capital of France", "The capital of Japan", "I love", "What is the capital of Peru?",
+           "The sky is", "The capital of Spain", "The capital of Kenya", "The capital of Chile"]
+SOAK_S = float(os.environ.get("LLMINFER_SOAK_S", "45"))
+RSS_MARGIN = 64 * 2**20            # what the RSS may end above its baseline (allocator slack, not a leak)
+BAD_EVERY, LEAVE_EVERY = 4, 10     # one bad request per 4 good ones, one client that leaves per 10
+
+
+def bad_requests(url: str) -> list[tuple[str, dict, int]]:
+    """(name, httpx.post keyword arguments, expected status) for requests the server must refuse."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    return [
+        ("malformed json", dict(content=b'{"model": "tiny-capitals", "prompt": '), 400),
+        ("string max_tokens", dict(json={**body, "max_tokens": "8"}), 400),
+        ("boolean temperature", dict(json={**body, "temperature": True}), 400),
+        ("boolean prompt ids", dict(json={**body, "prompt": [True, False]}), 400),
+        ("tiny temperature", dict(json={**body, "temperature": 1e-300}), 400),
+        ("unknown model", dict(json={**body, "model": "gpt-9"}), 404),
+        ("too long for the context", dict(json={**body, "prompt": "a" * 50_000}), 400),
+        ("over the body limit", dict(json={**body, "prompt": "b" * 200_000}), 413),
+        ("lone surrogate", dict(content=b'{"model": "tiny-capitals", "prompt": "\\ud800"}'), 400),
+        ("deep nesting", dict(content=b'{"model": "tiny-capitals", "prompt": "hi", "stop": ' + b"[" * 5000
+                              + b"]" * 5000 + b"}"), 400),
+        ("token outside the vocabulary", dict(json={**body, "prompt": [5, 10**6]}), 400),
+    ]
+
+
+def rss() -> int:
+    gc.collect()
+    return psutil.Process().memory_info().rss
+
+
+def test_soak_good_bad_and_leaving_clients(capsys):
+    model, tokenizer = llminfer.load_pretrained(MODEL)
+    expected = {p: tokenizer.decode(llminfer.generate(model, tokenizer.encode(p), max_new_tokens=16,
+                                                      eos_token_id=tokenizer.eos_token_id).token_ids) for p in PROMPTS}
+    engine = LLMEngine(model, num_blocks=256, max_num_seqs=16, max_num_batched_tokens=512)
+    state = OpenAIServer(model, tokenizer, ServeConfig(model_name=MODEL, max_queued_requests=1024,
+                                                       max_request_bytes=100_000), engine=engine)
+    rng = random.Random(0)
+
+    async def good(client, prompt: str, stream: bool) -> tuple[str, float]:
+        start = time.perf_counter()
+        if stream:
+            chunks = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                                     stream=True)
+            text = "".join([c.choices[0].text async for c in chunks])
+        else:
+            text = (await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16,
+                                                    temperature=0)).choices[0].text
+        return text, time.perf_counter() - start
+
+    async def leave(http: httpx.AsyncClient, url: str) -> None:
+        async with http.stream("POST", url + "/v1/completions",
+                               json={"model": MODEL, "prompt": rng.choice(PROMPTS), "max_tokens": 64,
+                                     "temperature": 0, "stream": True, "ignore_eos": True}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    break                              # one event, then the client goes
+
+    async def main(url: str) -> dict:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        http = httpx.AsyncClient(timeout=120)
+        bad = bad_requests(url)
+        try:
+            for prompt in PROMPTS:                                           # warm up
+                assert (await good(client, prompt, False))[0] == expected[prompt]
+            # the peak: a closed loop of 16 clients, 64 requests
+            queue = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
+            start = time.perf_counter()
+
+            async def closed_loop():
+                while queue:
+                    prompt = queue.pop()
+                    assert (await good(client, prompt, True))[0] == expected[prompt]
+            await asyncio.gather(*(closed_loop() for _ in range(16)))
+            peak = 64 / (time.perf_counter() - start)
+            baseline_rss = rss()
+            rate = 0.8 * peak
+            # the soak: open-loop arrivals of good requests at 80% of the peak, with bad ones and leavers mixed in
+            tasks, kinds = [], []
+            t_next, deadline = time.perf_counter(), time.perf_counter() + SOAK_S
+            n = 0
+            while time.perf_counter() < deadline:
+                await asyncio.sleep(max(0.0, t_next - time.perf_counter()))
+                prompt = rng.choice(PROMPTS)
+                tasks.append(asyncio.ensure_future(good(client, prompt, stream=n % 2 == 0)))
+                kinds.append(("good", prompt))
+                n += 1
+                if n % BAD_EVERY == 0:
+                    name, kwargs, status = bad[(n // BAD_EVERY) % len(bad)]
+                    headers = {"Content-Type": "application/json"} if "content" in kwargs else {}
+                    tasks.append(asyncio.ensure_future(http.post(url + "/v1/completions", headers=headers,
+                                                                 **kwargs)))
+                    kinds.append(("bad", (name, status)))
+                if n % LEAVE_EVERY == 0:
+                    tasks.append(asyncio.ensure_future(leave(http, url)))
+                    kinds.append(("leave", None))
+                t_next += rng.expovariate(rate)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            return dict(peak=peak, rate=rate, baseline_rss=baseline_rss, results=list(zip(kinds, results)),
+                        elapsed=SOAK_S)
+        finally:
+            await client.close()
+            await http.aclose()
+
+    with ServerThread(build_app(server=state), drain_timeout_s=2.0) as thread:
+        out = asyncio.run(main(thread.url))
+        deadline = time.monotonic() + 30
+        while (state.loop.stats.blocks_used or state.loop.stats.num_running or state.loop.stats.num_waiting) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = state.loop.stats
+        after_rss = rss()
+        assert httpx.get(thread.url + "/health").status_code == 200
+        metrics = httpx.get(thread.url + "/metrics").text
+
+    goods = [(prompt, r) for (kind, prompt), r in out["results"] if kind == "good"]
+    failures = [(prompt, r) for prompt, r in goods if isinstance(r, BaseException) or r[0] != expected[prompt]]
+    bads = [(what, r) for (kind, what), r in out["results"] if kind == "bad"]
+    wrong_status = [(name, status, getattr(r, "status_code", repr(r))) for (name, status), r in bads
+                    if isinstance(r, BaseException) or r.status_code != status]
+    leaver_errors = [r for (kind, _), r in out["results"] if kind == "leave" and isinstance(r, BaseException)]
+    latencies = sorted(r[1] for _, r in goods if not isinstance(r, BaseException))
+    with capsys.disabled():
+        print(f"\nsoak: peak {out['peak']:.1f} req/s, offered {out['rate']:.1f} good req/s for {out['elapsed']:.0f} s; "
+              f"{len(goods)} good ({len(failures)} wrong or failed), {len(bads)} bad ({len(wrong_status)} with the "
+              f"wrong status), {sum(k == 'leave' for (k, _), _ in out['results'])} left mid-stream; good latency "
+              f"p50 {statistics.median(latencies):.3f} s, p90 {latencies[int(0.9 * len(latencies))]:.3f} s; "
+              f"KV blocks used after {stats.blocks_used}/{stats.num_blocks}; RSS {out['baseline_rss'] / 2**20:.0f} "
+              f"-> {after_rss / 2**20:.0f} MiB")
+    assert not failures, failures[:3]
+    assert not wrong_status, wrong_status[:3]
+    assert not leaver_errors, leaver_errors[:3]
+    assert 'finish_reason="error"} 0.0' in metrics                      # no request failed in the engine
+    assert stats.blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
+    engine.block_manager.check_consistency([])
+    assert after_rss <= out["baseline_rss"] + RSS_MARGIN, (out["baseline_rss"], after_rss)
+    assert len(goods) >= 0.5 * out["rate"] * SOAK_S                     # the load was really offered
+    json.dumps({"peak": out["peak"]})                                  # figures are plain numbers
