@@ -16,6 +16,9 @@ import sys
 
 __all__ = ["main", "parse_args", "build_server"]
 
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m llminfer.serve", description=__doc__.splitlines()[0],
@@ -26,6 +29,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
+                   help="weights and KV cache dtype (default: float32, the book's default)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output a request may have (default: the model's context length)")
+    p.add_argument("--no-optimize", action="store_true",
+                   help="run the model as written instead of the fast path (fused projections, native kernels)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: from free memory)")
     p.add_argument("--max-num-seqs", type=int, default=16)
@@ -48,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError:
         if args.host != "localhost":
             p.error(f"--host must be an IP address (127.0.0.1 for this machine only), got {args.host!r}")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        p.error(f"--max-model-len must be >= 1, got {args.max_model_len}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     if args.max_queued_requests < 1:
@@ -70,7 +81,9 @@ def build_server(args: argparse.Namespace):
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    model, tokenizer = llminfer.load_pretrained(args.model, device="cpu" if args.disaggregated else args.device)
+    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+    model, tokenizer = llminfer.load_pretrained(args.model, device="cpu" if args.disaggregated else args.device,
+                                                dtype=dtype)
     folder = model_folder(args.model)
     add_bos = False
     try:
@@ -84,14 +97,17 @@ def build_server(args: argparse.Namespace):
         engine_kwargs=dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enable_prefix_caching=not args.no_prefix_caching,
-                           chunked_prefill=not args.no_chunked_prefill))
+                           chunked_prefill=not args.no_chunked_prefill, max_model_len=args.max_model_len,
+                           optimize=not args.no_optimize))
     if not args.disaggregated:
         return build_app(model, tokenizer, config, model_folder=folder)
     from .disagg import DisaggregatedEngine, ModelSpec
     from .server import OpenAIServer
     del model                                  # the workers load their own copies
     threads = args.threads or 1
-    pair = DisaggregatedEngine(ModelSpec(name=args.model), config.engine_kwargs, prefill_threads=threads,
+    decode_kwargs = {k: v for k, v in config.engine_kwargs.items() if k != "optimize"}   # workers run as written
+    pair = DisaggregatedEngine(ModelSpec(name=args.model, dtype=_DTYPES[args.dtype or "float32"]), decode_kwargs,
+                               prefill_threads=threads,
                                decode_threads=threads).start()
     try:
         server = OpenAIServer(None, tokenizer, config, engine=pair, model_folder=folder, close_engine=True)
