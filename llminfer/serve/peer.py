@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -36,7 +37,7 @@ from ..engine.latency import percentiles
 from .bench import RequestRecord, _finite, run_benchmark, workload_requests
 from .process import LOOPBACK, ServerProcess, free_port
 
-__all__ = ["ROOT", "vllm_python", "peer_checkpoint", "process_tree_rss", "RSSSampler", "VLLMProcess",
+__all__ = ["ROOT", "cpu_slug", "vllm_python", "peer_checkpoint", "process_tree_rss", "RSSSampler", "VLLMProcess",
            "round_order", "aggregate", "ratios", "compare", "plot_comparison", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]          # the repository: .venv-vllm and build/ live here
@@ -231,6 +232,14 @@ class VLLMProcess:
 
 # --- the plan and the figures ---------------------------------------------------------------------------------
 
+def cpu_slug(model: str, flags) -> str:
+    """The report's file name part for a CPU, as the other benchmarks name theirs: 'cpu-amd-epyc', '-avx512' added
+    where it has AVX-512 (CPUs sold under one name come with and without it)."""
+    name = re.sub(r"\(r\)|\(tm\)|processor|\d+-core|cpu @.*", "", "cpu " + model.lower())
+    slug = re.sub(r"[^a-z0-9]+", "-", name).strip("-").replace("cpu-cpu", "cpu")
+    return f"{slug}-avx512" if "avx512f" in flags else slug
+
+
 def round_order(servers: tuple[str, ...] | list[str], rounds: int) -> list[list[str]]:
     """The order the servers run in, per round: as given in even rounds, reversed in odd ones. Chapter 11."""
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
@@ -353,7 +362,6 @@ def compare(dtypes=("float32", "bfloat16"), concurrency=(1, 4, 8, 16), num_promp
     """Runs the comparison (see the module's docstring); returns the JSON-ready report. Chapter 11."""
     import torch
 
-    from ..bench.report import device_slug
     from ..costs import kv_cache_bytes
     from ..device import cpu_capabilities, dtype_bytes
     from ..timing import load_per_core
@@ -379,7 +387,7 @@ def compare(dtypes=("float32", "bfloat16"), concurrency=(1, 4, 8, 16), num_promp
     log_dir = ROOT / "build" / "peer"
     log_dir.mkdir(parents=True, exist_ok=True)
     report = {"machine": {"cpu": cpu.model, "isa_level": cpu.isa_level, "logical_cpus": cpu.logical_cpus,
-                          "slug": device_slug(torch.device("cpu")) + ("-avx512" if "avx512f" in cpu.flags else ""),
+                          "slug": cpu_slug(cpu.model, cpu.flags),
                           "load_per_core_before": load_per_core()},
               "settings": settings, "runs": [], "startup_s": {}, "rss_peak_bytes": {}}
     started = time.perf_counter()
