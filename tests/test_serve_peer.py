@@ -144,12 +144,12 @@ def test_the_llminfer_side_runs_end_to_end_on_the_real_model(tmp_path):
     import llminfer
     folder = peer.peer_checkpoint(tmp_path / "smollm2")
     assert (folder / ".complete").is_file() and peer.peer_checkpoint(folder) == folder      # written once
-    report = peer.compare(dtypes=("float32",), concurrency=(1, 3), num_prompts=3, rounds=2, output_tokens=5,
+    report = peer.compare(dtypes=("float32",), concurrency=(1, 3), num_prompts=3, rounds=1, output_tokens=5,
                           threads=1, warmup=1, folder=folder, servers=("llminfer",), log=lambda line: None)
     points = report["points"]["llminfer"]["float32"]
     assert set(points) == {"1", "3"} and report["ratios"] == {}
-    assert all(p["completed"] == p["requests"] == 6 and p["output_tokens"] == 30 for p in points.values())
-    assert len(report["startup_s"]["llminfer"]["float32"]) == 2 and report["rss_peak_bytes"]["llminfer"]["float32"][0] \
+    assert all(p["completed"] == p["requests"] == 3 and p["output_tokens"] == 15 for p in points.values())
+    assert len(report["startup_s"]["llminfer"]["float32"]) == 1 and report["rss_peak_bytes"]["llminfer"]["float32"][0] \
         > 300 * 2**20                                                     # the model's 540 MB of float32 weights
     # the server's greedy text (fast path, chunked prefill, batched) is llminfer.generate's
     model, tokenizer = llminfer.load_pretrained(folder, dtype=None)
@@ -159,3 +159,18 @@ def test_the_llminfer_side_runs_end_to_end_on_the_real_model(tmp_path):
             prompt = requests[record["index"]].prompt
             expected = llminfer.generate(model, prompt, max_new_tokens=5).token_ids
             assert record["text"] == tokenizer.decode(expected), (run["concurrency"], record["index"])
+
+
+def test_a_server_that_does_not_start_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    import shutil
+
+    from llminfer.checkpoint import model_folder
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder("tiny-capitals"), folder)
+    (folder / ".complete").write_text("tiny-capitals\n")                 # peer_checkpoint takes it as written
+    monkeypatch.setattr(peer, "vllm_python", lambda root=None: sys.executable)    # a Python without vllm
+    report = peer.compare(dtypes=("float32",), concurrency=(1,), num_prompts=1, rounds=2, folder=folder,
+                          servers=("vllm",), log=lambda line: None)
+    assert [(f["server"], f["round"]) for f in report["failures"]] == [("vllm", 0), ("vllm", 1)]
+    assert "No module named" in report["failures"][0]["error"]
+    assert report["runs"] == [] and report["points"] == {} and report["verdict"] == {}

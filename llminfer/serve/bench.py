@@ -429,7 +429,9 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--rounds", type=int, default=None, help="rounds per dtype (default 2; --quick 1)")
     peer.add_argument("--servers", nargs="+", choices=["llminfer", "vllm"], default=None)
     peer.add_argument("--output-tokens", type=int, default=24, help="tokens per request (ignore_eos)")
-    peer.add_argument("--threads", type=int, default=None, help="llminfer's torch threads (default: every CPU)")
+    peer.add_argument("--threads", type=int, default=None,
+                      help="llminfer's torch threads (default: the CPUs less one, the cores vLLM computes on)")
+    peer.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server gets to answer /health")
     peer.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV space of each server")
     peer.add_argument("--max-model-len", type=int, default=2048)
     return p
@@ -451,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                 p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if any(c < 1 for c in args.concurrency or []):
             p.error(f"--concurrency levels must be >= 1, got {args.concurrency}")
+        if not args.startup_timeout > 0:
+            p.error(f"--startup-timeout must be > 0 seconds, got {args.startup_timeout}")
         if not args.kv_cache_gib > 0:
             p.error(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
         from . import peer

@@ -15,7 +15,9 @@ durations, TTFT and TPOT percentiles come from all its requests (`aggregate`). A
 startup (process start to a 200 from /health) and the peak resident memory of its processes (vLLM runs three).
 
 Both servers get the same KV space (vLLM's `VLLM_CPU_KVCACHE_SPACE`, llminfer's pool sized to hold as many
-positions), the same context length and the same batch limit (`max_num_seqs`).
+positions), the same context length, the same batch limit (`max_num_seqs`) and the same compute cores: vLLM's
+CPU build binds its model to every core but one, kept for its front end, and llminfer's engine gets as many torch
+threads (`--threads` overrides it).
 """
 from __future__ import annotations
 
@@ -373,7 +375,9 @@ def compare(dtypes=("float32", "bfloat16"), concurrency=(1, 4, 8, 16), num_promp
     folder = peer_checkpoint(folder)
     from ..checkpoint import read_config
     config = read_config(folder)
-    threads = threads or os.cpu_count() or 1
+    # vLLM's CPU build computes on every core but one, which it keeps for its front end (tokenizing, HTTP):
+    # llminfer's engine gets as many threads, its event loop and the load generator the rest
+    threads = threads or max(1, (os.cpu_count() or 1) - 1)
     cpu = cpu_capabilities()
     settings = {"model": REAL_MODEL, "checkpoint": "the GGUF file dequantized, written by llminfer.save_pretrained",
                 "dtypes": list(dtypes), "concurrency": list(concurrency), "num_prompts_per_round": num_prompts,
@@ -389,13 +393,18 @@ def compare(dtypes=("float32", "bfloat16"), concurrency=(1, 4, 8, 16), num_promp
     report = {"machine": {"cpu": cpu.model, "isa_level": cpu.isa_level, "logical_cpus": cpu.logical_cpus,
                           "slug": cpu_slug(cpu.model, cpu.flags),
                           "load_per_core_before": load_per_core()},
-              "settings": settings, "runs": [], "startup_s": {}, "rss_peak_bytes": {}}
+              "settings": settings, "runs": [], "failures": [], "startup_s": {}, "rss_peak_bytes": {}}
     started = time.perf_counter()
     for dtype in dtypes:
         for r, order in enumerate(round_order(tuple(servers), rounds)):
             for server in order:
                 log(f"[{time.perf_counter() - started:6.0f} s] {dtype} round {r + 1}/{rounds}: starting {server}")
-                proc, pid, startup = _start(server, folder, dtype, settings, log_dir)
+                try:
+                    proc, pid, startup = _start(server, folder, dtype, settings, log_dir)
+                except (RuntimeError, TimeoutError) as exc:     # recorded; the other runs still count
+                    report["failures"].append({"server": server, "dtype": dtype, "round": r, "error": str(exc)})
+                    log(f"    {server} did not start: {str(exc)[:2000]}")
+                    continue
                 report["startup_s"].setdefault(server, {}).setdefault(dtype, []).append(startup)
                 try:
                     with RSSSampler(pid) as rss:
@@ -481,9 +490,12 @@ def main(args) -> int:
                        rounds=args.rounds or 2)
     servers = tuple(args.servers) if args.servers else SERVERS
     report = compare(**options, output_tokens=args.output_tokens, threads=args.threads, kv_cache_gib=args.kv_cache_gib,
-                     max_model_len=args.max_model_len, servers=servers,
+                     max_model_len=args.max_model_len, servers=servers, startup_timeout_s=args.startup_timeout,
                      log=lambda line: print(line, file=sys.stderr, flush=True))
     print(table(report))
+    for failure in report["failures"]:
+        print(f"{failure['server']} {failure['dtype']} round {failure['round'] + 1} did not start "
+              f"(see build/peer/ for its log)")
     for dtype, v in report["verdict"].items():
         print(f"{dtype}: llminfer/vLLM output tokens/s >= {TARGET_SPEEDUP}x at every level: "
               f"{'✓' if v['throughput_target_met'] else '✗'} (lowest {v['min_throughput_ratio']:.2f}x) · TTFT p50 no "
