@@ -78,7 +78,7 @@ ARGS  ?=
 MODEL ?= tiny-capitals
 DTYPE ?=
 serve: $(STAMP) $(if $(filter smollm2-135m-instruct,$(MODEL)),$(SMOLLM2_STAMP))
-	$(PY) -m llminfer.serve --model $(MODEL) --port 8000 $(if $(DTYPE),--dtype $(DTYPE)) $(ARGS)
+	$(PY) -m llminfer.serve --model $(MODEL)$(if $(DTYPE), --dtype $(DTYPE)) --port 8000 $(ARGS)
 
 # The peer, optional: vLLM's CPU build in an environment of its own, on the book's torch pin. Its torchvision,
 # torchaudio and torchcodec come as CUDA builds that break `import vllm` on a CPU machine, so they go; it is
