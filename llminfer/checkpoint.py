@@ -590,7 +590,15 @@ def _load_tokenizer(folder: Path, config: ModelConfig) -> Tokenizer:
     gen_cfg = _read_json_object(gen) if gen.is_file() else {}
     bos = _token_id(gen_cfg.get("bos_token_id", config.bos_token_id), gen, "bos_token_id")
     eos = _token_id(gen_cfg.get("eos_token_id", config.eos_token_id), gen, "eos_token_id")
-    return Tokenizer.from_file(folder / "tokenizer.json", bos, eos)
+    settings = folder / "tokenizer_config.json"       # the chat template and add-BOS flag, where the folder has them
+    tok_cfg = _read_json_object(settings) if settings.is_file() else {}
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):                     # named templates: [{"name": "default", "template": ...}]
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{settings} has a chat_template that is not a string: {type(template).__name__}")
+    return Tokenizer.from_file(folder / "tokenizer.json", bos, eos, chat_template=template or None,
+                               add_bos_token=tok_cfg.get("add_bos_token") is True)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -715,7 +723,21 @@ def save_pretrained(model: Transformer, folder: str | Path, tokenizer: Tokenizer
             stale.unlink()
     if tokenizer is not None:
         tokenizer.save(folder / "tokenizer.json")
+        (folder / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tokenizer, config), indent=2) + "\n")
     return folder
+
+
+def _tokenizer_config(tokenizer: Tokenizer, config: ModelConfig) -> dict:
+    """tokenizer_config.json for a saved tokenizer: special tokens, the add-BOS flag and the chat template, as
+    transformers' AutoTokenizer (and so vLLM) and this module's reader take them. Chapter 11."""
+    def spelling(token_id):
+        return None if token_id is None else tokenizer.backend.id_to_token(token_id)
+    out = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": spelling(tokenizer.bos_token_id),
+           "eos_token": spelling(tokenizer.eos_token_id), "add_bos_token": bool(tokenizer.add_bos_token),
+           "add_eos_token": False, "clean_up_tokenization_spaces": False, "model_max_length": config.max_seq_len}
+    if tokenizer.chat_template is not None:
+        out["chat_template"] = tokenizer.chat_template.source
+    return out
 
 
 def load_random(name_or_config: str | ModelConfig, device: str | torch.device | None = None,

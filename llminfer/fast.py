@@ -51,8 +51,9 @@ def _concat_linears(layers: list[nn.Module]) -> nn.Module:
     if all(type(layer) is nn.Linear for layer in layers):
         first = layers[0]
         has_bias = [layer.bias is not None for layer in layers]
+        # made on the meta device (no random init to throw away: that cost seconds at a server's start)
         fused = nn.Linear(first.in_features, sum(layer.out_features for layer in layers), bias=any(has_bias),
-                          device=first.weight.device, dtype=first.weight.dtype)
+                          device="meta", dtype=first.weight.dtype)
         with torch.no_grad():
             stacked = torch.cat([layer.weight for layer in layers])                   # (sum of outputs, in)
             if stacked.shape[0] > stacked.shape[1] and stacked.device.type == "cpu" and stacked.dtype == torch.float32:
@@ -61,9 +62,10 @@ def _concat_linears(layers: list[nn.Module]) -> nn.Module:
                 stacked = stacked.t().contiguous().t()
             fused.weight = nn.Parameter(stacked, requires_grad=False)
             if any(has_bias):
-                fused.bias.copy_(torch.cat([layer.bias if layer.bias is not None
-                                            else torch.zeros(layer.out_features, dtype=first.weight.dtype,
-                                                             device=first.weight.device) for layer in layers]))
+                fused.bias = nn.Parameter(torch.cat([layer.bias if layer.bias is not None
+                                                     else torch.zeros(layer.out_features, dtype=first.weight.dtype,
+                                                                      device=first.weight.device) for layer in layers]),
+                                          requires_grad=False)
         return fused
     if all(isinstance(layer, QuantizedLinear) for layer in layers):
         return QuantizedLinear.concat(layers, kernel=layers[0].kernel_request)

@@ -147,8 +147,8 @@ class Tokenizer:
         return self.encode(text, allow_special=True) if tokenize else text
 
     @classmethod
-    def from_file(cls, path: str | Path, bos_token_id: int | None = None,
-                  eos_token_id: int | None = None) -> "Tokenizer":
+    def from_file(cls, path: str | Path, bos_token_id: int | None = None, eos_token_id: int | None = None,
+                  chat_template: str | None = None, add_bos_token: bool = False) -> "Tokenizer":
         """Load a tokenizer.json; a missing file gets a FileNotFoundError naming it."""
         path = Path(path)
         if not path.is_file():
@@ -157,7 +157,7 @@ class Tokenizer:
             backend = _HFTokenizer.from_file(str(path))
         except Exception as exc:  # the Rust library raises its own exception type
             raise ValueError(f"{path} is not a readable tokenizer.json: {exc}") from None
-        return cls(backend, bos_token_id, eos_token_id)
+        return cls(backend, bos_token_id, eos_token_id, chat_template, add_bos_token)
 
     def _find(self, names: tuple[str, ...]) -> int | None:
         for name in names:

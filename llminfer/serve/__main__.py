@@ -47,6 +47,9 @@ def _size(text: str) -> int:
              "GIB": 2**30, "TIB": 2**40}[unit]
     return int(float(match.group(1)) * scale)
 
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m llminfer.serve", description=__doc__.splitlines()[0],
@@ -62,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve a non-loopback --host without an API key (anyone who reaches it may use it)")
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
+                   help="weights and KV cache dtype (default: float32, the book's default)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output a request may have (default: the model's context length)")
+    p.add_argument("--no-optimize", action="store_true",
+                   help="run the model as written instead of the fast path (fused projections, native kernels)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: from free memory)")
     p.add_argument("--kv-cache-memory", type=_size, default=None,
@@ -106,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not is_loopback(args.host) and args.api_key is None and not args.allow_unauthenticated:
         p.error(f"--host {args.host} exposes the server to the network, but no API key is set: pass --api-key (or "
                 f"set {API_KEY_VARIABLE}), or --allow-unauthenticated to serve it open to anyone")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        p.error(f"--max-model-len must be >= 1, got {args.max_model_len}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 1),
@@ -145,7 +156,9 @@ def build_server(args: argparse.Namespace):
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    model, tokenizer = llminfer.load_pretrained(args.model, device="cpu" if args.disaggregated else args.device)
+    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+    model, tokenizer = llminfer.load_pretrained(args.model, device="cpu" if args.disaggregated else args.device,
+                                                dtype=dtype)
     folder = model_folder(args.model)
     add_bos = False
     try:
@@ -163,14 +176,17 @@ def build_server(args: argparse.Namespace):
                            kv_cache_memory=args.kv_cache_memory, kv_memory_fraction=args.kv_memory_fraction,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enable_prefix_caching=not args.no_prefix_caching,
-                           chunked_prefill=not args.no_chunked_prefill))
+                           chunked_prefill=not args.no_chunked_prefill, max_model_len=args.max_model_len,
+                           optimize=not args.no_optimize))
     if not args.disaggregated:
         return build_app(model, tokenizer, config, model_folder=folder)
     from .disagg import DisaggregatedEngine, ModelSpec
     from .server import OpenAIServer
     del model                                  # the workers load their own copies
     threads = args.threads or 1
-    pair = DisaggregatedEngine(ModelSpec(name=args.model), config.engine_kwargs, prefill_threads=threads,
+    decode_kwargs = {k: v for k, v in config.engine_kwargs.items() if k != "optimize"}   # workers run as written
+    pair = DisaggregatedEngine(ModelSpec(name=args.model, dtype=_DTYPES[args.dtype or "float32"]), decode_kwargs,
+                               prefill_threads=threads,
                                decode_threads=threads).start()
     try:
         server = OpenAIServer(None, tokenizer, config, engine=pair, model_folder=folder, close_engine=True)

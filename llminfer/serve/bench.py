@@ -2,6 +2,7 @@
 
     python -m llminfer.serve.bench --base-url http://127.0.0.1:8000/v1 --model tiny-capitals \\
         --num-prompts 64 --request-rate 8 --goodput ttft:500 tpot:50 --out results/
+    python -m llminfer.serve.bench --compare vllm       # llminfer's server against vLLM's (llminfer.serve.peer)
 
 After the manner of `vllm bench serve`: requests go out through `openai.AsyncOpenAI` (so the same tool
 measures llminfer, vLLM, SGLang or anything else that speaks the API), streamed, with
@@ -401,7 +402,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny-capitals", help="the model name the server knows")
     p.add_argument("--api-key", default="none")
     p.add_argument("--dataset", default="workload", help="'workload' (chapter 05's) or a JSON-lines file")
-    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests (default 32; with --compare, per point and round: 50, --quick 8)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; below 1: burstier gamma arrivals")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
@@ -417,6 +419,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=60.0, help="seconds before one request is given up")
     p.add_argument("--duration-limit", type=float, default=300.0, help="no request is sent after this many seconds")
     p.add_argument("--out", default=None, help="folder for serve_bench.json and serve_bench.png")
+    peer = p.add_argument_group("against a peer (llminfer.serve.peer: starts each server in turn, alternating)")
+    peer.add_argument("--compare", choices=["vllm"], default=None,
+                      help="serve the real model with llminfer and with vLLM (from .venv-vllm: make peer-vllm)")
+    peer.add_argument("--quick", action="store_true", help="a short comparison that checks the harness")
+    peer.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=None,
+                      help="(default: float32 bfloat16; --quick: float32)")
+    peer.add_argument("--concurrency", nargs="+", type=int, default=None, help="(default: 1 4 8 16; --quick: 1 8)")
+    peer.add_argument("--rounds", type=int, default=None, help="rounds per dtype (default 2; --quick 1)")
+    peer.add_argument("--servers", nargs="+", choices=["llminfer", "vllm"], default=None)
+    peer.add_argument("--output-tokens", type=int, default=24, help="tokens per request (ignore_eos)")
+    peer.add_argument("--threads", type=int, default=None,
+                      help="llminfer's torch threads (default: the CPUs less one, the cores vLLM computes on)")
+    peer.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server gets to answer /health")
+    peer.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV space of each server")
+    peer.add_argument("--max-model-len", type=int, default=2048)
     return p
 
 
@@ -427,8 +444,22 @@ def main(argv: list[str] | None = None) -> int:
         slo = parse_goodput(args.goodput)
     except ValueError as exc:
         p.error(str(exc))
-    if args.num_prompts < 1:
+    if args.num_prompts is not None and args.num_prompts < 1:
         p.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.compare:
+        for name in ("rounds", "output_tokens", "threads", "max_model_len"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if any(c < 1 for c in args.concurrency or []):
+            p.error(f"--concurrency levels must be >= 1, got {args.concurrency}")
+        if not args.startup_timeout > 0:
+            p.error(f"--startup-timeout must be > 0 seconds, got {args.startup_timeout}")
+        if not args.kv_cache_gib > 0:
+            p.error(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
+        from . import peer
+        return peer.main(args)
+    args.num_prompts = args.num_prompts or 32
     if args.dataset == "workload":
         requests = workload_requests(args.num_prompts, args.vocab_size, args.seed, args.prompt_median,
                                      max_prompt=args.max_prompt, output_median=args.output_median,
