@@ -235,6 +235,17 @@ __attribute__((target("avx2,fma"))) void rows_int8g_avx2(const float* x, int64_t
     }
 }
 
+// the offset term of an int4 row, sum_g offset_g · xsum_g, 8 groups a step (a scalar loop is one chain of
+// dependent adds, as long as the row's whole vector work at group 32)
+__attribute__((target("avx2,fma"))) inline float offset_dot_avx2(const float* offset, const float* xsum, int64_t G) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(offset + g), _mm256_loadu_ps(xsum + g), acc);
+  float out = hsum(acc);
+  for (; g < G; ++g) out += offset[g] * xsum[g];
+  return out;
+}
+
 // int4, R rows. xp is x with each chunk of 16 inputs as its 8 even then its 8 odd entries: 8 code bytes
 // widened to 8 int32 lanes (one vpmovzxbd from memory) give the low nibbles (an AND) for the even inputs and
 // the high ones (a shift) for the odd. Per block of 32 weights: two loads, four integer ops, four conversions
@@ -268,9 +279,7 @@ __attribute__((target("avx2,fma"))) void int4_rows_avx2(const float* xp, const f
     }
   }
   for (int r = 0; r < R; ++r) {
-    float extra = 0.f;
-    for (int64_t g = 0; g < G; ++g) extra += offset[(n + r) * G + g] * xsum[g];
-    out[r] = hsum(total[r]) + extra;
+    out[r] = hsum(total[r]) + offset_dot_avx2(offset + (n + r) * G, xsum, G);
   }
 }
 
@@ -332,9 +341,7 @@ __attribute__((target("avx2,fma"))) void rows_int4_avx2(const float* xp, const f
         total[r] = _mm256_fmadd_ps(acc[r], _mm256_set1_ps(scale[(n + r) * G + g]), total[r]);                    \
     }                                                                                                            \
     for (int r = 0; r < R; ++r) {                                                                                \
-      float extra = 0.f;                                                                                         \
-      for (int64_t g = 0; g < G; ++g) extra += offset[(n + r) * G + g] * xsum[g];                                \
-      out[r] = hsum(total[r]) + extra;                                                                           \
+      out[r] = hsum(total[r]) + offset_dot_avx2(offset + (n + r) * G, xsum, G);                                 \
     }                                                                                                            \
   }
 
@@ -505,9 +512,7 @@ __attribute__((target(LLMINFER_AVX512))) void int4_rows_avx512(const float* xp, 
       total[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), _mm512_set1_ps(scale[(n + r) * G + g]), total[r]);
   }
   for (int r = 0; r < R; ++r) {
-    float extra = 0.f;
-    for (int64_t g = 0; g < G; ++g) extra += offset[(n + r) * G + g] * xsum[g];
-    out[r] = hsum16(total[r]) + extra;
+    out[r] = hsum16(total[r]) + offset_dot_avx2(offset + (n + r) * G, xsum, G);
   }
 }
 
