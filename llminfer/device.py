@@ -138,6 +138,7 @@ def on_huge_pages(tensor: torch.Tensor) -> bool:
 ISA_LEVELS: tuple[tuple[str, frozenset[str]], ...] = (
     ("portable", frozenset()),
     ("avx2", frozenset({"avx2", "fma"})),
+    ("avx_vnni", frozenset({"avx2", "fma", "avx_vnni"})),                          # int8 dot products, VEX
     ("avx512", frozenset({"avx2", "fma", "avx512f"})),
     ("avx512_vnni", frozenset({"avx2", "fma", "avx512f", "avx512_vnni"})),         # int8 dot products
     ("avx512_bf16", frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})),         # bfloat16 dot products

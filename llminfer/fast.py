@@ -147,7 +147,7 @@ class NativeLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // self.in_features if self.in_features else 0
         if (x.device.type != "cpu" or tokens == 0 or x.dtype != self.weight.dtype
-                or (tokens > native_cpu.MAX_TOKENS and not native_cpu.blocked_prefill(self.weight.dtype))
+                or (tokens > native_cpu.MAX_TOKENS and not native_cpu.blocked_prefill(self.weight.dtype, tokens))
                 or not self.weight.is_contiguous()
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
@@ -165,7 +165,10 @@ def _native_parts(linear: nn.Module, dtype: torch.dtype) -> list[torch.Tensor] |
         return [weight] if weight.dtype == dtype and weight.is_contiguous() else None
     if isinstance(linear, QuantizedLinear) and linear.kernel == "native" and linear.kernel_scale.dtype == torch.float32:
         parts = [linear.qweight, linear.kernel_scale]
-        return parts if linear.bits == 8 else parts + [linear.kernel_offset]
+        if linear.bits == 8:
+            return parts
+        # W4A8: a fourth, one-element tensor marks int8 activations for the native layer calls
+        return parts + [linear.kernel_offset] + ([linear.kernel_offset[:1, 0]] if linear.activations == "int8" else [])
     return None
 
 
@@ -178,7 +181,8 @@ def _step_fits(x: torch.Tensor, cos: torch.Tensor, backend) -> str | None:
         return None
     if x.shape[0] * x.shape[1] <= native_cpu.MAX_TOKENS:
         return "decode"
-    return "prefill" if native_cpu.blocked_prefill(x.dtype) else None   # (a float layer's weights have x's dtype)
+    rows = x.shape[0] * x.shape[1]
+    return "prefill" if native_cpu.blocked_prefill(x.dtype, rows) else None   # (float layers' weights: x's dtype)
 
 
 class _OneNativeCall:
@@ -235,6 +239,9 @@ class NativeDecoderLayer(_OneNativeCall, DecoderLayer):
         if (any(p is None for p in parts) or any(linear.bias is not None for linear in linears[1:])
                 or (bias is not None and bias.dtype != x.dtype)):
             return None
+        rows = x.shape[0] * x.shape[1]
+        if rows > native_cpu.MAX_TOKENS and not all(native_cpu.blocked_prefill(p[0].dtype, rows) for p in parts):
+            return None                                     # a quantized format whose prefill torch runs faster
         return (x, norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps, parts[0], bias, parts[1],
                 parts[2], parts[3], cos, sin, keys, values, positions, attn.n_heads, attn.head_dim ** -0.5)
 

@@ -16,8 +16,18 @@ def test_a_short_run_writes_its_report(tmp_path, capsys):
     (path,) = tmp_path.glob("decode-*.json")
     report = json.loads(path.read_text())
     band = report["bandwidth"]
-    # the ceiling is the faster of the two probes, both measured in the run
-    assert band["ceiling_bytes_per_s"] == max(band["matvec_bytes_per_s"], band["read_bytes_per_s"]) > 0
+    # the ceiling is the best of the three probes, all measured in the run (the third the native streaming read)
+    assert band["ceiling_bytes_per_s"] == max(band["matvec_bytes_per_s"], band["read_bytes_per_s"],
+                                              band["native_read_bytes_per_s"]) > 0
+    assert "native streaming read" in band["what"] and "2 MiB pages" in band["what"]
+    # the kernels' level and, per precision, the prefill on the measured path, on both paths and on the plain model
+    from llminfer.kernels import cpu
+    assert report["kernels"]["isa"] == cpu.isa()
+    prefill = report["prefill"]["by_precision"]
+    assert set(prefill) == {"fp32", "int8"}
+    for entry in prefill.values():
+        assert entry["measured_path"] in ("blocked", "torch")
+        assert all(entry[f"{path}_s"] > 0 for path in ("chosen", "blocked", "torch", "plain"))
     rows = report["contenders"]
     assert {"llminfer fast fp32", "llminfer fast int8", "llminfer eager fp32"} <= set(rows)
     for row in rows.values():
@@ -44,3 +54,25 @@ def test_bad_settings_are_refused_before_any_work(argv, message, capsys):
     with pytest.raises(SystemExit):
         decode.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_help_shows_the_whole_description(capsys):
+    with pytest.raises(SystemExit):
+        decode.main(["--help"])
+    out = capsys.readouterr().out
+    # the whole docstring, its last sentence included (a first line cut mid-sentence was all it showed)
+    assert "measured bandwidth, in one interleaved run." in out and "against\nbytes per token." in out
+
+
+def test_a_contender_above_the_ceiling_stops_the_benchmark_and_records_nothing(tmp_path, monkeypatch, capsys):
+    report = {"machine": {"cpu": "test"}, "settings": {"threads": 1, "shape": "x"}, "load_average_before": 0,
+              "load_average_after": 0, "kernels": {"isa": "avx2", "features": ["avx2"]}, "slug": "test",
+              "bandwidth": {"ceiling_bytes_per_s": 10e9, "matvec_bytes_per_s": 9e9, "read_bytes_per_s": 10e9,
+                            "native_read_bytes_per_s": 8e9},
+              "contenders": {"llminfer fast fp32": {"tokens_per_s": 30.0, "bytes_per_token": 5e8, "mbu": 1.5,
+                                                    "compile_s": None}},
+              "ratios": {}, "ceiling_exceeded": {"llminfer fast fp32": 15e9}}
+    monkeypatch.setattr(decode, "run", lambda args: report)
+    assert decode.main(["--out", str(tmp_path)]) == 1
+    assert "STOPPED: llminfer fast fp32 streamed 15.0 GB/s above the best probe (10.0 GB/s)" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())

@@ -337,6 +337,9 @@ def test_kept_blocks_of_a_small_file_equal_its_dequantized_weights(tmp_path, mat
     layers = quant.quantized_modules(kept)
     assert len(layers) == 2 * 7 + 1 and {m.group_size for m in layers.values()} == {32}
     assert {m.bits for name, m in layers.items() if name != "lm_head"} == {4 if matrices == "Q4_1" else 8}
+    from llminfer.kernels import cpu
+    if cpu.available():     # Q4_1 (scale and minimum) and Q8_0 (int8 in groups of 32) run the native kernels
+        assert {m.kernel for m in layers.values()} == {"native"}
     floats = dict(float_model.named_modules())
     for name, layer in layers.items():      # q and k included: the rotary rows are reordered with their blocks
         assert torch.equal(layer.dequantized_weight(torch.float32), floats[name].weight), name

@@ -118,18 +118,16 @@ def test_a_prefill_runs_in_one_call(name, fmt, native_calls):
     assert native_calls[-1] is cpu.blocked_prefill(reference.dtype)
 
 
-@pytest.mark.parametrize("hardware_bf16", [False, True])
-def test_a_bfloat16_prefill_keeps_torchs_matmul_where_the_cpu_has_bfloat16_arithmetic(monkeypatch, native_calls,
-                                                                                     hardware_bf16):
-    """On CPUs with AVX512-BF16 or AMX, torch's bfloat16 matmul outruns the blocked kernel (which widens to
-    float32), so a bfloat16 prefill runs the modules there; decode steps and other formats are unchanged."""
-    flags = frozenset({"avx2", "fma"} | ({"avx512_bf16"} if hardware_bf16 else set()))
-    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
-    assert cpu.bfloat16_in_hardware() is hardware_bf16
-    avx2 = cpu.blocked_prefill()                                  # any format: the kernel runs on this CPU
-    assert cpu.blocked_prefill(torch.float32) is avx2 and cpu.blocked_prefill(torch.int8) is avx2
-    blocked_bf16 = avx2 and not hardware_bf16
-    assert cpu.blocked_prefill(torch.bfloat16) is blocked_bf16
+@pytest.mark.parametrize("torch_faster", [False, True])
+def test_a_bfloat16_prefill_takes_torchs_matmul_where_it_measured_faster(monkeypatch, native_calls, torch_faster):
+    """Where torch's bfloat16 matmul measured faster than the blocked kernel (a CPU with AVX512-BF16 or AMX, say),
+    a bfloat16 prefill runs the modules; decode steps and other formats are unchanged."""
+    vector = cpu.isa() != "portable"
+    monkeypatch.setattr(cpu, "prefill_path", lambda dtype=torch.float32, rows=128: "torch" if not vector or (
+        torch_faster and dtype == torch.bfloat16) else "blocked")
+    assert cpu.blocked_prefill(torch.float32) is vector and cpu.blocked_prefill(torch.int8) is vector
+    blocked_bf16 = vector and not torch_faster
+    assert cpu.blocked_prefill(torch.bfloat16, 40) is blocked_bf16
     reference, native = _pair("llama-gqa-tied", "bf16")
     vocab = reference.config.vocab_size
     g = torch.Generator().manual_seed(5)

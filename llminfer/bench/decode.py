@@ -3,7 +3,8 @@ measured bandwidth, in one interleaved run. Chapter 08.
 
 One random-weight model of a published shape (SmolLM2-135M by default) runs as:
 
-    llminfer fast    fused projections + compiled step (`llminfer.fast`), at fp32, bf16, int8 and int4
+    llminfer fast    fused projections + compiled step (`llminfer.fast`), at fp32, bf16, int8, int4 and
+                     int4a8 (int4 with int8 activations, W4A8: it changes the numbers)
     llminfer fused   the same fused model with its step left eager
     llminfer eager   `llminfer.generate` as shipped, fp32
     transformers     `generate` on the same weights, fp32 and bf16
@@ -12,10 +13,16 @@ One random-weight model of a published shape (SmolLM2-135M by default) runs as:
 The contenders take turns, one generation each per round; between rounds two bandwidth probes the size of
 the fp32 weights are sampled (torch's matrix-vector product, and a plain streaming read from 2 MiB pages, as
 the fast path's weights are read), so every tokens/s has a ceiling measured under the same load: the faster of
-the two. MBU = (weight + KV bytes read
-per token) × tokens/s ÷ that bandwidth. Prefill of the prompt is
-set against a float32 matmul (sgemm) probe sampled alongside it (MFU). Results: the terminal,
-data/benchmarks/decode-<machine>.json and a PNG of tokens/s against bytes per token.
+the three. MBU = (weight + KV bytes read per token) × tokens/s ÷ that bandwidth. The third probe is native: every
+thread streams a working set several times the last-level cache from 2 MiB pages with the widest loads the
+kernels use (`kernels.cpu.stream_read`). A contender that streams faster than the best probe means the
+ceiling is wrong: the benchmark says so and stops.
+
+The report names the kernels' instruction-set level (`kernels.cpu.isa()`). Prefill of the prompt runs, per
+precision, on the path measured at first use (`kernels.cpu.prefill_path`), on both paths forced (the blocked
+kernel, torch's matmul), and on the plain model (no fast path), against a float32 matmul (sgemm) probe sampled
+alongside (MFU). Results: the terminal, data/benchmarks/decode-<machine>.json and a PNG of tokens/s against
+bytes per token.
 """
 from __future__ import annotations
 
@@ -35,8 +42,10 @@ from .. import costs, timing
 from ..checkpoint import load_random
 from ..config import get_preset
 from ..cuda_graphs import COMPILE_OPTIONS
+from ..device import huge_page_empty
 from ..fast import compile_decode
 from ..generate import generate
+from ..kernels import cpu as native_cpu
 from ..quant.gguf_export import llama_cpp_available, llama_cpp_generate, load_llama_cpp, write_gguf
 from ..quant.linear import quantize, quantized_weight_bytes
 
@@ -45,17 +54,20 @@ __all__ = ["main", "run", "GGUF_BYTES_PER_WEIGHT"]
 # bytes per weight of llama.cpp's formats: Q8_0 = 32 int8 + one fp16 scale per block, Q4_0 = 32 nibbles + scale
 GGUF_BYTES_PER_WEIGHT = {"F32": 4.0, "BF16": 2.0, "F16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
 PRECISIONS = {"fp32": ("F32", torch.float32, None), "bf16": ("BF16", torch.bfloat16, None),
-              "int8": ("Q8_0", None, ("int8", None)), "int4": ("Q4_0", None, ("int4", 32))}
+              "int8": ("Q8_0", None, ("int8", None)), "int4": ("Q4_0", None, ("int4", 32)),
+              "int4a8": ("Q4_0", None, ("int4", 32))}
+ACTIVATIONS = {"int4a8": "int8"}           # precisions whose activations are rounded to int8 (W4A8)
 
 
 def _parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m llminfer.bench.decode", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m llminfer.bench.decode", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="smollm2-135m")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", default="auto", help="an integer, or 'auto': the count where llama.cpp is fastest")
-    parser.add_argument("--precisions", default="fp32,bf16,int8,int4")
+    parser.add_argument("--precisions", default="fp32,bf16,int8,int4,int4a8")
     parser.add_argument("--quant-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="activation dtype of the int8/int4 models")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
@@ -147,7 +159,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
         kind, dtype, scheme = PRECISIONS[name]
         model = copy.deepcopy(base).to(dtype or quant_dtype)
         if scheme:
-            quantize(model, scheme[0], scheme[1])
+            quantize(model, scheme[0], scheme[1], activations=ACTIVATIONS.get(name, "float"))
         weight_bytes = quantized_weight_bytes(model)
         element = timing.dtype_bytes(dtype or quant_dtype)
         _log(f"compiling llminfer {name}" if args.compile else f"preparing llminfer {name}")
@@ -161,7 +173,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
         contenders[label] = lambda d=decoder: d.generate(ids, args.new_tokens)
         info[label] = {"precision": name, "compile_s": decoder.compile_s, "weight_bytes": weight_bytes,
                        "kv_element_bytes": element, "decoder": decoder}
-        if use := ggufs.get(kind):
+        if (use := ggufs.get(kind)) and f"llama.cpp {kind}" not in contenders:
             llm = load_llama_cpp(use, n_ctx, threads)
             label = f"llama.cpp {kind}"
             contenders[label] = lambda l=llm: llama_cpp_generate(l, id_list, args.new_tokens)
@@ -189,6 +201,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     probe_bytes = costs.weight_bytes(cfg, 4)
     matvec = timing.matvec_probe("cpu", torch.float32, probe_bytes)
     read = timing.read_probe("cpu", torch.float32, probe_bytes, huge_pages=True)   # where the weights are too
+    native_read = native_read_probe(max(probe_bytes, 4 * last_level_cache_bytes()))
     matmul = timing.matmul_probe("cpu", torch.float32)
     _log("warm-up")
     tokens = {}
@@ -196,26 +209,23 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
         tokens[label] = runner().token_ids
     matvec.sample(2)
     read.sample(2)
+    if native_read is not None:
+        native_read.sample(2)
     results = {label: [] for label in contenders}
-    alongside, read_alongside = [], []
+    alongside, read_alongside, native_alongside = [], [], []
     for round_index in range(args.repeats):
         _log(f"round {round_index + 1}/{args.repeats}")
         for label, runner in contenders.items():
             results[label].append(runner())
         alongside += matvec.sample(2)
         read_alongside += read.sample(2)
-    # the ceiling: the faster of torch's matrix-vector product and a plain streaming read of as many bytes
+        if native_read is not None:
+            native_alongside += native_read.sample(2)
+    # the ceiling: the best of torch's matrix-vector product, a torch streaming read and the native one
     matvec_rate, read_rate = matvec.rate_of(alongside), read.rate_of(read_alongside)
-    bandwidth = max(matvec_rate, read_rate)
-    # prefill of the prompt, fp32 fast path, beside the sgemm probe
-    prefill_times, sgemm_times = [], []
-    fp32 = info.get("llminfer fast fp32", {}).get("decoder")
-    if fp32 is not None:
-        with torch.inference_mode():
-            fp32.prefill(ids)
-            for _ in range(max(3, args.repeats)):
-                prefill_times += timing.time_fn(lambda: fp32.prefill(ids), "cpu", 0, 1).times_s
-                sgemm_times += matmul.sample(1)
+    native_rate = native_read.rate_of(native_alongside) if native_read is not None else None
+    bandwidth = max(matvec_rate, read_rate, native_rate or 0.0)
+    prefill, sgemm_times = _prefill_table(args, base, ids, info, quant_dtype, matmul)
     rows = {}
     for label, found in results.items():
         meta = info[label]
@@ -238,6 +248,10 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
             ratios[f"{name} / llama.cpp {kind}"] = mine["tokens_per_s"] / rows[f"llama.cpp {kind}"]["tokens_per_s"]
         if f"transformers {name}" in rows:
             ratios[f"{name} / transformers {name}"] = mine["tokens_per_s"] / rows[f"transformers {name}"]["tokens_per_s"]
+    for faster, slower in (("int4", "int8"), ("int4a8", "int8"), ("int4a8", "int4")):
+        if f"llminfer fast {faster}" in rows and f"llminfer fast {slower}" in rows:
+            ratios[f"fast {faster} / fast {slower}"] = (rows[f"llminfer fast {faster}"]["tokens_per_s"] /
+                                                        rows[f"llminfer fast {slower}"]["tokens_per_s"])
     ratios["fast fp32 / eager fp32"] = (rows["llminfer fast fp32"]["tokens_per_s"] /
                                        rows["llminfer eager fp32"]["tokens_per_s"]) if "llminfer fast fp32" in rows \
         else None
@@ -251,21 +265,96 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
                      "quant_dtype": args.quant_dtype, "compile": args.compile, "compile_options": COMPILE_OPTIONS,
                      "llama_cpp": _llama_cpp_version() if ggufs else None, "transformers": hf_note},
         "load_average_before": load_before, "load_average_after": None,
+        "kernels": {"isa": native_cpu.isa(), "features": list(native_cpu.isa_features()),
+                    "forced_by": os.environ.get(native_cpu.ISA_ENV)},
         "bandwidth": {"ceiling_bytes_per_s": bandwidth, "matvec_bytes_per_s": matvec_rate,
-                      "read_bytes_per_s": read_rate, "what": f"the faster of: {matvec.what}; {read.what}",
+                      "read_bytes_per_s": read_rate, "native_read_bytes_per_s": native_rate,
+                      "what": f"the best of: {matvec.what}; {read.what}"
+                              + (f"; {native_read.what}" if native_read is not None else ""),
                       "samples": len(alongside)},
         "contenders": rows, "ratios": ratios,
     }
-    if prefill_times:
+    if prefill:
         flops = costs.prefill_flops(cfg, args.prompt_len)
-        seconds = statistics.median(prefill_times)
         sgemm = matmul.rate_of(sgemm_times)
-        report["prefill"] = {"prompt_len": args.prompt_len, "median_s": seconds, "flop_per_s": flops / seconds,
-                             "sgemm_flop_per_s_alongside": sgemm, "mfu": flops / seconds / sgemm}
+        for entry in prefill.values():
+            for path in ("chosen", "blocked", "torch", "plain"):
+                if entry.get(f"{path}_s"):
+                    entry[f"{path}_mfu"] = flops / entry[f"{path}_s"] / sgemm
+        report["prefill"] = {"prompt_len": args.prompt_len, "sgemm_flop_per_s_alongside": sgemm, "flops": flops,
+                             "by_precision": prefill, "choices": native_cpu.prefill_choices()}
+    over = {label: row["bytes_per_token"] * row["tokens_per_s"] for label, row in rows.items() if row["mbu"] > 1.0}
+    if over:
+        report["ceiling_exceeded"] = over
     from .report import load_average
     report["load_average_after"] = load_average()
     report["elapsed_s"] = time.perf_counter() - started
     return report
+
+
+def last_level_cache_bytes() -> int:
+    """Returns the largest CPU cache's size from /sys (32 MiB where it does not say). Chapter 08."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        try:
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]]
+                         if text[-1] in "KMG" else int(text))
+        except (ValueError, KeyError):
+            continue
+    return max(sizes, default=32 << 20)
+
+
+def native_read_probe(nbytes: int) -> timing.CeilingProbe | None:
+    """Returns a probe streaming nbytes from 2 MiB pages through the native kernels' read loop (every thread, the
+    widest loads in use; `kernels.cpu.stream_read`), or None without the kernels. Chapter 08."""
+    if not native_cpu.available():
+        return None
+    data = huge_page_empty((nbytes,), torch.uint8)
+    pages = "2 MiB pages"
+    if data is None:
+        data, pages = torch.empty(nbytes, dtype=torch.uint8), "4 KiB pages"
+    data.fill_(1)
+    width = 64 if "avx512" in native_cpu.isa_features() else 32 if native_cpu.isa() != "portable" else 8
+    return timing.CeilingProbe(lambda: native_cpu.stream_read(data), nbytes,
+                               f"native streaming read of {nbytes / 2**20:.0f} MiB on {pages}, {width}-byte loads, "
+                               f"{torch.get_num_threads()} thread(s)", "cpu")
+
+
+def _prefill_table(args, base, ids, info, quant_dtype, matmul) -> tuple[dict, list[float]]:
+    """Per precision, median seconds of a prompt's prefill: the fast path as chosen here, forced onto each path,
+    and the plain model; with sgemm samples taken between them."""
+    table, sgemm_times = {}, []
+    repeats = max(3, args.repeats)
+
+    def median_of(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            times += timing.time_fn(fn, "cpu", 0, 1).times_s
+            sgemm_times.extend(matmul.sample(1))
+        return statistics.median(times)
+
+    for name in args.precisions:
+        decoder = info.get(f"llminfer fast {name}", {}).get("decoder")
+        if decoder is None:
+            continue
+        kind, dtype, scheme = PRECISIONS[name]
+        weight_dtype = {None: dtype, "int8": torch.int8, "int4": torch.uint8}[scheme[0] if scheme else None]
+        entry = {"measured_path": native_cpu.prefill_path(weight_dtype, args.prompt_len)}
+        with torch.inference_mode():
+            entry["chosen_s"] = median_of(lambda: decoder.prefill(ids))
+            for path in native_cpu.PREFILL_PATHS:
+                with native_cpu.force_prefill(path):
+                    entry[f"{path}_s"] = median_of(lambda: decoder.prefill(ids))
+            plain = copy.deepcopy(base).to(dtype or quant_dtype)
+            if scheme:
+                quantize(plain, scheme[0], scheme[1], activations=ACTIVATIONS.get(name, "float"))
+            entry["plain_s"] = median_of(lambda: plain(ids))
+            del plain
+        entry["chosen_over_plain"] = entry["plain_s"] / entry["chosen_s"]
+        table[name] = entry
+    return table, sgemm_times
 
 
 def _slug(device: str, flags: list[str]) -> str:
@@ -298,11 +387,15 @@ def _ceiling(report: dict) -> float:
 
 def table(report: dict) -> str:
     """The run as a text table. Chapter 08."""
+    kernels = report.get("kernels", {})
     lines = [f"{report['machine']['cpu']}, {report['settings']['threads']} thread(s), load "
              f"{report['load_average_before']} -> {report['load_average_after']}",
+             f"native kernels: {kernels.get('isa', '?')} ({'+'.join(kernels.get('features', [])) or 'plain loops'})"
+             + (f", forced by LLMINFER_ISA={kernels['forced_by']}" if kernels.get("forced_by") else ""),
              f"bandwidth ceiling {_ceiling(report) / 1e9:.1f} GB/s (matvec "
              f"{report['bandwidth']['matvec_bytes_per_s'] / 1e9:.1f}, read "
-             f"{report['bandwidth'].get('read_bytes_per_s', float('nan')) / 1e9:.1f})",
+             f"{report['bandwidth'].get('read_bytes_per_s', float('nan')) / 1e9:.1f}, native read "
+             f"{(report['bandwidth'].get('native_read_bytes_per_s') or float('nan')) / 1e9:.1f})",
              f"{'contender':<24}{'tokens/s':>10}{'MB/token':>10}{'MBU':>7}{'compile s':>11}"]
     for label, row in report["contenders"].items():
         compile_s = f"{row['compile_s']:.0f}" if row.get("compile_s") else "-"
@@ -311,10 +404,22 @@ def table(report: dict) -> str:
     for name, value in report["ratios"].items():
         if value is not None:
             lines.append(f"{name:<40}{value:>6.2f}x")
-    if "prefill" in report:
+    if "prefill" in report and "by_precision" in report["prefill"]:
         p = report["prefill"]
-        lines.append(f"prefill {p['prompt_len']} tokens: {p['median_s'] * 1e3:.0f} ms, "
-                     f"{p['flop_per_s'] / 1e9:.1f} GFLOP/s, MFU {p['mfu']:.2f} of sgemm")
+        sgemm = p["sgemm_flop_per_s_alongside"] / 1e9
+        lines.append(f"prefill of {p['prompt_len']} tokens, ms (MFU of sgemm {sgemm:.0f} GFLOP/s); 'chosen' takes "
+                     "the path measured at first use")
+        lines.append(f"{'precision':<10}{'measured':>10}{'chosen':>12}{'blocked':>12}{'torch':>12}{'plain':>12}"
+                     f"{'plain/chosen':>14}")
+        for name, e in p["by_precision"].items():
+            cells = "".join(f"{e[f'{k}_s'] * 1e3:>6.0f} ({e[f'{k}_mfu']:.2f})" for k in ("chosen", "blocked", "torch",
+                                                                                       "plain"))
+            lines.append(f"{name:<10}{e['measured_path']:>10}{cells}{e['chosen_over_plain']:>13.2f}x")
+    if report.get("ceiling_exceeded"):
+        lines.append("STOPPED: " + ", ".join(f"{label} streamed {rate / 1e9:.1f} GB/s"
+                                             for label, rate in report["ceiling_exceeded"].items())
+                     + f" above the best probe ({_ceiling(report) / 1e9:.1f} GB/s): the ceiling is wrong, so no MBU "
+                       "is reported; rerun on a quieter machine or with a larger probe")
     return "\n".join(lines)
 
 
@@ -354,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     for row in report["contenders"].values():
         row.pop("decoder", None)
+    if report.get("ceiling_exceeded"):                 # a wrong ceiling: nothing is recorded
+        print(table(report))
+        print("\nnothing written: a contender streamed above the measured ceiling", file=sys.stderr)
+        return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"decode-{report['slug']}"

@@ -9,6 +9,12 @@ loops elsewhere), reading the checkpoint's own layout. It is one extension built
 `cpu_attention.cpp` (decode attention), `cpu_layers.cpp` (whole layers), `cpu_ops.cpp` (the ops'
 schemas), with `cpu_kernels.h` between them.
 
+Which loops run is chosen once per process, when the kernels load (`choose_isa`), from the one
+CPU-capabilities reader (`llminfer.device.cpu_capabilities`): the highest level of `KERNEL_LEVELS` the CPU has.
+`LLMINFER_ISA=portable|avx2|avx_vnni|avx512|avx512_vnni|avx512_bf16` forces a level at or below that (a level
+runs its own instructions and those of every lower level the CPU has); one above it is refused with an error
+naming the flags the CPU lacks. `isa()` says which level runs, `isa_features()` which instruction sets.
+
 The source is compiled the first time it is needed (about 15 s with a C++ compiler; torch's extension
 builder) and kept in `LLMINFER_KERNEL_CACHE` (default `~/.cache/llminfer/kernels`). Without a compiler
 `available()` is False, `why_unavailable()` says why, and the callers keep torch's kernels.
@@ -35,18 +41,24 @@ widened to float32 a block of 6 at a time) that beats torch's matmul at a prefil
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import statistics
 import sys
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from llminfer.attention import fast_attention
 
-__all__ = ["available", "why_unavailable", "load", "isa", "gemv", "decode_attention", "paged_attention",
-           "attention_backend", "loaded",
+__all__ = ["available", "why_unavailable", "load", "isa", "isa_features", "choose_isa", "IsaChoice", "ISA_ENV",
+           "KERNEL_LEVELS", "gemv", "decode_attention", "paged_attention",
+           "attention_backend", "loaded", "prefill_path", "prefill_choices", "choose_prefill", "measure_prefill",
+           "force_prefill", "rows_bucket", "stream_read", "PREFILL_PATHS", "PREFILL_ENV",
            "MAX_TOKENS", "blocked_prefill", "cpu_flags", "bfloat16_in_hardware", "SOURCES", "HEADERS",
            "cache_dir"]
 
@@ -63,6 +75,72 @@ MAX_TOKENS = 8
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "error": None}
+
+ISA_ENV = "LLMINFER_ISA"
+# The levels the kernels have loops for, lowest first (names of llminfer.device.ISA_LEVELS), each with the
+# instruction set it adds (a bit of `Feature` in cpu_kernels.h) and any flags its loops need beyond the level's
+# own. AMX has no loops here: an AMX CPU runs the avx512_bf16 level.
+KERNEL_LEVELS: dict[str, tuple[int, frozenset[str]]] = {
+    "portable": (0, frozenset()),
+    "avx2": (1, frozenset()),                                           # 8-lane float loops, maddubs W4A8
+    "avx_vnni": (16, frozenset()),                                      # W4A8 by vpdpbusd (VEX)
+    "avx512": (2, frozenset({"avx512bw", "avx512vl"})),                 # 16-lane float loops
+    "avx512_vnni": (4, frozenset({"avx512bw", "avx512vl"})),            # W4A8 by vpdpbusd (EVEX)
+    "avx512_bf16": (8, frozenset({"avx512bw", "avx512vl"})),            # bfloat16 by vdpbf16ps
+}
+
+
+@dataclass(frozen=True)
+class IsaChoice:
+    """The kernels' level and the instruction sets it runs. Appendix A1."""
+
+    level: str                   # one of KERNEL_LEVELS
+    features: tuple[str, ...]    # the levels whose instructions run, lowest first (level among them)
+    forced: bool                 # chosen by LLMINFER_ISA rather than by the CPU's flags
+
+    @property
+    def bits(self) -> int:
+        """Returns the feature bits the C++ takes (set_cpu_features)."""
+        return sum(KERNEL_LEVELS[name][0] for name in self.features)
+
+
+def _level_runs(name: str, flags: frozenset[str]) -> bool:
+    from ..device import ISA_LEVELS
+
+    return dict(ISA_LEVELS)[name] | KERNEL_LEVELS[name][1] <= flags
+
+
+def choose_isa(capabilities=None, requested: str | None = None) -> IsaChoice:
+    """Returns the IsaChoice for a CPU (default this one): `requested` (default $LLMINFER_ISA) if the CPU has it,
+    else the highest level it has; ValueError for an unknown level or one above the CPU. Appendix A1."""
+    from ..device import ISA_LEVELS, cpu_capabilities
+
+    capabilities = capabilities or cpu_capabilities()
+    flags = capabilities.flags
+    if requested is None:
+        requested = os.environ.get(ISA_ENV) or None
+        if requested is None and os.environ.get("LLMINFER_CPU_KERNELS_PORTABLE") == "1":    # the older switch
+            requested = "portable"
+    order = list(KERNEL_LEVELS)
+    runnable = [name for name in order if _level_runs(name, flags)]
+    if requested is None:
+        level = runnable[-1]
+    else:
+        requested = requested.strip().lower()
+        if requested not in order:
+            known = [name for name, _ in ISA_LEVELS]
+            why = ("no loop here uses AMX tiles; an AMX CPU runs avx512_bf16" if requested in known else
+                   f"known levels are {', '.join(order)}")
+            raise ValueError(f"{ISA_ENV}={requested!r} is not a level the kernels have ({why}); set it to one of "
+                             f"{', '.join(runnable)} (what this CPU runs) or unset it")
+        if requested not in runnable:
+            needed = dict(ISA_LEVELS)[requested] | KERNEL_LEVELS[requested][1]
+            raise ValueError(f"{ISA_ENV}={requested} needs the CPU flags {', '.join(sorted(needed - flags))}, which "
+                             f"this CPU ({capabilities.model}) lacks; the highest it runs is {runnable[-1]}: set "
+                             f"{ISA_ENV} to one of {', '.join(runnable)} or unset it")
+        level = requested
+    features = tuple(name for name in order[1:order.index(level) + 1] if name in runnable)
+    return IsaChoice(level=level, features=features, forced=requested is not None)
 
 
 def cache_dir() -> Path:
@@ -97,6 +175,7 @@ def _build() -> None:
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         print(f"llminfer: compiling the CPU decode kernels once into {build} (about 15 s)", file=sys.stderr)
+    _state["build"] = str(build)
     cpp_extension.load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=cflags, extra_ldflags=ldflags,
                        build_directory=str(build), is_python_module=False, verbose=False)
     _register_fakes()
@@ -106,7 +185,7 @@ def _register_fakes() -> None:
     def dense(x, w, *rest):
         return x.new_empty((x.shape[0], w.shape[0]))
 
-    for op in ("gemv_f32", "gemv_bf16", "gemv_int8", "gemv_int4"):
+    for op in ("gemv_f32", "gemv_bf16", "gemv_int8", "gemv_int4", "gemv_int4_a8"):
         torch.library.register_fake(f"llminfer::{op}", dense)
     torch.library.register_fake("llminfer::decode_attention",
                                 lambda q, k, v, mask, scale: q.new_empty(q.shape))
@@ -117,13 +196,15 @@ def _register_fakes() -> None:
 
 
 def load() -> bool:
-    """Builds (once) and loads the kernels; True when `torch.ops.llminfer.gemv_*` can be called."""
+    """Builds (once) and loads the kernels; True when `torch.ops.llminfer.gemv_*` can be called. ValueError
+    for an LLMINFER_ISA this CPU cannot run (before anything is built)."""
     with _lock:
         if _state["loaded"] or _state["error"] is not None:
             return _state["loaded"]
         if os.environ.get("LLMINFER_NATIVE_KERNELS", "1") == "0":
             _state["error"] = "turned off by LLMINFER_NATIVE_KERNELS=0"
             return False
+        choice = choose_isa()                  # a bad LLMINFER_ISA is refused here, before the build
         try:
             _build()
         except Exception as error:            # no compiler, no ninja, a failed build: torch's kernels remain
@@ -131,6 +212,11 @@ def load() -> bool:
             print(f"llminfer: the native CPU decode kernels did not build ({_state['error']}); torch's kernels run "
                   "instead. A C++ compiler (g++ or clang) and ninja build them.", file=sys.stderr)
             return False
+        missing = int(torch.ops.llminfer.set_cpu_features(choice.bits))
+        if missing:                            # the flags said yes, the CPU itself says no
+            raise RuntimeError(f"the CPU lacks instruction sets (bits {missing}) that its flags list for "
+                               f"{choice.level}; set {ISA_ENV} to a lower level")
+        _state["isa"] = choice
         _state["loaded"] = True
         return True
 
@@ -158,10 +244,14 @@ def _require() -> None:
 
 
 def isa() -> str:
-    """'avx2+fma' when the vector loops run, 'portable' otherwise (or 'unavailable')."""
-    if "isa" not in _state:
-        _state["isa"] = str(torch.ops.llminfer.cpu_kernel_isa()) if load() else "unavailable"
-    return _state["isa"]
+    """Returns the level of KERNEL_LEVELS whose loops run in this process ('unavailable' without the kernels).
+    Appendix A1."""
+    return _state["isa"].level if load() else "unavailable"
+
+
+def isa_features() -> tuple[str, ...]:
+    """Returns the instruction sets the kernels run here, lowest first (empty for the portable loops). Appendix A1."""
+    return _state["isa"].features if load() else ()
 
 
 def cpu_flags() -> frozenset[str]:
@@ -177,25 +267,170 @@ def bfloat16_in_hardware() -> bool:
     return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
-def blocked_prefill(weight_dtype: torch.dtype | None = None) -> bool:
-    """Whether products of many rows of x (a prefill) with weights of `weight_dtype` (any format when None)
-    run the blocked AVX2 kernel. It outruns torch's matmul at a prefill's shapes in every format on CPUs
-    without bfloat16 arithmetic (in bfloat16 by about 8x); on CPUs with it (`bfloat16_in_hardware()`) torch's
-    bfloat16 matmul is the faster (1.6x on a Zen 4), so bfloat16 weights keep it. Without AVX2 only the
-    matrix-vector loops exist, and a prefill keeps torch's matmul in every format."""
-    if not (_state["loaded"] and isa() == "avx2+fma"):
-        return False
-    return weight_dtype != torch.bfloat16 or not bfloat16_in_hardware()
+# The prefill choice. For each (weight dtype, rows) the first product asks: does the blocked kernel or torch's
+# matmul (after dequantizing, for int8/int4 weights: what the modules do) run a product of that many rows faster
+# on this machine? A short timing answers, on a (PREFILL_PROBE_SHAPE) weight, once per process; the answers are
+# also kept beside the kernel build, keyed by CPU, level and threads (`prefill_choices()` reports them).
+PREFILL_PATHS = ("blocked", "torch")
+PREFILL_PROBE_SHAPE = (1536, 576)          # (N, K): SmolLM2-135M's gate_up half; the choice is per dtype and rows
+PREFILL_ENV = "LLMINFER_PREFILL"           # 'blocked' or 'torch' forces the path (for comparisons); unset: measured
+_prefill: dict = {"choices": {}, "forced": None, "loaded_from_disk": False}
+
+
+def rows_bucket(rows: int) -> int:
+    """Returns the rows a prefill's timing stands for: the power of two at or above rows, from 16 to 512."""
+    bucket = 16
+    while bucket < rows and bucket < 512:
+        bucket *= 2
+    return bucket
+
+
+def choose_prefill(timings: dict[str, list[float]]) -> str:
+    """Returns the path with the lower median time of `timings` {'blocked': [s, ...], 'torch': [...]}; torch's
+    matmul unless the blocked kernel is strictly faster (so a prefill is never slower than the plain model's).
+    Appendix A1."""
+    missing = [path for path in PREFILL_PATHS if not timings.get(path)]
+    if missing:
+        raise ValueError(f"no timings for {missing}; choose_prefill needs some for both of {PREFILL_PATHS}")
+    blocked, plain = (statistics.median(timings[path]) for path in PREFILL_PATHS)
+    return "blocked" if blocked < plain else "torch"
+
+
+def _probe_weight(dtype: torch.dtype) -> tuple[list[torch.Tensor], callable]:
+    """A random (PREFILL_PROBE_SHAPE) weight of dtype as the kernel takes it, and the modules' product for x."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(0)
+    N, K = PREFILL_PROBE_SHAPE
+    if dtype in (torch.float32, torch.bfloat16):
+        weight = torch.randn(N, K, generator=generator).to(dtype)
+        return [weight], lambda x: F.linear(x, weight)
+    if dtype == torch.int8:
+        codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator)
+        scale = torch.rand(N, generator=generator)
+        return [codes, scale], lambda x: F.linear(x, codes.to(x.dtype) * scale[:, None].to(x.dtype))
+    if dtype == torch.uint8:
+        group = 32
+        nibbles = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=generator)
+        scale, offset = torch.rand(N, K // group, generator=generator), torch.rand(N, K // group, generator=generator)
+
+        def modules(x):
+            codes = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).reshape(N, K // group, group).float()
+            weight = (codes * scale[..., None] + offset[..., None]).reshape(N, K)
+            return F.linear(x, weight.to(x.dtype))
+        return [nibbles, scale, offset, group], modules
+    raise ValueError(f"no prefill path to measure for {dtype} weights; float32, bfloat16, int8 and uint8 (int4) have")
+
+
+def measure_prefill(dtype: torch.dtype, rows: int, repeats: int = 5) -> dict[str, list[float]]:
+    """Returns seconds per product of `rows` x rows with a PREFILL_PROBE_SHAPE weight of dtype, by path, the two
+    paths taking turns (after one warm-up each). Appendix A1."""
+    _require()
+    parts, modules = _probe_weight(dtype)
+    x = torch.randn(rows, PREFILL_PROBE_SHAPE[1], generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    run = {"blocked": lambda: gemv(x, *parts), "torch": lambda: modules(x)}
+    timings: dict[str, list[float]] = {path: [] for path in PREFILL_PATHS}
+    with torch.inference_mode():
+        for path in PREFILL_PATHS:
+            run[path]()
+        for _ in range(repeats):
+            for path in PREFILL_PATHS:
+                start = time.perf_counter()
+                run[path]()
+                timings[path].append(time.perf_counter() - start)
+    return timings
+
+
+def _choices_file() -> Path | None:
+    build = _state.get("build")
+    return None if build is None else Path(build) / "prefill_choices.json"
+
+
+def _choice_key(dtype: torch.dtype, rows: int) -> str:
+    from ..device import cpu_capabilities
+
+    name = str(dtype).removeprefix("torch.")
+    return f"{cpu_capabilities().model}|{isa()}|{torch.get_num_threads()} threads|{name}|{rows}"
+
+
+def prefill_path(weight_dtype: torch.dtype = torch.float32, rows: int = 128) -> str:
+    """Returns 'blocked' or 'torch': the path a prefill of `rows` rows with weights of weight_dtype takes here,
+    measured at first use (`measure_prefill`, `choose_prefill`) and cached; 'torch' without the vector loops.
+    LLMINFER_PREFILL or `force_prefill` overrides it. Appendix A1."""
+    forced = _prefill["forced"] or os.environ.get(PREFILL_ENV) or None
+    if forced is not None and forced not in PREFILL_PATHS:
+        raise ValueError(f"{PREFILL_ENV}={forced!r} must be one of {PREFILL_PATHS}, or unset to measure")
+    if not ((_state["loaded"] or load()) and isa() != "portable"):
+        return "torch"
+    if forced:
+        return forced
+    key = _choice_key(weight_dtype, rows_bucket(rows))
+    choices = _prefill["choices"]
+    if key not in choices:
+        with _lock:
+            path = _choices_file()
+            if not _prefill["loaded_from_disk"] and path is not None and path.is_file():
+                try:
+                    choices.update({k: v for k, v in json.loads(path.read_text()).items() if k not in choices})
+                except (OSError, ValueError):
+                    pass
+                _prefill["loaded_from_disk"] = True
+            if key not in choices:
+                timings = measure_prefill(weight_dtype, rows_bucket(rows))
+                choices[key] = {"path": choose_prefill(timings),
+                                "median_s": {p: statistics.median(t) for p, t in timings.items()}}
+                if path is not None:
+                    try:
+                        path.write_text(json.dumps(choices, indent=1, sort_keys=True))
+                    except OSError:
+                        pass
+    return choices[key]["path"]
+
+
+def prefill_choices() -> dict[str, dict]:
+    """Returns the prefill choices made so far: key (CPU|level|threads|dtype|rows) -> path and median seconds."""
+    return dict(_prefill["choices"])
+
+
+class force_prefill:
+    """Context manager: every prefill takes `path` ('blocked' or 'torch'; None: measured) inside it. Appendix A1."""
+
+    def __init__(self, path: str | None):
+        if path is not None and path not in PREFILL_PATHS:
+            raise ValueError(f"path={path!r} must be one of {PREFILL_PATHS} or None")
+        self.path = path
+
+    def __enter__(self):
+        self.before, _prefill["forced"] = _prefill["forced"], self.path
+        return self
+
+    def __exit__(self, *exc):
+        _prefill["forced"] = self.before
+
+
+def blocked_prefill(weight_dtype: torch.dtype | None = None, rows: int = 128) -> bool:
+    """Whether products of `rows` rows of x (a prefill) with weights of `weight_dtype` (float32 when None) run
+    the blocked kernel rather than torch's matmul: as measured here (`prefill_path`). Chapter 08."""
+    return prefill_path(torch.float32 if weight_dtype is None else weight_dtype, rows) == "blocked"
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-         offset: torch.Tensor | None = None, group: int | None = None) -> torch.Tensor:
+         offset: torch.Tensor | None = None, group: int | None = None, activations: str = "float") -> torch.Tensor:
     """x (tokens, K) times the weight's transpose, by the kernel for the weight's dtype. Chapter 08.
 
-    float32 and bfloat16 weights (N, K); int8 codes (N, K) with `scale` (N,); int4 nibbles (N, K/2) uint8
-    with `scale` and `offset` (N, K/group) float32, where w = q·scale + offset.
+    float32 and bfloat16 weights (N, K); int8 codes (N, K) with `scale` (N,) or (N, K/group) (GGUF's Q8_0:
+    groups of 32); int4 nibbles (N, K/2) uint8 with `scale` and `offset` (N, K/group) float32, where
+    w = q·scale + offset. activations="int8" (int4 only, W4A8) rounds x to int8 per block of 32 inputs and
+    multiplies in integers: faster, and it changes the numbers.
     """
     _require()
+    if activations not in ("float", "int8"):
+        raise ValueError(f"activations={activations!r} must be 'float' or 'int8'")
+    if activations == "int8":
+        if weight.dtype != torch.uint8:
+            raise ValueError(f"activations='int8' is for int4 weights (uint8 nibbles), got {weight.dtype}")
+        return torch.ops.llminfer.gemv_int4_a8(x, weight, scale, offset, group)
     if weight.dtype == torch.float32:
         return torch.ops.llminfer.gemv_f32(x, weight)
     if weight.dtype == torch.bfloat16:
@@ -206,6 +441,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         return torch.ops.llminfer.gemv_int4(x, weight, scale, offset, group)
     raise ValueError(f"no native kernel for {weight.dtype} weights; float32, bfloat16, int8 and int4 (uint8 "
                      "nibbles) have one")
+
+
+def stream_read(data: torch.Tensor) -> int:
+    """Reads every byte of a contiguous CPU tensor once, on every thread, with the widest loads in use; returns a
+    checksum. The decode benchmark's native bandwidth probe. Chapter 08."""
+    _require()
+    return int(torch.ops.llminfer.stream_read(data))
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,

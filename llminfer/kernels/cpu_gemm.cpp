@@ -109,13 +109,13 @@ __attribute__((target("avx2,fma"))) void widen_rows(const Weight& W, int64_t n, 
       for (; k < kc; ++k) o[k] = weight_at<WKind::BF16>(src, k);
     } else if (W.format == Weight::I8) {
       const int8_t* src = static_cast<const int8_t*>(W.w) + row * K + k0;
-      const float scale = W.scale[row];
-      const __m256 s = _mm256_set1_ps(scale);
+      const float* scales = W.scale + row * (K / W.group);    // one a row, or one a group (a multiple of 16)
       for (; k + 8 <= kc; k += 8) {
         const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + k));
+        const __m256 s = _mm256_set1_ps(scales[(k0 + k) / W.group]);
         _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s));
       }
-      for (; k < kc; ++k) o[k] = static_cast<float>(src[k]) * scale;
+      for (; k < kc; ++k) o[k] = static_cast<float>(src[k]) * scales[(k0 + k) / W.group];
     } else {                                      // int4: byte j holds input 2j (low nibble) and 2j + 1
       const int64_t G = K / W.group;
       const uint8_t* src = static_cast<const uint8_t*>(W.w) + row * (K / 2);

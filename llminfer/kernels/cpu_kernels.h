@@ -16,6 +16,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -51,8 +52,22 @@ inline float weight_at(const void* w, int64_t i) {
 template <WKind kind>
 constexpr int64_t wbytes() { return kind == WKind::F32 ? 4 : kind == WKind::BF16 ? 2 : 1; }
 
-// Whether the AVX2 + FMA loops run (the CPU has them, and LLMINFER_CPU_KERNELS_PORTABLE is not 1)
-bool has_avx2();
+// The instruction sets the kernels may use in this process: set once, before the first product, by
+// llminfer/kernels/cpu.py (the op set_cpu_features) from the CPU's flags or LLMINFER_ISA; until then the AVX2 +
+// FMA loops run where the CPU has them. Each bit is also checked against the CPU itself when it is set.
+enum Feature : int64_t {
+  kAVX2 = 1,          // AVX2 + FMA: 8-lane float loops, maddubs/madd integer dot products
+  kAVX512 = 2,        // AVX-512 F/BW/VL: 16-lane float loops
+  kAVX512VNNI = 4,    // vpdpbusd on 256-bit registers (AVX512-VNNI + VL): int8 dot products in one instruction
+  kAVX512BF16 = 8,    // vdpbf16ps: bfloat16 pairs multiplied and added into float32
+  kAVXVNNI = 16,      // AVX-VNNI: vpdpbusd with the VEX encoding (CPUs without AVX-512 have it too)
+};
+int64_t features();
+// sets the features (bits of Feature); returns the bits the CPU lacks (nothing is set then)
+int64_t set_features(int64_t bits);
+inline bool has(Feature f) { return (features() & f) != 0; }
+// Whether the AVX2 + FMA loops run
+inline bool has_avx2() { return has(kAVX2); }
 
 #ifdef LLMINFER_X86
 __attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -99,18 +114,20 @@ __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
 struct Weight {
   enum Format { F32, BF16, I8, I4 } format;
   const void* w;
-  const float* scale = nullptr;    // int8: (N,); int4: (N, K / group)
+  const float* scale = nullptr;    // int8: (N, K / group), group = K for one scale a row; int4: (N, K / group)
   const float* offset = nullptr;   // int4: (N, K / group)
   int64_t N = 0, K = 0, group = 0;
+  bool int8_activations = false;   // int4 only: x rounded to int8 per block of 32, integer dot products (W4A8)
 };
 
 // a weight from its tensors, checked (`op` names the caller in errors)
 Weight dense_weight(const at::Tensor& w, const char* op);
-Weight int8_weight(const at::Tensor& w, const at::Tensor& scale, const char* op);
+Weight int8_weight(const at::Tensor& w, const at::Tensor& scale, const char* op);  // scale (N,) or (N, K/group)
 Weight int4_weight(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset, int64_t group,
                    const char* op);
-// A linear given as its parts: [weight] (float32 or bfloat16), [codes, scale] (int8) or [nibbles, scale,
-// offset] (int4, the group size read from the scale's shape).
+// A linear given as its parts: [weight] (float32 or bfloat16), [codes, scale] (int8, the group size read from
+// the scale's shape), [nibbles, scale, offset] (int4, likewise) or [nibbles, scale, offset, marker] (int4 with
+// int8 activations; the marker is any one-element tensor).
 Weight weight_from_parts(at::TensorList parts, const char* op);
 
 // y (M, N) = x (M, K) · Wᵀ, all float32 and contiguous: the matrix-vector loops for a few rows, the blocked
@@ -170,6 +187,12 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w);
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
 at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset,
                      int64_t group);
+at::Tensor gemv_int4_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset,
+                        int64_t group);
+// reads every byte of data once on every thread with the widest loads in use; returns a checksum (the probe)
+int64_t stream_read(const at::Tensor& data);
+// y (M, N) = x · Wᵀ for the int8-activation path of an int4 weight (cpu_matvec.cpp)
+void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
                             const c10::optional<at::Tensor>& mask_in, double scale);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,

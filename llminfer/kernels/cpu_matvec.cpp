@@ -9,55 +9,126 @@
 // (int4 as two codes a byte, the even input in the low nibble). x stays in cache for the whole matrix.
 // With many rows of x, `linear_rows` hands the product to the blocked kernel (cpu_gemm.cpp).
 //
-// The AVX2 versions are chosen at run time when the CPU has AVX2 and FMA; elsewhere the portable loops run
-// (the compiler vectorises them).
+// Each loop exists for several instruction sets, each compiled with its own target attribute (the file is
+// built without -march, so it loads on any x86 CPU). Which one runs is chosen once per process
+// (`features()`, set by llminfer/kernels/cpu.py from the CPU's flags or LLMINFER_ISA):
+//   portable     plain loops (the compiler vectorises them), on any CPU
+//   AVX2 + FMA   8 floats a register; int4 codes widened 8 at a time; W4A8 by maddubs + madd
+//   AVX-512      16 floats a register (float32, bfloat16, int8, int4)
+//   VNNI         W4A8 by one vpdpbusd (AVX-VNNI, or AVX512-VNNI on 256-bit registers)
+//   AVX512-BF16  bfloat16 weights by vdpbf16ps (x rounded to bfloat16 pairs)
 
 #include "cpu_kernels.h"
 
 namespace llminfer_cpu {
 
 // ---------------------------------------------------------------------------------------------------
+// the instruction sets in use
+
+namespace {
+std::atomic<int64_t> g_features{-1};
+
+int64_t cpu_supported() {
+  int64_t bits = 0;
+#ifdef LLMINFER_X86
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) bits |= kAVX2;
+  if ((bits & kAVX2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
+    bits |= kAVX512;
+  if ((bits & kAVX512) && __builtin_cpu_supports("avx512vnni")) bits |= kAVX512VNNI;
+  if ((bits & kAVX512) && __builtin_cpu_supports("avx512bf16")) bits |= kAVX512BF16;
+  if ((bits & kAVX2) && __builtin_cpu_supports("avxvnni")) bits |= kAVXVNNI;
+#endif
+  return bits;
+}
+}  // namespace
+
+int64_t features() {
+  int64_t bits = g_features.load(std::memory_order_relaxed);
+  if (bits < 0) {                                   // not set yet: AVX2 + FMA where the CPU has them
+    bits = cpu_supported() & kAVX2;
+    g_features.store(bits, std::memory_order_relaxed);
+  }
+  return bits;
+}
+
+int64_t set_features(int64_t bits) {
+  const int64_t missing = bits & ~cpu_supported();
+  if (missing == 0) g_features.store(bits, std::memory_order_relaxed);
+  return missing;
+}
+
+// ---------------------------------------------------------------------------------------------------
 // portable loops
 
-// rows [n0, n1) of y (M, N) for one of the three dense-row formats; w is (N, K) row-major
+// rows [n0, n1) of y (M, N) for one of the three dense-row formats; w is (N, K) row-major; scale (N, K/group)
 template <WKind kind>
-void rows_portable(const float* x, int64_t M, int64_t K, const void* w, const float* scale, float* y,
-                   int64_t N, int64_t n0, int64_t n1) {
+void rows_portable(const float* x, int64_t M, int64_t K, const void* w, const float* scale, int64_t group,
+                   float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = scale ? K / group : 1, width = scale ? group : K;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t m = 0; m < M; ++m) {
       const float* xm = x + m * K;
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int64_t k = 0;
-      for (; k + 8 <= K; k += 8)
-        for (int j = 0; j < 8; ++j) acc[j] += xm[k + j] * weight_at<kind>(w, n * K + k + j);
-      float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-      for (; k < K; ++k) sum += xm[k] * weight_at<kind>(w, n * K + k);
-      y[m * N + n] = scale ? sum * scale[n] : sum;
+      float total = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t k = g * width;
+        const int64_t end = (g + 1) * width;
+        for (; k + 8 <= end; k += 8)
+          for (int j = 0; j < 8; ++j) acc[j] += xm[k + j] * weight_at<kind>(w, n * K + k + j);
+        float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        for (; k < end; ++k) sum += xm[k] * weight_at<kind>(w, n * K + k);
+        total += scale ? sum * scale[n * G + g] : sum;
+      }
+      y[m * N + n] = total;
     }
   }
 }
 
-// int4: xp is x with each block of 32 inputs reordered as its 16 even then its 16 odd entries, so the
-// low and high nibbles of 16 packed bytes meet 16 consecutive floats each. For a group of g inputs,
-//   sum_k w_k x_k = scale · sum_k q_k x_k + (zero - 8·scale) · sum_k x_k
+// int4 in the checkpoint's order (byte j: input 2j in the low nibble, 2j + 1 in the high one). For a group,
+//   sum_k w_k x_k = scale · sum_k q_k x_k + offset · sum_k x_k
 // so the loop accumulates q·x and the group sums of x (xsum, per row of x) are added at the end.
-void rows_int4_portable(const float* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+void rows_int4_portable(const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
                         const float* scale, const float* offset, int64_t group, float* y, int64_t N,
                         int64_t n0, int64_t n1) {
   const int64_t G = K / group;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * (K / 2);
     for (int64_t m = 0; m < M; ++m) {
-      const float* xm = xp + m * K;
+      const float* xm = x + m * K;
+      float total = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        float even = 0.f, odd = 0.f;
+        for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
+          even += static_cast<float>(row[k / 2] & 0xF) * xm[k];
+          odd += static_cast<float>(row[k / 2] >> 4) * xm[k + 1];
+        }
+        total += (even + odd) * scale[n * G + g] + offset[n * G + g] * xsum[m * G + g];
+      }
+      y[m * N + n] = total;
+    }
+  }
+}
+
+// W4A8: x rounded to int8 per block of 32 inputs (xq, one float step dx a block, x ≈ xq·dx), the codes
+// multiplied by xq in integers: per group, scale · sum_blocks dx · (sum_k q_k xq_k) + offset · sum_k x_k.
+// xq holds each block as its 16 even inputs, then its 16 odd ones (the order the vector loops read).
+void rows_int4_a8_portable(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K,
+                           const uint8_t* w, const float* scale, const float* offset, int64_t group, float* y,
+                           int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = K / group, B = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * (K / 2);
+    for (int64_t m = 0; m < M; ++m) {
       float total = 0.f;
       for (int64_t g = 0; g < G; ++g) {
         float acc = 0.f;
-        for (int64_t b = g * group; b < (g + 1) * group; b += 32) {
-          const uint8_t* bytes = row + b / 2;
-          for (int j = 0; j < 16; ++j) {
-            acc += static_cast<float>(bytes[j] & 0xF) * xm[b + j];
-            acc += static_cast<float>(bytes[j] >> 4) * xm[b + 16 + j];
-          }
+        for (int64_t b = g * group / 32; b < (g + 1) * group / 32; ++b) {
+          const int8_t* xb = xq + m * K + b * 32;
+          int32_t dot = 0;
+          for (int j = 0; j < 16; ++j)
+            dot += (row[b * 16 + j] & 0xF) * xb[j] + (row[b * 16 + j] >> 4) * xb[16 + j];
+          acc += static_cast<float>(dot) * dx[m * B + b];
         }
         total += acc * scale[n * G + g] + offset[n * G + g] * xsum[m * G + g];
       }
@@ -117,38 +188,99 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const float* x, int64_t M, in
   }
 }
 
-// int4, R rows: per group, q·x in a vector accumulator, scaled into the row's accumulator by one FMA
+// int8 with a scale per group of inputs (GGUF's Q8_0: groups of 32), R rows: per group q·x in two vector
+// chains, scaled into the row's accumulator by one FMA
+template <int R>
+__attribute__((target("avx2,fma"))) void int8g_rows_avx2(const float* x, int64_t K, const int8_t* w,
+                                                          const float* scale, int64_t group, int64_t n,
+                                                          float* out, const char* ahead) {
+  const int64_t G = K / group;
+  __m256 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+    for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+      if (ahead && k % 64 == 0) {
+        for (int64_t line = 0; line < 64 * R; line += 64) _mm_prefetch(ahead + k * R + line, _MM_HINT_T0);
+      }
+      const __m256 x0 = load8(x + k), x1 = load8(x + k + 8);
+      for (int r = 0; r < R; ++r) {
+        a0[r] = _mm256_fmadd_ps(wload8<WKind::I8>(w, (n + r) * K + k), x0, a0[r]);
+        a1[r] = _mm256_fmadd_ps(wload8<WKind::I8>(w, (n + r) * K + k + 8), x1, a1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      total[r] = _mm256_fmadd_ps(_mm256_add_ps(a0[r], a1[r]), _mm256_set1_ps(scale[(n + r) * G + g]), total[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(total[r]);
+}
+
+__attribute__((target("avx2,fma"))) void rows_int8g_avx2(const float* x, int64_t M, int64_t K, const int8_t* w,
+                                                          const float* scale, int64_t group, float* y, int64_t N,
+                                                          int64_t n0, int64_t n1) {
+  float out[4];
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const char* ahead = n + 8 <= n1 ? reinterpret_cast<const char*>(w + (n + 4) * K) : nullptr;
+    for (int64_t m = 0; m < M; ++m) {
+      int8g_rows_avx2<4>(x + m * K, K, w, scale, group, n, out, m == 0 ? ahead : nullptr);
+      for (int r = 0; r < 4; ++r) y[m * N + n + r] = out[r];
+    }
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      int8g_rows_avx2<1>(x + m * K, K, w, scale, group, n, out, nullptr);
+      y[m * N + n] = out[0];
+    }
+}
+
+// the offset term of an int4 row, sum_g offset_g · xsum_g, 8 groups a step (a scalar loop is one chain of
+// dependent adds, as long as the row's whole vector work at group 32)
+__attribute__((target("avx2,fma"))) inline float offset_dot_avx2(const float* offset, const float* xsum, int64_t G) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(offset + g), _mm256_loadu_ps(xsum + g), acc);
+  float out = hsum(acc);
+  for (; g < G; ++g) out += offset[g] * xsum[g];
+  return out;
+}
+
+// int4, R rows. xp is x with each chunk of 16 inputs as its 8 even then its 8 odd entries: 8 code bytes
+// widened to 8 int32 lanes (one vpmovzxbd from memory) give the low nibbles (an AND) for the even inputs and
+// the high ones (a shift) for the odd. Per block of 32 weights: two loads, four integer ops, four conversions
+// and four multiply-adds (x read from L1 as their memory operand), then one FMA by the block's scale. The
+// offset term (offset · group sum of x) is a dot product over the groups, after.
 template <int R>
 __attribute__((target("avx2,fma"))) void int4_rows_avx2(const float* xp, const float* xsum, int64_t K,
                                                          const uint8_t* w, const float* scale,
                                                          const float* offset, int64_t group, int64_t n,
                                                          float* out, const char* ahead) {
-  const int64_t G = K / group;
-  const __m128i low = _mm_set1_epi8(0x0F);
+  const int64_t G = K / group, per_group = group / 32;
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  const uint8_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = w + (n + r) * (K / 2);
   __m256 total[R];
-  float extra[R];
-  for (int r = 0; r < R; ++r) { total[r] = _mm256_setzero_ps(); extra[r] = 0.f; }
-  for (int64_t g = 0; g < G; ++g) {
-    __m256 acc[R], acc2[R];                                    // low and high nibbles: two chains a row
-    for (int r = 0; r < R; ++r) acc[r] = acc2[r] = _mm256_setzero_ps();
-    for (int64_t b = g * group; b < (g + 1) * group; b += 32) {
-      if (ahead) _mm_prefetch(ahead + b / 2 * R, _MM_HINT_T0);   // 16 bytes a row per step: R·16 ahead
-      __m256 x0 = load8(xp + b), x1 = load8(xp + b + 8), x2 = load8(xp + b + 16), x3 = load8(xp + b + 24);
-      for (int r = 0; r < R; ++r) {
-        __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + r) * (K / 2) + b / 2));
-        __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), x0, acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), x1, acc[r]);
-        acc2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), x2, acc2[r]);
-        acc2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), x3, acc2[r]);
-      }
+  for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K; b += 32) {
+    if (ahead && b % 128 == 0) {                                 // 64 bytes a row every 128 inputs
+      for (int64_t line = 0; line < 64 * R; line += 64) _mm_prefetch(ahead + b / 2 * R + line, _MM_HINT_T0);
     }
+    const int64_t g = b / 32 / per_group;
     for (int r = 0; r < R; ++r) {
-      total[r] = _mm256_fmadd_ps(_mm256_add_ps(acc[r], acc2[r]), _mm256_set1_ps(scale[(n + r) * G + g]), total[r]);
-      extra[r] += offset[(n + r) * G + g] * xsum[g];
+      const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[r] + b / 2)));
+      const __m256i v1 = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[r] + b / 2 + 8)));
+      __m256 even = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), _mm256_loadu_ps(xp + b));
+      __m256 odd = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), _mm256_loadu_ps(xp + b + 8));
+      even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), _mm256_loadu_ps(xp + b + 16), even);
+      odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), _mm256_loadu_ps(xp + b + 24), odd);
+      total[r] = _mm256_fmadd_ps(_mm256_add_ps(even, odd), _mm256_broadcast_ss(scale + (n + r) * G + g), total[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(total[r]) + extra[r];
+  for (int r = 0; r < R; ++r) {
+    out[r] = hsum(total[r]) + offset_dot_avx2(offset + (n + r) * G, xsum, G);
+  }
 }
 
 __attribute__((target("avx2,fma"))) void rows_int4_avx2(const float* xp, const float* xsum, int64_t M,
@@ -173,15 +305,236 @@ __attribute__((target("avx2,fma"))) void rows_int4_avx2(const float* xp, const f
   }
 }
 
-// LLMINFER_CPU_KERNELS_PORTABLE=1 runs the portable loops on any CPU (how the tests check them on x86)
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          !(std::getenv("LLMINFER_CPU_KERNELS_PORTABLE") &&
-                            std::string(std::getenv("LLMINFER_CPU_KERNELS_PORTABLE")) == "1");
-  return yes;
+// W4A8, R rows, one 32-input block per step: the 16 code bytes broadcast to both halves of a register, the
+// upper half shifted right by 4 (one vpsrlvd) and masked, give the 16 even codes then the 16 odd ones as
+// unsigned bytes, against xq's block (16 even, 16 odd int8). The byte products summed in fours into 8 int32
+// lanes are `DOT`: maddubs + madd with ones (AVX2), or one vpdpbusd (VNNI); then one conversion and one FMA
+// by the block's dx. Per group, one FMA by the scale.
+#define LLMINFER_INT4_A8_ROWS(NAME, TARGET, DOT)                                                                   \
+  template <int R>                                                                                               \
+  __attribute__((target(TARGET))) void NAME(const int8_t* xq, const float* dx, const float* xsum, int64_t K,     \
+                                            const uint8_t* w, const float* scale, const float* offset,           \
+                                            int64_t group, int64_t n, float* out, const char* ahead) {           \
+    const int64_t G = K / group;                                                                                 \
+    const __m256i low = _mm256_set1_epi8(0x0F), shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);             \
+    const __m256i ones = _mm256_set1_epi16(1);                                                                   \
+    (void)ones;                                                                                                  \
+    __m256 total[R];                                                                                             \
+    for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();                                                  \
+    for (int64_t g = 0; g < G; ++g) {                                                                            \
+      __m256 acc[R];                                                                                             \
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();                                                  \
+      for (int64_t b = g * group; b < (g + 1) * group; b += 32) {                                                \
+        if (ahead && b % 128 == 0) {                                                                             \
+          for (int64_t line = 0; line < 64 * R; line += 64) _mm_prefetch(ahead + b / 2 * R + line, _MM_HINT_T0); \
+        }                                                                                                        \
+        const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b));                         \
+        const __m256 step = _mm256_set1_ps(dx[b / 32]);                                                          \
+        for (int r = 0; r < R; ++r) {                                                                            \
+          const __m256i v = _mm256_broadcastsi128_si256(                                                         \
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + r) * (K / 2) + b / 2)));                 \
+          const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(v, shift), low);                                  \
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT), step, acc[r]);                                       \
+        }                                                                                                        \
+      }                                                                                                          \
+      for (int r = 0; r < R; ++r)                                                                                \
+        total[r] = _mm256_fmadd_ps(acc[r], _mm256_set1_ps(scale[(n + r) * G + g]), total[r]);                    \
+    }                                                                                                            \
+    for (int r = 0; r < R; ++r) {                                                                                \
+      out[r] = hsum(total[r]) + offset_dot_avx2(offset + (n + r) * G, xsum, G);                                 \
+    }                                                                                                            \
+  }
+
+LLMINFER_INT4_A8_ROWS(int4_a8_rows_avx2, "avx2,fma", _mm256_madd_epi16(_mm256_maddubs_epi16(q, xb), ones))
+LLMINFER_INT4_A8_ROWS(int4_a8_rows_avxvnni, "avx2,fma,avxvnni", _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, xb))
+LLMINFER_INT4_A8_ROWS(int4_a8_rows_avx512vnni, "avx2,fma,avx512f,avx512vl,avx512vnni",
+                      _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, xb))
+#undef LLMINFER_INT4_A8_ROWS
+
+template <void (*Rows4)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const float*,
+                        const float*, int64_t, int64_t, float*, const char*),
+          void (*Rows1)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const float*,
+                        const float*, int64_t, int64_t, float*, const char*)>
+void rows_int4_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+                  const float* scale, const float* offset, int64_t group, float* y, int64_t N, int64_t n0,
+                  int64_t n1) {
+  const int64_t G = K / group, B = K / 32;
+  float out[4];
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const char* ahead = n + 8 <= n1 ? reinterpret_cast<const char*>(w + (n + 4) * (K / 2)) : nullptr;
+    for (int64_t m = 0; m < M; ++m) {
+      Rows4(xq + m * K, dx + m * B, xsum + m * G, K, w, scale, offset, group, n, out, m == 0 ? ahead : nullptr);
+      for (int r = 0; r < 4; ++r) y[m * N + n + r] = out[r];
+    }
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      Rows1(xq + m * K, dx + m * B, xsum + m * G, K, w, scale, offset, group, n, out, nullptr);
+      y[m * N + n] = out[0];
+    }
 }
-#else
-bool has_avx2() { return false; }
+
+// ---------------------------------------------------------------------------------------------------
+// AVX-512: the same loops, 16 floats a register (compiled for it; they run only where the CPU has it)
+#define LLMINFER_AVX512 "avx2,fma,avx512f,avx512bw,avx512vl"
+
+__attribute__((target(LLMINFER_AVX512))) inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+template <WKind kind>
+__attribute__((target(LLMINFER_AVX512))) inline __m512 wload16(const void* w, int64_t i) {
+  if constexpr (kind == WKind::F32) {
+    return _mm512_loadu_ps(static_cast<const float*>(w) + i);
+  } else if constexpr (kind == WKind::BF16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w) + i));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }
+}
+
+template <WKind kind, int R>
+__attribute__((target(LLMINFER_AVX512))) void dot_rows_avx512(const float* x, int64_t K, const void* w, int64_t n,
+                                                               float* out, const char* ahead) {
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  constexpr int64_t step_bytes = 32 * wbytes<kind>() * R;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    if (ahead) {
+      for (int64_t line = 0; line < step_bytes; line += 64)
+        _mm_prefetch(ahead + k * wbytes<kind>() * R + line, _MM_HINT_T0);
+    }
+    const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+    for (int r = 0; r < R; ++r) {
+      a0[r] = _mm512_fmadd_ps(wload16<kind>(w, (n + r) * K + k), x0, a0[r]);
+      a1[r] = _mm512_fmadd_ps(wload16<kind>(w, (n + r) * K + k + 16), x1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float s = hsum16(_mm512_add_ps(a0[r], a1[r]));
+    for (int64_t j = k; j < K; ++j) s += x[j] * weight_at<kind>(w, (n + r) * K + j);
+    out[r] = s;
+  }
+}
+
+template <WKind kind>
+__attribute__((target(LLMINFER_AVX512))) void rows_avx512(const float* x, int64_t M, int64_t K, const void* w,
+                                                           const float* scale, float* y, int64_t N, int64_t n0,
+                                                           int64_t n1) {
+  float out[4];
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const char* ahead = n + 8 <= n1 ? static_cast<const char*>(w) + (n + 4) * K * wbytes<kind>() : nullptr;
+    for (int64_t m = 0; m < M; ++m) {
+      dot_rows_avx512<kind, 4>(x + m * K, K, w, n, out, m == 0 ? ahead : nullptr);
+      for (int r = 0; r < 4; ++r) y[m * N + n + r] = scale ? out[r] * scale[n + r] : out[r];
+    }
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      dot_rows_avx512<kind, 1>(x + m * K, K, w, n, out, nullptr);
+      y[m * N + n] = scale ? out[0] * scale[n] : out[0];
+    }
+}
+
+// bfloat16 weights by vdpbf16ps: xb is x rounded to bfloat16 (round to nearest even), 32 inputs a step in
+// pairs; the products are summed in float32. x's rounding changes the numbers (in the last bits of a bfloat16
+// model's own rounding).
+template <int R>
+__attribute__((target(LLMINFER_AVX512 ",avx512bf16"))) void dot_rows_bf16dp(const uint16_t* xb, int64_t K,
+                                                                             const uint16_t* w, int64_t n,
+                                                                             float* out, const char* ahead) {
+  __m512 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    if (ahead) {
+      for (int64_t line = 0; line < 64 * R; line += 64) _mm_prefetch(ahead + k * 2 * R + line, _MM_HINT_T0);
+    }
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + k);
+    for (int r = 0; r < R; ++r)
+      a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_loadu_si512(w + (n + r) * K + k), xv);
+  }
+  for (int r = 0; r < R; ++r) {
+    float s = hsum16(a[r]);
+    for (int64_t j = k; j < K; ++j) s += weight_at<WKind::BF16>(xb, j) * weight_at<WKind::BF16>(w, (n + r) * K + j);
+    out[r] = s;
+  }
+}
+
+void rows_bf16dp(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t n0,
+                 int64_t n1) {
+  float out[4];
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const char* ahead = n + 8 <= n1 ? reinterpret_cast<const char*>(w + (n + 4) * K) : nullptr;
+    for (int64_t m = 0; m < M; ++m) {
+      dot_rows_bf16dp<4>(xb + m * K, K, w, n, out, m == 0 ? ahead : nullptr);
+      for (int r = 0; r < 4; ++r) y[m * N + n + r] = out[r];
+    }
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      dot_rows_bf16dp<1>(xb + m * K, K, w, n, out, nullptr);
+      y[m * N + n] = out[0];
+    }
+}
+
+// int4, 16 lanes: xp holds each chunk of 32 inputs as its 16 even then 16 odd entries; 16 code bytes widened
+// to 16 int32 lanes give both halves
+template <int R>
+__attribute__((target(LLMINFER_AVX512))) void int4_rows_avx512(const float* xp, const float* xsum, int64_t K,
+                                                                const uint8_t* w, const float* scale,
+                                                                const float* offset, int64_t group, int64_t n,
+                                                                float* out, const char* ahead) {
+  const int64_t G = K / group;
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    for (int64_t b = g * group; b < (g + 1) * group; b += 32) {
+      if (ahead && b % 128 == 0) {
+        for (int64_t line = 0; line < 64 * R; line += 64) _mm_prefetch(ahead + b / 2 * R + line, _MM_HINT_T0);
+      }
+      const __m512 xe = _mm512_loadu_ps(xp + b), xo = _mm512_loadu_ps(xp + b + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512i v = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + r) * (K / 2) + b / 2)));
+        even[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), xe, even[r]);
+        odd[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), xo, odd[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      total[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), _mm512_set1_ps(scale[(n + r) * G + g]), total[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    out[r] = hsum16(total[r]) + offset_dot_avx2(offset + (n + r) * G, xsum, G);
+  }
+}
+
+void rows_int4_avx512(const float* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+                      const float* scale, const float* offset, int64_t group, float* y, int64_t N, int64_t n0,
+                      int64_t n1) {
+  const int64_t G = K / group;
+  float out[4];
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const char* ahead = n + 8 <= n1 ? reinterpret_cast<const char*>(w + (n + 4) * (K / 2)) : nullptr;
+    for (int64_t m = 0; m < M; ++m) {
+      int4_rows_avx512<4>(xp + m * K, xsum + m * G, K, w, scale, offset, group, n, out, m == 0 ? ahead : nullptr);
+      for (int r = 0; r < 4; ++r) y[m * N + n + r] = out[r];
+    }
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      int4_rows_avx512<1>(xp + m * K, xsum + m * G, K, w, scale, offset, group, n, out, nullptr);
+      y[m * N + n] = out[0];
+    }
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------------
@@ -203,9 +556,15 @@ Weight dense_weight(const at::Tensor& w, const char* op) {
 Weight int8_weight(const at::Tensor& w, const at::Tensor& scale, const char* op) {
   TORCH_CHECK(w.scalar_type() == at::kChar, op, ": the codes must be int8, got ", w.scalar_type());
   Weight W = dense_weight(w, op);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == W.N, op,
-              ": scale must be float32 with one entry per output row (", W.N, ")");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() > 0 &&
+              scale.numel() % W.N == 0, op, ": scale must be contiguous float32 with one entry per output row (",
+              W.N, ") or per row and group (", W.N, ", groups), got ", scale.numel(), " ", scale.scalar_type(),
+              " entries");
+  const int64_t G = scale.numel() / W.N;
+  TORCH_CHECK(W.K % G == 0 && (G == 1 || (W.K / G) % 16 == 0), op, ": ", G, " scale groups a row do not split ",
+              W.K, " inputs into groups of a multiple of 16");
   W.scale = scale.data_ptr<float>();
+  W.group = W.K / G;
   return W;
 }
 
@@ -228,11 +587,12 @@ Weight int4_weight(const at::Tensor& w, const at::Tensor& scale, const at::Tenso
   return W;
 }
 
-// A linear given as its parts: [weight] (float32 or bfloat16), [codes, scale] (int8) or [nibbles, scale,
-// offset] (int4, the group size read from the scale's shape).
+// A linear given as its parts: [weight] (float32 or bfloat16), [codes, scale] (int8, the group size read from
+// the scale's shape), [nibbles, scale, offset] (int4, likewise) or [nibbles, scale, offset, marker] (int4 with
+// int8 activations).
 Weight weight_from_parts(at::TensorList parts, const char* op) {
-  TORCH_CHECK(!parts.empty() && parts.size() <= 3, op, ": a linear is [weight], [codes, scale] or "
-              "[nibbles, scale, offset], got ", parts.size(), " tensors");
+  TORCH_CHECK(!parts.empty() && parts.size() <= 4, op, ": a linear is [weight], [codes, scale], "
+              "[nibbles, scale, offset] or [nibbles, scale, offset, marker], got ", parts.size(), " tensors");
   const at::Tensor& w = parts[0];
   if (parts.size() == 1) {
     TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, op,
@@ -241,53 +601,126 @@ Weight weight_from_parts(at::TensorList parts, const char* op) {
   }
   if (parts.size() == 2) return int8_weight(w, parts[1], op);
   TORCH_CHECK(parts[1].dim() == 2 && parts[1].size(1) > 0, op, ": int4 scales must be (N, groups)");
-  return int4_weight(w, parts[1], parts[2], w.size(1) * 2 / parts[1].size(1), op);
+  Weight W = int4_weight(w, parts[1], parts[2], w.size(1) * 2 / parts[1].size(1), op);
+  if (parts.size() == 4) {
+    TORCH_CHECK(parts[3].numel() == 1, op, ": the int8-activation marker must be a one-element tensor");
+    W.int8_activations = true;
+  }
+  return W;
+}
+
+// the reorders and sums of x the int4 loops read, for rows M of x (K inputs, groups of `group`):
+// xp, each chunk of `chunk` inputs as its even then its odd entries (chunk 0: x as it is), and the group sums
+struct Int4X {
+  std::vector<float> xp, xsum;
+};
+
+Int4X int4_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t chunk) {
+  const int64_t G = K / group;
+  Int4X out;
+  out.xsum.assign(M * G, 0.f);
+  if (chunk) out.xp.resize(M * K);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    if (chunk) {
+      for (int64_t b = 0; b < K; b += chunk)
+        for (int64_t j = 0; j < chunk / 2; ++j) {
+          out.xp[m * K + b + j] = xm[b + 2 * j];
+          out.xp[m * K + b + chunk / 2 + j] = xm[b + 2 * j + 1];
+        }
+    }
+    for (int64_t k = 0; k < K; ++k) out.xsum[m * G + k / group] += xm[k];
+  }
+  return out;
+}
+
+// y (M, N) = x · Wᵀ for an int4 weight with x rounded to int8 per block of 32 (W4A8)
+void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y) {
+  const int64_t N = W.N, K = W.K, B = K / 32;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * B);
+  Int4X sums = int4_x(x, M, K, W.group, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + m * K + b * 32;
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float step = amax / 127.f, inverse = step > 0.f ? 1.f / step : 0.f;
+      dx[m * B + b] = step;
+      for (int j = 0; j < 16; ++j) {             // 16 even inputs, then 16 odd
+        xq[m * K + b * 32 + j] = static_cast<int8_t>(std::lrint(xb[2 * j] * inverse));
+        xq[m * K + b * 32 + 16 + j] = static_cast<int8_t>(std::lrint(xb[2 * j + 1] * inverse));
+      }
+    }
+  }
+  const uint8_t* wp = static_cast<const uint8_t*>(W.w);
+  const int64_t bits = features();
+  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+#ifdef LLMINFER_X86
+    if (bits & kAVX512VNNI)
+      return rows_int4_a8<int4_a8_rows_avx512vnni<4>, int4_a8_rows_avx512vnni<1>>(
+          xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, n0, n1);
+    if (bits & kAVXVNNI)
+      return rows_int4_a8<int4_a8_rows_avxvnni<4>, int4_a8_rows_avxvnni<1>>(
+          xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, n0, n1);
+    if (bits & kAVX2)
+      return rows_int4_a8<int4_a8_rows_avx2<4>, int4_a8_rows_avx2<1>>(
+          xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, n0, n1);
+#endif
+    rows_int4_a8_portable(xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N,
+                          n0, n1);
+  });
 }
 
 // y (M, N) = x (M, K) · Wᵀ, all float32 and contiguous; rows of W split over torch's threads
 void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
   const int64_t N = W.N, K = W.K;
-  const bool avx2 = has_avx2();
+  const int64_t bits = features();
+  const bool avx2 = bits & kAVX2, avx512 = bits & kAVX512;
 #ifdef LLMINFER_X86
   if (avx2 && M > kMatvecMaxRows) return gemm_avx2(x, M, W, y);
 #endif
+  if (W.format == Weight::I4 && W.int8_activations && M <= kMatvecMaxRows) return linear_rows_a8(W, x, M, y);
   if (W.format == Weight::I4) {
-    // x with each block of 32 inputs as its 16 even then 16 odd entries, and the group sums of x
     const int64_t G = K / W.group;
-    std::vector<float> xp(M * K), xsum(M * G, 0.f);
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t b = 0; b < K; b += 32) {
-        for (int j = 0; j < 16; ++j) {
-          xp[m * K + b + j] = x[m * K + b + 2 * j];
-          xp[m * K + b + 16 + j] = x[m * K + b + 2 * j + 1];
-        }
-      }
-      for (int64_t k = 0; k < K; ++k) xsum[m * G + k / W.group] += x[m * K + k];
-    }
+    const Int4X sums = int4_x(x, M, K, W.group, avx512 ? 32 : avx2 ? 16 : 0);
     const uint8_t* wp = static_cast<const uint8_t*>(W.w);
     at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
 #ifdef LLMINFER_X86
-      if (avx2) rows_int4_avx2(xp.data(), xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, n0, n1);
-      else
+      if (avx512) return rows_int4_avx512(sums.xp.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group,
+                                          y, N, n0, n1);
+      if (avx2) return rows_int4_avx2(sums.xp.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y,
+                                      N, n0, n1);
 #endif
-      rows_int4_portable(xp.data(), xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, n0, n1);
+      rows_int4_portable(x, sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, n0, n1);
     });
+    (void)G;
     return;
   }
+  const bool grouped = W.format == Weight::I8 && W.group != K;
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    if (avx2) {
 #ifdef LLMINFER_X86
-      if (W.format == Weight::F32) rows_avx2<WKind::F32>(x, M, K, W.w, W.scale, y, N, n0, n1);
-      else if (W.format == Weight::BF16) rows_avx2<WKind::BF16>(x, M, K, W.w, W.scale, y, N, n0, n1);
-      else rows_avx2<WKind::I8>(x, M, K, W.w, W.scale, y, N, n0, n1);
-#endif
-    } else if (W.format == Weight::F32) {
-      rows_portable<WKind::F32>(x, M, K, W.w, W.scale, y, N, n0, n1);
-    } else if (W.format == Weight::BF16) {
-      rows_portable<WKind::BF16>(x, M, K, W.w, W.scale, y, N, n0, n1);
-    } else {
-      rows_portable<WKind::I8>(x, M, K, W.w, W.scale, y, N, n0, n1);
+    if (grouped && avx2)
+      return rows_int8g_avx2(x, M, K, static_cast<const int8_t*>(W.w), W.scale, W.group, y, N, n0, n1);
+    if (!grouped && W.format == Weight::BF16 && (bits & kAVX512BF16)) {
+      std::vector<uint16_t> xb(M * K);                     // x rounded to bfloat16 (round to nearest even)
+      for (int64_t i = 0; i < M * K; ++i) xb[i] = c10::BFloat16(x[i]).x;
+      return rows_bf16dp(xb.data(), M, K, static_cast<const uint16_t*>(W.w), y, N, n0, n1);
     }
+    if (!grouped && avx512) {
+      if (W.format == Weight::F32) return rows_avx512<WKind::F32>(x, M, K, W.w, W.scale, y, N, n0, n1);
+      if (W.format == Weight::BF16) return rows_avx512<WKind::BF16>(x, M, K, W.w, W.scale, y, N, n0, n1);
+      return rows_avx512<WKind::I8>(x, M, K, W.w, W.scale, y, N, n0, n1);
+    }
+    if (!grouped && avx2) {
+      if (W.format == Weight::F32) return rows_avx2<WKind::F32>(x, M, K, W.w, W.scale, y, N, n0, n1);
+      if (W.format == Weight::BF16) return rows_avx2<WKind::BF16>(x, M, K, W.w, W.scale, y, N, n0, n1);
+      return rows_avx2<WKind::I8>(x, M, K, W.w, W.scale, y, N, n0, n1);
+    }
+#endif
+    if (W.format == Weight::F32) rows_portable<WKind::F32>(x, M, K, W.w, nullptr, K, y, N, n0, n1);
+    else if (W.format == Weight::BF16) rows_portable<WKind::BF16>(x, M, K, W.w, nullptr, K, y, N, n0, n1);
+    else rows_portable<WKind::I8>(x, M, K, W.w, W.scale, W.group, y, N, n0, n1);
   });
 }
 
@@ -355,5 +788,81 @@ at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return gemv(x, int4_weight(w, scale, offset, group, "gemv_int4"), "gemv_int4");
 }
 
+at::Tensor gemv_int4_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset,
+                        int64_t group) {
+  Weight W = int4_weight(w, scale, offset, group, "gemv_int4_a8");
+  W.int8_activations = true;
+  return gemv(x, W, "gemv_int4_a8");
+}
+
+
+
+// ---------------------------------------------------------------------------------------------------
+// the streaming-read probe: every byte of `data` read once, by every thread (contiguous slices), with the
+// widest loads this process runs (64 bytes with AVX-512, 32 with AVX2), into four independent XOR chains so the
+// loads, not the arithmetic, set the pace. Returns a checksum, so that the reads cannot be left out.
+#ifdef LLMINFER_X86
+__attribute__((target("avx2"))) uint64_t read_avx2(const uint8_t* p, int64_t n) {
+  __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+  int64_t i = 0;
+  for (; i + 128 <= n; i += 128) {
+    a = _mm256_xor_si256(a, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i)));
+    b = _mm256_xor_si256(b, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
+    c = _mm256_xor_si256(c, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
+    d = _mm256_xor_si256(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
+  }
+  const __m256i all = _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
+  uint64_t out = static_cast<uint64_t>(_mm256_extract_epi64(all, 0) ^ _mm256_extract_epi64(all, 3));
+  for (; i < n; ++i) out ^= p[i];
+  return out;
+}
+
+__attribute__((target(LLMINFER_AVX512))) uint64_t read_avx512(const uint8_t* p, int64_t n) {
+  __m512i a = _mm512_setzero_si512(), b = a, c = a, d = a;
+  int64_t i = 0;
+  for (; i + 256 <= n; i += 256) {
+    a = _mm512_xor_si512(a, _mm512_load_si512(p + i));
+    b = _mm512_xor_si512(b, _mm512_load_si512(p + i + 64));
+    c = _mm512_xor_si512(c, _mm512_load_si512(p + i + 128));
+    d = _mm512_xor_si512(d, _mm512_load_si512(p + i + 192));
+  }
+  const __m512i all = _mm512_xor_si512(_mm512_xor_si512(a, b), _mm512_xor_si512(c, d));
+  uint64_t out = static_cast<uint64_t>(_mm512_reduce_or_epi64(all));
+  for (; i < n; ++i) out ^= p[i];
+  return out;
+}
+#endif
+
+int64_t stream_read(const at::Tensor& data) {
+  TORCH_CHECK(data.device().is_cpu() && data.is_contiguous(), "stream_read: data must be a contiguous CPU tensor");
+  const uint8_t* base = static_cast<const uint8_t*>(data.data_ptr());
+  const int64_t n = data.numel() * data.element_size();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 64 == 0, "stream_read: data must start on a 64-byte boundary");
+  const int64_t bits = features(), slice = 1 << 20;                 // 1 MiB a task
+  const int64_t slices = (n + slice - 1) / slice;
+  std::vector<uint64_t> sums(slices, 0);
+  at::parallel_for(0, slices, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const uint8_t* p = base + s * slice;
+      const int64_t len = std::min(slice, n - s * slice);
+#ifdef LLMINFER_X86
+      if (bits & kAVX512) { sums[s] = read_avx512(p, len); continue; }
+      if (bits & kAVX2) { sums[s] = read_avx2(p, len); continue; }
+#endif
+      uint64_t acc = 0;
+      int64_t i = 0;
+      for (; i + 8 <= len; i += 8) {
+        uint64_t word;
+        std::memcpy(&word, p + i, 8);
+        acc ^= word;
+      }
+      for (; i < len; ++i) acc ^= p[i];
+      sums[s] = acc;
+    }
+  });
+  uint64_t out = 0;
+  for (uint64_t v : sums) out ^= v;
+  return static_cast<int64_t>(out & 0x7fffffffffffffffULL);
+}
 
 }  // namespace llminfer_cpu

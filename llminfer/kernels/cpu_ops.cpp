@@ -14,6 +14,7 @@ TORCH_LIBRARY(llminfer, m) {
   m.def("gemv_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("gemv_int8(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("gemv_int4(Tensor x, Tensor w, Tensor scale, Tensor offset, int group) -> Tensor");
+  m.def("gemv_int4_a8(Tensor x, Tensor w, Tensor scale, Tensor offset, int group) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   m.def("decode_layer(Tensor x, Tensor input_norm, float eps1, Tensor post_norm, float eps2, Tensor[] qkv, "
         "Tensor? qkv_bias, Tensor[] o, Tensor[] gate_up, Tensor[] down, Tensor cos, Tensor sin, "
@@ -25,8 +26,11 @@ TORCH_LIBRARY(llminfer, m) {
   m.def("decode_layers_paged(Tensor x, Tensor[] tensors, int[] layout, float[] eps, Tensor cos, Tensor sin, "
         "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor positions, Tensor token_seq, Tensor block_tables, "
         "int n_heads, float scale) -> Tensor");
+  m.def("stream_read(Tensor data) -> int", &stream_read);
   m.def("matvec_max_rows() -> int", []() -> int64_t { return kMatvecMaxRows; });
-  m.def("cpu_kernel_isa() -> str", []() -> std::string { return has_avx2() ? "avx2+fma" : "portable"; });
+  // the instruction sets in use (bits of Feature); set_cpu_features returns the bits the CPU lacks (0: set)
+  m.def("cpu_features() -> int", []() -> int64_t { return features(); });
+  m.def("set_cpu_features(int bits) -> int", [](int64_t bits) -> int64_t { return set_features(bits); });
 }
 
 TORCH_LIBRARY_IMPL(llminfer, CPU, m) {
@@ -34,6 +38,7 @@ TORCH_LIBRARY_IMPL(llminfer, CPU, m) {
   m.impl("gemv_bf16", &gemv_bf16);
   m.impl("gemv_int8", &gemv_int8);
   m.impl("gemv_int4", &gemv_int4);
+  m.impl("gemv_int4_a8", &gemv_int4_a8);
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_layer", &decode_layer);
   m.impl("decode_layers", &decode_layers);

@@ -10,8 +10,11 @@ reads.
     int3, int2 the same with 2^b levels (for the accuracy study; dequantized on the fly)
 
 Kernels, for a few tokens (a decode step):
-* `native` (CPU, int8 and int4): llminfer's own matrix-vector loops (`llminfer.kernels.cpu`), which read the
-  canonical codes as they are and widen them in registers. `auto` takes it wherever it builds.
+* `native` (CPU, int8 per channel or per group, as GGUF's Q8_0, and int4): llminfer's own matrix-vector loops
+  (`llminfer.kernels.cpu`), which read the canonical codes as they are and widen them in registers. `auto`
+  takes it wherever it builds. With `activations="int8"` (int4 only, W4A8) the native kernel rounds each block
+  of 32 inputs of x to int8 and multiplies in integers (maddubs, or VNNI's vpdpbusd), as llama.cpp's Q4_0 dot
+  product does: faster, and it changes the numbers (chapter 08 measures by how much).
 * `packed`: torch's `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (weights repacked once, at
   quantize or load time). `kernel="packed"` insists on it and refuses, before any work, a device without it.
 * `dequantize`: the weight is dequantized to the model's dtype on the fly; the same numbers, more slowly.
@@ -32,6 +35,7 @@ __all__ = ["QuantizedLinear", "quantize", "SCHEMES", "KERNELS", "has_kernel", "q
 
 SCHEMES = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
 KERNELS = ("auto", "native", "packed", "dequantize")
+ACTIVATIONS = ("float", "int8")                # int8: W4A8 on the native kernel (changes the numbers)
 _INT4_KERNEL_GROUPS = (256, 128, 64, 32)       # the group sizes `_weight_int4pack_mm_for_cpu` takes
 # The packed and native kernels are matrix-vector products: past a few rows (a prefill) one dequantization
 # and a float matmul is far faster, so longer inputs take that path.
@@ -60,7 +64,7 @@ def _native_fits(bits: int, group_size: int | None, in_features: int, device) ->
     """Whether llminfer's native CPU kernel takes this layer (building the kernels if need be)."""
     if torch.device(device).type != "cpu":
         return False
-    shape_ok = group_size is None if bits == 8 else bits == 4 and in_features % 32 == 0
+    shape_ok = (group_size is None or group_size % 16 == 0) if bits == 8 else bits == 4 and in_features % 32 == 0
     return shape_ok and native_cpu.available()
 
 
@@ -75,7 +79,7 @@ def choose_kernel(bits: int, group_size: int | None, in_features: int, out_featu
     if kernel == "native":
         why = (f"it is unavailable here ({native_cpu.why_unavailable()})" if torch.device(device).type == "cpu"
                and bits in (8, 4) and native_cpu.why_unavailable() else
-               "it takes int8 per channel and int4 with in_features a multiple of 32, on a CPU")
+               "it takes int8 per channel or in groups, and int4 with in_features a multiple of 32, on a CPU")
         raise ValueError(f"no native kernel for a ({out_features} x {in_features}) int{bits} weight"
                          f"{'' if group_size is None else f' in groups of {group_size}'} on {torch.device(device)}: "
                          f"{why}; pass kernel='auto' to use torch's kernels or dequantize on the fly")
@@ -96,6 +100,16 @@ def choose_kernel(bits: int, group_size: int | None, in_features: int, out_featu
 
 
 _choose_kernel = choose_kernel
+
+
+def _check_activations(activations: str, bits: int, group_size: int | None, kernel: str) -> None:
+    """ValueError, before any compute, for activations other than 'float' and 'int8', or 'int8' off int4."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations={activations!r} must be one of {ACTIVATIONS}")
+    if activations == "int8" and (bits != 4 or kernel in ("packed", "dequantize")):
+        raise ValueError(f"activations='int8' (W4A8) is for int4 weights on the native kernel; got int{bits} with "
+                         f"kernel={kernel!r}. Pass scheme='int4' with kernel='auto' or 'native', or "
+                         "activations='float'")
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -151,9 +165,11 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None,
                  codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 bias: torch.Tensor | None = None, kernel: str = "auto", offsets: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, kernel: str = "auto", offsets: torch.Tensor | None = None,
+                 activations: str = "float"):
         super().__init__()
         check_scheme(bits, group_size, in_features)
+        _check_activations(activations, bits, group_size, kernel)
         if offsets is not None:
             if bits == 8 or zeros is not None:
                 raise ValueError("offsets (w = q·scale + offset) are for the asymmetric formats and replace zeros; "
@@ -163,6 +179,11 @@ class QuantizedLinear(nn.Module):
         self.bits, self.group_size = bits, group_size
         self.kernel = _choose_kernel(bits, group_size, in_features, out_features, codes.device, kernel)
         self.kernel_request = kernel           # what was asked for ('auto', 'packed', 'dequantize')
+        if activations == "int8" and self.kernel != "native":
+            raise ValueError(f"activations='int8' runs on the native CPU kernel only, and this ({out_features} x "
+                             f"{in_features}) layer on {codes.device} gets kernel={self.kernel!r}; pass "
+                             "activations='float', or load on a CPU where the native kernels build")
+        self.activations = activations
         n_groups = 1 if group_size is None else in_features // group_size
         if tuple(codes.shape) != (out_features, in_features) or tuple(scales.shape) != (out_features, n_groups):
             raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not fit a "
@@ -193,8 +214,8 @@ class QuantizedLinear(nn.Module):
             # the kernel's float32 terms: w = q·scale (int8) or q·scale + offset, offset = zero - 8·scale (int4)
             scale32 = scales.float()
             self.kernel_group = in_features if group_size is None else group_size
-            self.register_buffer("kernel_scale", (scale32[:, 0] if bits == 8 else scale32).contiguous(),
-                                 persistent=False)
+            self.register_buffer("kernel_scale", (scale32[:, 0] if bits == 8 and group_size is None else
+                                                  scale32).contiguous(), persistent=False)
             self.register_buffer("kernel_offset", None if bits == 8 else offsets.float().contiguous()
                                  if offsets is not None else
                                  (zeros.float() - 2 ** (bits - 1) * scale32).contiguous(), persistent=False)
@@ -204,7 +225,7 @@ class QuantizedLinear(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_linear(cls, linear: nn.Linear, bits: int, group_size: int | None = None,
-                    kernel: str = "auto") -> "QuantizedLinear":
+                    kernel: str = "auto", activations: str = "float") -> "QuantizedLinear":
         """Quantizes an nn.Linear's weight (absmax for int8, min–max per group below). Chapter 08."""
         weight = linear.weight
         granularity = "channel" if group_size is None else "group"
@@ -218,11 +239,11 @@ class QuantizedLinear(nn.Module):
             scales = qt.scales.to(dtype)
             zeros = (qt.offsets + middle * qt.scales).to(dtype)      # w = (q - middle) · scale + zero
         return cls(linear.in_features, linear.out_features, bits, group_size, qt.codes, scales, zeros,
-                   linear.bias, kernel)
+                   linear.bias, kernel, activations=activations)
 
     @classmethod
     def from_state(cls, state: dict, bits: int, group_size: int | None, kernel: str = "auto",
-                   device=None) -> "QuantizedLinear":
+                   device=None, activations: str = "float") -> "QuantizedLinear":
         """Rebuilds a layer from `state()` (codes as stored in a checkpoint). Chapter 08."""
         codes = state["qweight"]
         if device is not None:
@@ -232,15 +253,15 @@ class QuantizedLinear(nn.Module):
             codes = _unpack_nibbles(codes)
         out_features, in_features = codes.shape
         return cls(in_features, out_features, bits, group_size, codes, state["scales"], state.get("zeros"),
-                   state.get("bias"), kernel)
+                   state.get("bias"), kernel, activations=activations)
 
     @staticmethod
     def concat(layers: list["QuantizedLinear"], kernel: str = "auto") -> "QuantizedLinear":
         """One layer whose output rows are those of `layers` in turn (fused q/k/v, gate/up). Chapter 08."""
         first = layers[0]
-        if any((l.bits, l.group_size, l.in_features, l.dtype) != (first.bits, first.group_size, first.in_features,
-                                                                   first.dtype) for l in layers):
-            raise ValueError("only layers of one format, group size, input width and dtype can be fused")
+        if any((l.bits, l.group_size, l.in_features, l.dtype, l.activations) !=
+               (first.bits, first.group_size, first.in_features, first.dtype, first.activations) for l in layers):
+            raise ValueError("only layers of one format, group size, input width, dtype and activations can be fused")
         states = [l.state() for l in layers]
         merged = {name: None if states[0][name] is None else torch.cat([s[name] for s in states])
                   for name in states[0]}
@@ -249,7 +270,8 @@ class QuantizedLinear(nn.Module):
                 [s["bias"] if s["bias"] is not None else torch.zeros(l.out_features, dtype=first.dtype,
                                                                      device=l.qweight.device)
                  for s, l in zip(states, layers)])
-        return QuantizedLinear.from_state(merged, first.bits, first.group_size, kernel)
+        return QuantizedLinear.from_state(merged, first.bits, first.group_size, kernel,
+                                          activations=first.activations)
 
     # --- reading back --------------------------------------------------------------------------------
 
@@ -315,10 +337,11 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)                                            # (tokens, K)
         few = x2.shape[0] <= KERNEL_MAX_TOKENS        # decode: the matrix-vector kernels
         native = self.kernel == "native" and x2.device.type == "cpu"
-        if native and (few or native_cpu.blocked_prefill(self.qweight.dtype)):
+        if native and (few or native_cpu.blocked_prefill(self.qweight.dtype, x2.shape[0])):
             offset = None if self.kernel_offset is None else self.kernel_offset.float()
             # (.float(): a no-op unless the model was cast after quantizing, which casts these buffers too)
-            y = native_cpu.gemv(x2, self.qweight, self.kernel_scale.float(), offset, self.kernel_group)
+            y = native_cpu.gemv(x2, self.qweight, self.kernel_scale.float(), offset, self.kernel_group,
+                                activations=self.activations if few else "float")
         elif self.kernel == "int8pack" and few:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)         # (tokens, N)
         elif self.kernel == "int4pack" and few:
@@ -340,7 +363,8 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         group = "per channel" if self.group_size is None else f"group_size={self.group_size}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, {group}, "
-                f"kernel={self.kernel}, dtype={str(self.dtype).removeprefix('torch.')}")
+                f"kernel={self.kernel}, dtype={str(self.dtype).removeprefix('torch.')}"
+                + (", activations=int8" if self.activations == "int8" else ""))
 
 
 def quantized_modules(model: nn.Module) -> dict[str, QuantizedLinear]:
@@ -375,12 +399,14 @@ def _parse_scheme(scheme) -> int:
 
 @torch.no_grad()
 def quantize(model: nn.Module, scheme: str = "int8", group_size: int | None = None, kernel: str = "auto",
-             include_head: bool = True) -> nn.Module:
+             include_head: bool = True, activations: str = "float") -> nn.Module:
     """Replaces each nn.Linear of model in place by a QuantizedLinear; returns the model. Chapter 08.
 
     scheme: 'int8' (one scale per output channel), 'int4', 'int3' or 'int2' (group-wise scales and zero
     points with group_size 32, 64, 128 or 256, or one per channel with None). include_head=False keeps the
-    output head in floating point. Everything is checked before any layer is touched.
+    output head in floating point. activations='int8' (int4, native CPU kernel) is W4A8: x rounded to int8 per
+    block of 32 in decode steps, integer dot products; it changes the numbers. Everything is checked before any
+    layer is touched.
     """
     bits = _parse_scheme(scheme)
     check_flag("include_head", include_head)
@@ -390,6 +416,7 @@ def quantize(model: nn.Module, scheme: str = "int8", group_size: int | None = No
     check_scheme(bits, group_size)
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
+    _check_activations(activations, bits, group_size, kernel)
     already = quantized_modules(model)
     if already or getattr(model, "quantization", None):
         first = next(iter(already), "the model")
@@ -401,11 +428,18 @@ def quantize(model: nn.Module, scheme: str = "int8", group_size: int | None = No
         check_scheme(bits, group_size, module.in_features)
         if module.weight.device.type == "meta":
             raise ValueError(f"{name} has no weights yet (meta device); load the model first")
-        _choose_kernel(bits, group_size, module.in_features, module.out_features, module.weight.device, kernel)
+        chosen = _choose_kernel(bits, group_size, module.in_features, module.out_features, module.weight.device,
+                                kernel)
+        if activations == "int8" and chosen != "native":
+            raise ValueError(f"activations='int8' runs on the native CPU kernel only, and {name} on "
+                             f"{module.weight.device} gets kernel={chosen!r}; pass activations='float', or "
+                             "quantize on a CPU where the native kernels build")
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, QuantizedLinear.from_linear(module, bits, group_size, kernel))
+        setattr(parent, attr, QuantizedLinear.from_linear(module, bits, group_size, kernel, activations))
     model.quantization = {"scheme": f"int{bits}", "bits": bits, "group_size": group_size,
                           "include_head": include_head}
+    if activations != "float":
+        model.quantization["activations"] = activations
     return model

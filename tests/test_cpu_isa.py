@@ -1,0 +1,244 @@
+"""The kernels' instruction-set dispatch (llminfer.kernels.cpu.choose_isa), every level this CPU runs against a
+float64 reference, the W4A8 and grouped-int8 paths, and the measured prefill choice's logic. Appendix A1."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from llminfer import quant
+from llminfer.device import cpu_capabilities, parse_cpuinfo
+from llminfer.kernels import cpu
+from llminfer.quant.linear import QuantizedLinear
+
+FIXTURES = Path(__file__).parent / "fixtures" / "cpuinfo"
+
+
+def _fixture(name: str):
+    return parse_cpuinfo((FIXTURES / f"{name}.txt").read_text())
+
+
+# fixture -> the levels its CPU runs, lowest first
+RUNNABLE = {
+    "arm_neoverse": ["portable"],
+    "amd_epyc_avx2": ["portable", "avx2"],
+    "amd_zen4_avx512_bf16": ["portable", "avx2", "avx512", "avx512_vnni", "avx512_bf16"],
+    "intel_xeon_avx512_bf16_vnni": ["portable", "avx2", "avx512", "avx512_vnni", "avx512_bf16"],
+    "intel_xeon_amx": ["portable", "avx2", "avx_vnni", "avx512", "avx512_vnni", "avx512_bf16"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNNABLE))
+def test_every_level_at_or_below_the_cpu_is_taken_and_every_level_above_is_refused(name, monkeypatch):
+    monkeypatch.delenv(cpu.ISA_ENV, raising=False)
+    monkeypatch.delenv("LLMINFER_CPU_KERNELS_PORTABLE", raising=False)
+    caps = _fixture(name)
+    runnable = RUNNABLE[name]
+    assert cpu.choose_isa(caps).level == runnable[-1]
+    for level in cpu.KERNEL_LEVELS:
+        if level in runnable:
+            choice = cpu.choose_isa(caps, level)
+            assert choice.level == level and choice.forced
+            # a level runs its own instructions and those of every lower level the CPU has
+            assert choice.features == tuple(l for l in runnable[1:] if runnable.index(l) <= runnable.index(level))
+        else:
+            with pytest.raises(ValueError, match=rf"LLMINFER_ISA={level} needs the CPU flags .* the highest it runs "
+                                                 rf"is {runnable[-1]}"):
+                cpu.choose_isa(caps, level)
+
+
+def test_the_default_is_the_highest_level_and_unknown_or_amx_levels_are_refused(monkeypatch):
+    monkeypatch.delenv(cpu.ISA_ENV, raising=False)
+    monkeypatch.delenv("LLMINFER_CPU_KERNELS_PORTABLE", raising=False)
+    amx = _fixture("intel_xeon_amx")
+    assert amx.isa_level == "amx"
+    default = cpu.choose_isa(amx)
+    assert (default.level, default.forced) == ("avx512_bf16", False)
+    assert default.bits == 1 + 16 + 2 + 4 + 8
+    with pytest.raises(ValueError, match="no loop here uses AMX tiles"):
+        cpu.choose_isa(amx, "amx")
+    with pytest.raises(ValueError, match=r"LLMINFER_ISA='sse9' is not a level .*known levels are portable"):
+        cpu.choose_isa(amx, "sse9")
+    monkeypatch.setenv(cpu.ISA_ENV, "AVX2")                            # the environment, any case
+    assert cpu.choose_isa(amx).level == "avx2" and cpu.choose_isa(amx).features == ("avx2",)
+    monkeypatch.delenv(cpu.ISA_ENV)
+    monkeypatch.setenv("LLMINFER_CPU_KERNELS_PORTABLE", "1")          # the older switch still works
+    assert cpu.choose_isa(amx).level == "portable" and cpu.choose_isa(amx).bits == 0
+
+
+def test_isa_reports_what_runs_here():
+    assert cpu.available(), cpu.why_unavailable()
+    here = cpu.choose_isa(cpu_capabilities())
+    assert cpu.isa() == here.level and cpu.isa_features() == here.features
+    assert int(torch.ops.llminfer.cpu_features()) == here.bits
+
+
+def _cases(generator):
+    """x (3, 576) and, per format, (kernel arguments, float64 reference weight)."""
+    n, k = 37, 576
+    x = torch.randn(3, k, generator=generator)
+    w = torch.randn(n, k, generator=generator)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+    s_row, s_group = torch.rand(n, generator=generator), torch.rand(n, k // 32, generator=generator)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
+    nibbles = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    scale = torch.rand(n, k // 64, generator=generator) * 0.1
+    offset = torch.randn(n, k // 64, generator=generator) * 0.1
+    int4 = (codes.double().view(n, k // 64, 64) * scale.double()[..., None] + offset.double()[..., None]).view(n, k)
+    cases = {
+        "f32": ((w,), w.double()),
+        "bf16": ((w.bfloat16(),), w.bfloat16().double()),
+        "int8": ((q, s_row), q.double() * s_row.double()[:, None]),
+        "int8_g32": ((q, s_group), (q.double().view(n, k // 32, 32) * s_group.double()[..., None]).view(n, k)),
+        "int4": ((nibbles, scale, offset, 64), int4),
+    }
+    return x, cases
+
+
+_RUN_LEVEL = textwrap.dedent("""
+    import json, sys, torch
+    from llminfer.kernels import cpu
+    sys.path.insert(0, sys.argv[2])
+    from test_cpu_isa import _cases
+    x, cases = _cases(torch.Generator().manual_seed(0))
+    out = {"isa": cpu.isa()}
+    for rows in (1, 3, 20):                  # the matrix-vector loops, and (20 rows) the blocked kernel
+        xr = x.repeat(7, 1)[:rows]
+        for name, (args, _) in cases.items():
+            out[f"{name}/{rows}"] = cpu.gemv(xr, *args).tolist()
+        nibbles, scale, offset, group = cases["int4"][0]
+        out[f"w4a8/{rows}"] = cpu.gemv(xr, nibbles, scale, offset, group, activations="int8").tolist()
+    print(json.dumps(out))
+""")
+
+
+def _levels_here() -> list[str]:
+    caps = cpu_capabilities()
+    return [level for level in cpu.KERNEL_LEVELS if cpu._level_runs(level, caps.flags)]
+
+
+@pytest.mark.parametrize("level", _levels_here())
+def test_every_level_this_cpu_runs_matches_the_float64_reference(level):
+    """Each path runs in its own process (the level is chosen once per process) under LLMINFER_ISA=level."""
+    env = dict(os.environ, LLMINFER_ISA=level)
+    env.pop("LLMINFER_CPU_KERNELS_PORTABLE", None)
+    done = subprocess.run([sys.executable, "-c", _RUN_LEVEL, "-", str(Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    there = json.loads(done.stdout.strip().splitlines()[-1])
+    assert there["isa"] == level
+    x, cases = _cases(torch.Generator().manual_seed(0))
+    for rows in (1, 3, 20):
+        xr = x.repeat(7, 1)[:rows].double()
+        for name, (_, weight) in cases.items():
+            reference = xr @ weight.T
+            got = torch.tensor(there[f"{name}/{rows}"], dtype=torch.float64)
+            bound = (2e-2 if name == "bf16" else 1e-4) * float(reference.abs().max())   # bf16: x rounded (AVX512-BF16)
+            assert float((got - reference).abs().max()) < bound, (level, name, rows)
+        w4a8 = torch.tensor(there[f"w4a8/{rows}"], dtype=torch.float64)
+        reference = xr @ cases["int4"][1].T
+        error = float((w4a8 - reference).abs().max() / reference.abs().max())
+        assert (0 < error < 2e-2) if rows <= cpu.MAX_TOKENS else error < 1e-4, (level, rows, error)
+
+
+def test_w4a8_changes_the_numbers_by_the_int8_rounding_of_x_and_no_more():
+    """W4A8 equals, to float rounding, the float int4 product with x replaced by its int8 blocks."""
+    x, cases = _cases(torch.Generator().manual_seed(3))
+    nibbles, scale, offset, group = cases["int4"][0]
+    blocks = x.view(3, -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    x_rounded = (torch.round(blocks / step) * step).view(3, -1)
+    got = cpu.gemv(x, nibbles, scale, offset, group, activations="int8").double()
+    # the offset term uses the exact group sums of x, the code term x's int8 blocks
+    codes_term = x_rounded.double() @ (cases["int4"][1] - offset.double().repeat_interleave(64, 1)).T
+    offset_term = x.double() @ offset.double().repeat_interleave(64, 1).T
+    expected = codes_term + offset_term
+    assert float((got - expected).abs().max()) < 1e-4 * float(expected.abs().max())
+    assert float((got - x.double() @ cases["int4"][1].T).abs().max()) > 1e-5
+
+
+def test_w4a8_layers_and_their_refusals():
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 64, bias=False)
+    float_layer = QuantizedLinear.from_linear(linear, 4, 32)
+    a8 = QuantizedLinear.from_linear(linear, 4, 32, activations="int8")
+    assert a8.kernel == "native" and "activations=int8" in repr(a8)
+    x = torch.randn(1, 128)
+    with torch.no_grad():
+        exact, changed = float_layer(x), a8(x)
+        error = float((changed - exact).abs().max() / exact.abs().max())
+        assert 0 < error < 3e-2
+        long_x = torch.randn(20, 128)                  # a prefill takes float activations
+        torch.testing.assert_close(a8(long_x), float_layer(long_x), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="activations='int8' \\(W4A8\\) is for int4 weights"):
+        QuantizedLinear.from_linear(linear, 8, None, activations="int8")
+    with pytest.raises(ValueError, match="activations='int8' \\(W4A8\\) is for int4 weights"):
+        QuantizedLinear.from_linear(linear, 4, 32, kernel="dequantize", activations="int8")
+    with pytest.raises(ValueError, match="activations='int16' must be one of"):
+        quant.quantize(nn.Sequential(nn.Linear(64, 64)), "int4", 32, activations="int16")
+    with pytest.raises(ValueError, match="activations='int8' is for int4 weights"):
+        cpu.gemv(x, torch.zeros(64, 128, dtype=torch.int8), torch.ones(64), activations="int8")
+
+
+def test_grouped_int8_layers_run_the_native_kernel():
+    """GGUF's Q8_0 (int8 in groups of 32) takes the native kernel, not the dequantize path."""
+    codes = torch.randint(-127, 128, (64, 128), dtype=torch.int8)
+    scales = torch.rand(64, 4)
+    layer = QuantizedLinear(128, 64, 8, 32, codes, scales, None)
+    assert layer.kernel == "native" and tuple(layer.kernel_scale.shape) == (64, 4)
+    x = torch.randn(2, 128)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), x @ layer.dequantized_weight(torch.float32).T, atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="scale groups a row do not split"):
+        cpu.gemv(x, codes, torch.rand(64, 3))
+
+
+def test_the_prefill_choice_is_the_faster_median_and_ties_keep_torch():
+    assert cpu.choose_prefill({"blocked": [3.0, 1.0, 1.1], "torch": [1.2, 1.3, 9.0]}) == "blocked"
+    assert cpu.choose_prefill({"blocked": [1.3, 1.3, 0.1], "torch": [1.2, 1.25, 9.0]}) == "torch"
+    assert cpu.choose_prefill({"blocked": [1.0], "torch": [1.0]}) == "torch"           # never slower than torch
+    with pytest.raises(ValueError, match=r"no timings for \['torch'\]"):
+        cpu.choose_prefill({"blocked": [1.0]})
+    assert [cpu.rows_bucket(r) for r in (1, 9, 16, 17, 128, 129, 4000)] == [16, 16, 16, 32, 128, 256, 512]
+
+
+def test_the_prefill_choice_is_measured_once_and_cached(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_measure(dtype, rows, repeats=5):
+        calls.append((dtype, rows))
+        return {"blocked": [1.0], "torch": [2.0]} if dtype == torch.bfloat16 else {"blocked": [2.0], "torch": [1.0]}
+
+    monkeypatch.setattr(cpu, "measure_prefill", fake_measure)
+    monkeypatch.setattr(cpu, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
+    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
+    monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
+    vector = cpu.isa() != "portable"
+    assert cpu.blocked_prefill(torch.bfloat16, 100) is vector and cpu.blocked_prefill(torch.bfloat16, 128) is vector
+    assert cpu.blocked_prefill(torch.float32, 128) is False
+    assert calls == ([(torch.bfloat16, 128), (torch.float32, 128)] if vector else [])
+    if vector:
+        saved = json.loads((tmp_path / "prefill_choices.json").read_text())
+        assert sorted(v["path"] for v in saved.values()) == ["blocked", "torch"]
+        assert all(key.endswith(("bfloat16|128", "float32|128")) for key in cpu.prefill_choices())
+        with cpu.force_prefill("blocked"):
+            assert cpu.blocked_prefill(torch.float32, 128) is True
+        monkeypatch.setenv(cpu.PREFILL_ENV, "torch")
+        assert cpu.blocked_prefill(torch.bfloat16, 128) is False
+        monkeypatch.setenv(cpu.PREFILL_ENV, "fastest")
+        with pytest.raises(ValueError, match="LLMINFER_PREFILL='fastest' must be one of"):
+            cpu.blocked_prefill(torch.bfloat16, 128)
+    with pytest.raises(ValueError, match="path='quick' must be one of"):
+        cpu.force_prefill("quick")
+
+
+def test_measure_prefill_times_both_paths_in_turn():
+    timings = cpu.measure_prefill(torch.uint8, 16, repeats=2)
+    assert sorted(timings) == ["blocked", "torch"] and all(len(t) == 2 and min(t) > 0 for t in timings.values())
