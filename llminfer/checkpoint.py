@@ -651,11 +651,20 @@ def check_vocabularies(tokenizer_size: int, model_size: int, name: str = "the mo
                       "(a padded vocabulary is normal, a wrong tokenizer is not)", stacklevel=3)
 
 
+_FINITE_CHUNK = 1 << 20      # elements checked at once: the check's temporaries stay a few MB, not a weight's size
+
+
+def _finite(weight: torch.Tensor) -> bool:
+    """Whether every element of weight is finite, read in chunks (a whole-tensor isfinite would allocate a mask,
+    and for low-precision dtypes temporaries, as large as the tensor)."""
+    flat = weight.detach().reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + _FINITE_CHUNK]).all()) for i in range(0, flat.numel(), _FINITE_CHUNK))
+
+
 def warn_if_not_finite(model: nn.Module, name: str = "the model") -> list[str]:
     """The names of floating-point weights holding NaN or inf (one pass over the weights), with a warning if any.
     Chapter 00."""
-    bad = [n for n, p in model.named_parameters()
-           if p.is_floating_point() and not p.is_meta and not bool(torch.isfinite(p).all())]
+    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not p.is_meta and not _finite(p)]
     if bad:
         warnings.warn(f"{len(bad)} weight tensor(s) of {name} hold NaN or inf values ({', '.join(bad[:3])}"
                       f"{', ...' if len(bad) > 3 else ''}); its outputs will be NaN. Is the checkpoint damaged, or "

@@ -160,3 +160,19 @@ def test_a_drafter_proposing_ids_outside_the_vocabulary_is_refused(model):
     with pytest.raises(ValueError, match=r"the drafter 'wild' proposed 1031 as guess 1, not a token id of the "
                                          r"target \(0..1023\)"):
         speculative.generate(model, [1, 5, 6], Wild(), num_speculative_tokens=2, max_new_tokens=8)
+
+
+def test_the_finiteness_check_reads_every_chunk(monkeypatch):
+    import torch
+    monkeypatch.setattr(checkpoint_module, "_FINITE_CHUNK", 7)           # chunks of 7 elements over 6 x 5
+    model = torch.nn.Linear(5, 6)
+    assert checkpoint_module.warn_if_not_finite(model) == []
+    with torch.no_grad():
+        model.weight[5, 4] = float("inf")                                # the last element, in the last chunk
+    with pytest.warns(UserWarning, match="NaN or inf"):
+        assert checkpoint_module.warn_if_not_finite(model) == ["weight"]
+    with torch.no_grad():
+        model.weight[5, 4] = 0.0
+        model.bias[0] = float("nan")
+    with pytest.warns(UserWarning, match="NaN or inf"):
+        assert checkpoint_module.warn_if_not_finite(model) == ["bias"]

@@ -148,7 +148,7 @@ def test_packed_kernel_demanded_where_there_is_none_is_refused(monkeypatch):
 
 def test_native_kernel_refuses_what_it_does_not_take():
     model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
-    with pytest.raises(ValueError, match=r"no native kernel.*int3.*int8 per channel and int4"):
+    with pytest.raises(ValueError, match=r"no native kernel.*int3.*int8 per channel or in groups, and int4"):
         quantize(model, "int3", group_size=32, kernel="native")
     assert not quant.quantized_modules(model)
     quantize(model, "int8", kernel="native")
