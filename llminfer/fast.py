@@ -168,7 +168,8 @@ def _native_parts(linear: nn.Module, dtype: torch.dtype) -> list[torch.Tensor] |
         if linear.bits == 8:
             return parts
         # W4A8: a fourth, one-element tensor marks int8 activations for the native layer calls
-        return parts + [linear.kernel_offset] + ([linear.kernel_offset[:1, 0]] if linear.activations == "int8" else [])
+        return parts + [linear.kernel_offset] + ([linear.kernel_offset.reshape(-1)[:1]] if linear.activations == "int8"
+                                                 else [])
     return None
 
 

@@ -92,12 +92,20 @@ def _cases(generator):
     scale = torch.rand(n, k // 64, generator=generator) * 0.1
     offset = torch.randn(n, k // 64, generator=generator) * 0.1
     int4 = (codes.double().view(n, k // 64, 64) * scale.double()[..., None] + offset.double()[..., None]).view(n, k)
+    # int4 in tiles of 8 rows (40 rows: five tiles, so the loops take four tiles at once and then one)
+    codes40 = torch.randint(0, 16, (40, k), dtype=torch.uint8, generator=generator)
+    scale40 = torch.rand(40, k // 32, generator=generator) * 0.1
+    offset40 = torch.randn(40, k // 32, generator=generator) * 0.1
+    tiled = cpu.tile_int4((codes40[:, 0::2] | (codes40[:, 1::2] << 4)).contiguous(), scale40, offset40)
+    int4_tiled = (codes40.double().view(40, k // 32, 32) * scale40.double()[..., None]
+                  + offset40.double()[..., None]).view(40, k)
     cases = {
         "f32": ((w,), w.double()),
         "bf16": ((w.bfloat16(),), w.bfloat16().double()),
         "int8": ((q, s_row), q.double() * s_row.double()[:, None]),
         "int8_g32": ((q, s_group), (q.double().view(n, k // 32, 32) * s_group.double()[..., None]).view(n, k)),
         "int4": ((nibbles, scale, offset, 64), int4),
+        "int4_tiled": ((*tiled, 32), int4_tiled),
     }
     return x, cases
 
@@ -113,8 +121,8 @@ _RUN_LEVEL = textwrap.dedent("""
         xr = x.repeat(7, 1)[:rows]
         for name, (args, _) in cases.items():
             out[f"{name}/{rows}"] = cpu.gemv(xr, *args).tolist()
-        nibbles, scale, offset, group = cases["int4"][0]
-        out[f"w4a8/{rows}"] = cpu.gemv(xr, nibbles, scale, offset, group, activations="int8").tolist()
+        for name in ("int4", "int4_tiled"):
+            out[f"w4a8/{name}/{rows}"] = cpu.gemv(xr, *cases[name][0], activations="int8").tolist()
     print(json.dumps(out))
 """)
 
@@ -142,10 +150,40 @@ def test_every_level_this_cpu_runs_matches_the_float64_reference(level):
             got = torch.tensor(there[f"{name}/{rows}"], dtype=torch.float64)
             bound = (2e-2 if name == "bf16" else 1e-4) * float(reference.abs().max())   # bf16: x rounded (AVX512-BF16)
             assert float((got - reference).abs().max()) < bound, (level, name, rows)
-        w4a8 = torch.tensor(there[f"w4a8/{rows}"], dtype=torch.float64)
-        reference = xr @ cases["int4"][1].T
-        error = float((w4a8 - reference).abs().max() / reference.abs().max())
-        assert (0 < error < 2e-2) if rows <= cpu.MAX_TOKENS else error < 1e-4, (level, rows, error)
+        for name in ("int4", "int4_tiled"):
+            w4a8 = torch.tensor(there[f"w4a8/{name}/{rows}"], dtype=torch.float64)
+            reference = xr @ cases[name][1].T
+            error = float((w4a8 - reference).abs().max() / reference.abs().max())
+            assert (0 < error < 2e-2) if rows <= cpu.MAX_TOKENS else error < 1e-4, (level, name, rows, error)
+        # the tiled and row-major W4A8 loops round x the same way: the same integer sums, float rounding apart
+        tiled = torch.tensor(there[f"w4a8/int4_tiled/{rows}"], dtype=torch.float64)
+        nibbles, scale, offset = cpu.untile_int4(*cases["int4_tiled"][0][:3])
+        rowmajor = cpu.gemv(x.repeat(7, 1)[:rows], nibbles, scale, offset, 32, activations="int8").double()
+        assert float((tiled - rowmajor).abs().max()) < 1e-5 * float(rowmajor.abs().max()), (level, rows)
+
+
+def test_int4_tiles_round_trip_and_the_layers_keep_their_codes():
+    """tile_int4 puts row 8t+j's bytes for inputs 8c..8c+7 at [t, c, 4j:4j+4]; layers tile and read back the same."""
+    nibbles = torch.randint(0, 256, (16, 64), dtype=torch.uint8)
+    scale, offset = torch.rand(16, 4), torch.randn(16, 4)
+    codes, s8, o8 = cpu.tile_int4(nibbles, scale, offset)
+    assert tuple(codes.shape) == (2, 16, 32) and tuple(s8.shape) == (2, 4, 8)
+    assert torch.equal(codes[1, 3, 8:12], nibbles[10, 12:16]) and float(s8[1, 2, 5]) == float(scale[13, 2])
+    assert all(torch.equal(a, b) for a, b in zip(cpu.untile_int4(codes, s8, o8), (nibbles, scale, offset)))
+    with pytest.raises(ValueError, match=r"tiles of 8 rows need N a multiple of 8 .* \(12 x 128\) weight"):
+        cpu.tile_int4(nibbles[:12], scale[:12], offset[:12])
+    torch.manual_seed(0)
+    for rows in (64, 36):                                    # 36 rows: not a multiple of 8, kept row-major
+        linear = nn.Linear(128, rows)
+        layer = QuantizedLinear.from_linear(linear, 4, 32)
+        assert layer.kernel == "native" and layer.qweight.dim() == (3 if rows % 8 == 0 else 2)
+        reference = QuantizedLinear.from_linear(linear, 4, 32, kernel="dequantize")
+        assert torch.equal(layer.codes(), reference.codes())
+        assert torch.equal(layer.state()["qweight"], reference.state()["qweight"])
+        x = torch.randn(3, 128)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), reference(x), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(layer(x.repeat(8, 1)), reference(x.repeat(8, 1)), atol=1e-4, rtol=1e-4)
 
 
 def test_w4a8_changes_the_numbers_by_the_int8_rounding_of_x_and_no_more():

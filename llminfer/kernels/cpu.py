@@ -59,7 +59,8 @@ __all__ = ["available", "why_unavailable", "load", "isa", "isa_features", "choos
            "KERNEL_LEVELS", "gemv", "decode_attention", "paged_attention",
            "attention_backend", "loaded", "prefill_path", "prefill_choices", "choose_prefill", "measure_prefill",
            "force_prefill", "rows_bucket", "stream_read", "PREFILL_PATHS", "PREFILL_ENV",
-           "MAX_TOKENS", "blocked_prefill", "cpu_flags", "bfloat16_in_hardware", "SOURCES", "HEADERS",
+           "MAX_TOKENS", "blocked_prefill", "tile_int4", "untile_int4", "cpu_flags", "bfloat16_in_hardware",
+           "SOURCES", "HEADERS",
            "cache_dir"]
 
 _HERE = Path(__file__).parent
@@ -183,7 +184,7 @@ def _build() -> None:
 
 def _register_fakes() -> None:
     def dense(x, w, *rest):
-        return x.new_empty((x.shape[0], w.shape[0]))
+        return x.new_empty((x.shape[0], w.shape[0] * (8 if w.dim() == 3 else 1)))    # int4 tiles: 8 rows each
 
     for op in ("gemv_f32", "gemv_bf16", "gemv_int8", "gemv_int4", "gemv_int4_a8"):
         torch.library.register_fake(f"llminfer::{op}", dense)
@@ -421,8 +422,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
 
     float32 and bfloat16 weights (N, K); int8 codes (N, K) with `scale` (N,) or (N, K/group) (GGUF's Q8_0:
     groups of 32); int4 nibbles (N, K/2) uint8 with `scale` and `offset` (N, K/group) float32, where
-    w = q·scale + offset. activations="int8" (int4 only, W4A8) rounds x to int8 per block of 32 inputs and
-    multiplies in integers: faster, and it changes the numbers.
+    w = q·scale + offset, or the same in tiles of 8 rows (`tile_int4`: codes (N/8, K/8, 32), scale and offset
+    (N/8, K/group, 8)), the layout the fastest int4 loops read. activations="int8" (int4 only, W4A8) rounds x
+    to int8 per block of 32 inputs and multiplies in integers: faster, and it changes the numbers.
     """
     _require()
     if activations not in ("float", "int8"):
@@ -441,6 +443,29 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         return torch.ops.llminfer.gemv_int4(x, weight, scale, offset, group)
     raise ValueError(f"no native kernel for {weight.dtype} weights; float32, bfloat16, int8 and int4 (uint8 "
                      "nibbles) have one")
+
+
+def tile_int4(nibbles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row-major int4 (nibbles (N, K/2), scale and offset (N, G)) in tiles of 8 rows: codes (N/8, K/8, 32), where
+    tile t, chunk c holds rows 8t..8t+7's 4 bytes for inputs 8c..8c+7 side by side, and scale, offset (N/8, G, 8).
+    Chapter 08."""
+    n, half = nibbles.shape
+    if n % 8 or half % 4:
+        raise ValueError(f"tiles of 8 rows need N a multiple of 8 and K a multiple of 8, got a ({n} x {half * 2}) "
+                         "weight; keep it row-major")
+    codes = nibbles.reshape(n // 8, 8, half // 4, 4).permute(0, 2, 1, 3).reshape(n // 8, half // 4, 32)
+    tiles = [t.reshape(n // 8, 8, t.shape[1]).transpose(1, 2) for t in (scale, offset)]
+    return codes.contiguous(), tiles[0].contiguous(), tiles[1].contiguous()
+
+
+def untile_int4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `tile_int4`: row-major nibbles (N, K/2), scale and offset (N, G). Chapter 08."""
+    tiles, chunks, _ = codes.shape
+    nibbles = codes.reshape(tiles, chunks, 8, 4).permute(0, 2, 1, 3).reshape(tiles * 8, chunks * 4)
+    rows = [t.transpose(1, 2).reshape(tiles * 8, t.shape[1]) for t in (scale, offset)]
+    return nibbles.contiguous(), rows[0].contiguous(), rows[1].contiguous()
 
 
 def stream_read(data: torch.Tensor) -> int:

@@ -116,6 +116,18 @@ __attribute__((target("avx2,fma"))) void widen_rows(const Weight& W, int64_t n, 
         _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s));
       }
       for (; k < kc; ++k) o[k] = static_cast<float>(src[k]) * scales[(k0 + k) / W.group];
+    } else if (W.tiled) {                         // int4 in tiles of 8 rows: one 32-bit word, 8 inputs
+      const int64_t G = K / W.group;
+      const uint8_t* src = static_cast<const uint8_t*>(W.w) + (row / 8) * (K / 8) * 32 + (row % 8) * 4;
+      const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low = _mm256_set1_epi32(0xF);
+      for (; k + 8 <= kc; k += 8) {
+        const int64_t at = k0 + k, s_at = ((row / 8) * G + at / W.group) * 8 + row % 8;
+        int32_t word;
+        std::memcpy(&word, src + at * 4, 4);
+        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), low);
+        _mm256_storeu_ps(o + k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(W.scale[s_at]),
+                                                _mm256_set1_ps(W.offset[s_at])));
+      }
     } else {                                      // int4: byte j holds input 2j (low nibble) and 2j + 1
       const int64_t G = K / W.group;
       const uint8_t* src = static_cast<const uint8_t*>(W.w) + row * (K / 2);

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <cstring>
 #include <string>
@@ -118,6 +119,7 @@ struct Weight {
   const float* offset = nullptr;   // int4: (N, K / group)
   int64_t N = 0, K = 0, group = 0;
   bool int8_activations = false;   // int4 only: x rounded to int8 per block of 32, integer dot products (W4A8)
+  bool tiled = false;              // int4 only: codes (N/8, K/8, 32) and scale, offset (N/8, G, 8), tiles of 8 rows
 };
 
 // a weight from its tensors, checked (`op` names the caller in errors)
@@ -126,7 +128,8 @@ Weight int8_weight(const at::Tensor& w, const at::Tensor& scale, const char* op)
 Weight int4_weight(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset, int64_t group,
                    const char* op);
 // A linear given as its parts: [weight] (float32 or bfloat16), [codes, scale] (int8, the group size read from
-// the scale's shape), [nibbles, scale, offset] (int4, likewise) or [nibbles, scale, offset, marker] (int4 with
+// the scale's shape), [nibbles, scale, offset] (int4, likewise; row-major (N, K/2) nibbles with (N, G) scales, or
+// tiles of 8 rows: (N/8, K/8, 32) codes with (N/8, G, 8) scales) or [nibbles, scale, offset, marker] (int4 with
 // int8 activations; the marker is any one-element tensor).
 Weight weight_from_parts(at::TensorList parts, const char* op);
 

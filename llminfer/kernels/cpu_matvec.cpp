@@ -5,15 +5,18 @@
 // A decode step multiplies one activation vector by every weight matrix, so its speed is how fast the
 // weights stream from memory. These loops read each weight row once, in order, four rows at a time
 // (four streams for the prefetchers), widen the weights to float32 in registers and multiply-add them
-// into float32 accumulators. Nothing is repacked: they read the checkpoint's own row-major layout
-// (int4 as two codes a byte, the even input in the low nibble). x stays in cache for the whole matrix.
+// into float32 accumulators. float32, bfloat16 and int8 are read in the checkpoint's own row-major layout.
+// int4 is read either row-major (two codes a byte, the even input in the low nibble) or, as the quantized
+// layers keep it, in tiles of 8 rows (one 32-bit word a row for 8 inputs, 8 rows side by side), where one
+// AND and one conversion per 8 codes serve 8 rows at once. x stays in cache for the whole matrix.
 // With many rows of x, `linear_rows` hands the product to the blocked kernel (cpu_gemm.cpp).
 //
 // Each loop exists for several instruction sets, each compiled with its own target attribute (the file is
 // built without -march, so it loads on any x86 CPU). Which one runs is chosen once per process
 // (`features()`, set by llminfer/kernels/cpu.py from the CPU's flags or LLMINFER_ISA):
 //   portable     plain loops (the compiler vectorises them), on any CPU
-//   AVX2 + FMA   8 floats a register; int4 codes widened 8 at a time; W4A8 by maddubs + madd
+//   AVX2 + FMA   8 floats a register; int4 codes widened 8 at a time (tiles: isolated in place, 8 rows a
+//                register); W4A8 by maddubs + madd
 //   AVX-512      16 floats a register (float32, bfloat16, int8, int4)
 //   VNNI         W4A8 by one vpdpbusd (AVX-VNNI, or AVX512-VNNI on 256-bit registers)
 //   AVX512-BF16  bfloat16 weights by vdpbf16ps (x rounded to bfloat16 pairs)
@@ -256,27 +259,35 @@ __attribute__((target("avx2,fma"))) void int4_rows_avx2(const float* xp, const f
                                                          const uint8_t* w, const float* scale,
                                                          const float* offset, int64_t group, int64_t n,
                                                          float* out, const char* ahead) {
-  const int64_t G = K / group, per_group = group / 32;
+  const int64_t G = K / group;
   const __m256i low = _mm256_set1_epi32(0x0F);
   const uint8_t* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = w + (n + r) * (K / 2);
+  const float* scales[R];
+  for (int r = 0; r < R; ++r) rows[r] = w + (n + r) * (K / 2), scales[r] = scale + (n + r) * G;
   __m256 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K; b += 32) {
-    if (ahead && b % 128 == 0) {                                 // 64 bytes a row every 128 inputs
-      for (int64_t line = 0; line < 64 * R; line += 64) _mm_prefetch(ahead + b / 2 * R + line, _MM_HINT_T0);
+  // groups outside, blocks of 32 inside: the group index is a counter, never a division in the loop
+  for (int64_t g = 0, b = 0; g < G; ++g) {
+    __m256 even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    for (const int64_t end = b + group; b < end; b += 32) {
+      if (ahead && b % 128 == 0) {                               // 64 bytes a row every 128 inputs
+        for (int64_t line = 0; line < 64 * R; line += 64) _mm_prefetch(ahead + b / 2 * R + line, _MM_HINT_T0);
+      }
+      const __m256 x0 = _mm256_loadu_ps(xp + b), x1 = _mm256_loadu_ps(xp + b + 8);
+      const __m256 x2 = _mm256_loadu_ps(xp + b + 16), x3 = _mm256_loadu_ps(xp + b + 24);
+      for (int r = 0; r < R; ++r) {
+        const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[r] + b / 2)));
+        const __m256i v1 = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[r] + b / 2 + 8)));
+        even[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), x0, even[r]);
+        odd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), x1, odd[r]);
+        even[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), x2, even[r]);
+        odd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), x3, odd[r]);
+      }
     }
-    const int64_t g = b / 32 / per_group;
-    for (int r = 0; r < R; ++r) {
-      const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[r] + b / 2)));
-      const __m256i v1 = _mm256_cvtepu8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[r] + b / 2 + 8)));
-      __m256 even = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), _mm256_loadu_ps(xp + b));
-      __m256 odd = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), _mm256_loadu_ps(xp + b + 8));
-      even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), _mm256_loadu_ps(xp + b + 16), even);
-      odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), _mm256_loadu_ps(xp + b + 24), odd);
-      total[r] = _mm256_fmadd_ps(_mm256_add_ps(even, odd), _mm256_broadcast_ss(scale + (n + r) * G + g), total[r]);
-    }
+    for (int r = 0; r < R; ++r)
+      total[r] = _mm256_fmadd_ps(_mm256_add_ps(even[r], odd[r]), _mm256_broadcast_ss(scales[r] + g), total[r]);
   }
   for (int r = 0; r < R; ++r) {
     out[r] = hsum(total[r]) + offset_dot_avx2(offset + (n + r) * G, xsum, G);
@@ -372,6 +383,246 @@ void rows_int4_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t 
     for (int64_t m = 0; m < M; ++m) {
       Rows1(xq + m * K, dx + m * B, xsum + m * G, K, w, scale, offset, group, n, out, nullptr);
       y[m * N + n] = out[0];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// int4 in tiles of 8 rows (the layout the quantized layers keep for these kernels): codes (N/8, K/8, 32) bytes,
+// where tile t, chunk c holds, as 8 little-endian 32-bit words, rows 8t..8t+7's codes for inputs 8c..8c+7 (word
+// j: row 8t+j, its nibble i the code of input 8c+i; the bytes are the row-major nibbles of that row, in place).
+// scale and offset are (N/8, G, 8): the 8 rows of a tile next to each other for each group. One 32-byte load
+// brings 64 codes, the lane of a row holding its 8 codes; each code is isolated in place by one AND and
+// converted by one vcvtdq2ps (code i arrives as q·16^i, so x is read pre-scaled by 16^-i: an exact power of
+// two), and multiplied into the 8 rows at once against x broadcast from L1. A tile's bytes are one stream.
+
+// xs (M, K): x with input 8c+i multiplied by 16^-i (i < 7) and 16^-6 (i = 7, whose code is shifted down by 4
+// first: q·2^28 does not fit a positive int32); xsum (M, G) the group sums of x
+struct Int4TX {
+  std::vector<float> xs, xsum;
+};
+
+Int4TX int4t_x(const float* x, int64_t M, int64_t K, int64_t group) {
+  static const float kPlace[8] = {1.f, 1.f / 16, 1.f / 256, 1.f / 4096, 1.f / 65536, 1.f / 1048576,
+                                  1.f / 16777216, 1.f / 16777216};
+  const int64_t G = K / group;
+  Int4TX out;
+  out.xs.resize(M * K);
+  out.xsum.assign(M * G, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      out.xs[m * K + k] = x[m * K + k] * kPlace[k % 8];
+      out.xsum[m * G + k / group] += x[m * K + k];
+    }
+  return out;
+}
+
+// code of row n, input k in the tiled layout
+inline int tiled_code(const uint8_t* w, int64_t K, int64_t n, int64_t k) {
+  const uint8_t byte = w[((n / 8) * (K / 8) + k / 8) * 32 + (n % 8) * 4 + (k % 8) / 2];
+  return k % 2 ? byte >> 4 : byte & 0xF;
+}
+
+// tiles [t0, t1) of y (M, N), plain loops
+void rows_int4t_portable(const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+                         const float* scale, const float* offset, int64_t group, float* y, int64_t N, int64_t t0,
+                         int64_t t1) {
+  const int64_t G = K / group;
+  for (int64_t n = t0 * 8; n < t1 * 8; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float total = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        float sum = 0.f;
+        for (int64_t k = g * group; k < (g + 1) * group; ++k)
+          sum += static_cast<float>(tiled_code(w, K, n, k)) * x[m * K + k];
+        const int64_t at = ((n / 8) * G + g) * 8 + n % 8;
+        total += sum * scale[at] + offset[at] * xsum[m * G + g];
+      }
+      y[m * N + n] = total;
+    }
+}
+
+#ifdef LLMINFER_X86
+// T tiles (8T rows) for one row of x: out[8t + j] for row 8(tile + t) + j
+template <int T>
+__attribute__((target("avx2,fma"))) void int4t_tiles_avx2(const float* xs, const float* xsum, int64_t K,
+                                                          const uint8_t* w, const float* scale,
+                                                          const float* offset, int64_t group, int64_t tile,
+                                                          float* out) {
+  const int64_t G = K / group;
+  const __m256i mask[7] = {_mm256_set1_epi32(0xF), _mm256_set1_epi32(0xF0), _mm256_set1_epi32(0xF00),
+                           _mm256_set1_epi32(0xF000), _mm256_set1_epi32(0xF0000), _mm256_set1_epi32(0xF00000),
+                           _mm256_set1_epi32(0xF000000)};
+  const uint8_t* codes[T];
+  for (int t = 0; t < T; ++t) codes[t] = w + (tile + t) * (K / 8) * 32;
+  const int64_t ahead = T * (K / 8) * 32;                 // bytes from a tile to the one T tiles on
+  __m256 total[T], off[T];
+  for (int t = 0; t < T; ++t) total[t] = off[t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 a[T], b[T];                                    // two chains a tile: even and odd codes
+    for (int t = 0; t < T; ++t) a[t] = b[t] = _mm256_setzero_ps();
+    for (int t = 0; t < T; ++t) {                        // the next T tiles' scales and offsets
+      _mm_prefetch(reinterpret_cast<const char*>(scale + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(offset + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);
+    }
+    for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
+      if (k % 16 == 0)                                    // the next T tiles' codes, a line every 16 inputs
+        for (int t = 0; t < T; ++t) _mm_prefetch(reinterpret_cast<const char*>(codes[t] + ahead + k * 4), _MM_HINT_T0);
+      __m256i v[T];
+      for (int t = 0; t < T; ++t) v[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[t] + k * 4));
+      const float* xk = xs + k;
+      for (int i = 0; i < 7; ++i) {
+        const __m256 xb = _mm256_broadcast_ss(xk + i);
+        for (int t = 0; t < T; ++t) {
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(v[t], mask[i]));
+          if (i % 2) b[t] = _mm256_fmadd_ps(q, xb, b[t]);
+          else a[t] = _mm256_fmadd_ps(q, xb, a[t]);
+        }
+      }
+      const __m256 xb = _mm256_broadcast_ss(xk + 7);
+      for (int t = 0; t < T; ++t)
+        b[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v[t], 4), mask[6])), xb, b[t]);
+    }
+    const __m256 xg = _mm256_broadcast_ss(xsum + g);
+    for (int t = 0; t < T; ++t) {
+      const int64_t at = ((tile + t) * G + g) * 8;
+      total[t] = _mm256_fmadd_ps(_mm256_add_ps(a[t], b[t]), _mm256_loadu_ps(scale + at), total[t]);
+      off[t] = _mm256_fmadd_ps(_mm256_loadu_ps(offset + at), xg, off[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(total[t], off[t]));
+}
+
+__attribute__((target("avx2,fma"))) void rows_int4t_avx2(const float* xs, const float* xsum, int64_t M, int64_t K,
+                                                          const uint8_t* w, const float* scale, const float* offset,
+                                                          int64_t group, float* y, int64_t N, int64_t t0,
+                                                          int64_t t1) {
+  const int64_t G = K / group;
+  float out[32];
+  for (int64_t t = t0; t < t1;) {
+    const int T = t + 2 <= t1 ? 2 : 1;
+    for (int64_t m = 0; m < M; ++m) {
+      if (T == 2) int4t_tiles_avx2<2>(xs + m * K, xsum + m * G, K, w, scale, offset, group, t, out);
+      else int4t_tiles_avx2<1>(xs + m * K, xsum + m * G, K, w, scale, offset, group, t, out);
+      std::memcpy(y + m * N + t * 8, out, 8 * T * sizeof(float));
+    }
+    t += T;
+  }
+}
+
+// W4A8 on the tiled layout, T tiles for one row of x. xq holds each chunk of 8 inputs as its 4 even then its 4
+// odd ones (int8; x ≈ xq·dx, one dx a block of 32). A word's low nibbles (AND 0x0F0F0F0F) are a row's 4 even
+// codes as bytes, its high ones (shift, AND) the 4 odd: against the chunk's even and odd bytes broadcast to
+// every lane, `DOT` (maddubs summed in int16 over the block, then one madd with ones, on AVX2; vpdpbusd into
+// int32 with VNNI) gives each of the 8 rows its block sum. Then one conversion and one FMA by dx, and per
+// group one FMA by the 8 rows' scales.
+#define LLMINFER_INT4T_A8(NAME, TARGET, INIT, DOT, FINISH)                                                      \
+  template <int T>                                                                                             \
+  __attribute__((target(TARGET))) void NAME(const int8_t* xq, const float* dx, const float* xsum, int64_t K,   \
+                                            const uint8_t* w, const float* scale, const float* offset,         \
+                                            int64_t group, int64_t tile, float* out) {                         \
+    const int64_t G = K / group;                                                                               \
+    const __m256i low = _mm256_set1_epi8(0x0F);                                                                \
+    const __m256i ones = _mm256_set1_epi16(1);                                                                 \
+    (void)ones;                                                                                                \
+    const uint8_t* codes[T];                                                                                   \
+    for (int t = 0; t < T; ++t) codes[t] = w + (tile + t) * (K / 8) * 32;                                      \
+    const int64_t ahead = T * (K / 8) * 32;                                                                    \
+    __m256 total[T], off[T];                                                                                   \
+    for (int t = 0; t < T; ++t) total[t] = off[t] = _mm256_setzero_ps();                                       \
+    for (int64_t g = 0; g < G; ++g) {                                                                          \
+      __m256 acc[T];                                                                                           \
+      for (int t = 0; t < T; ++t) {                                                                            \
+        acc[t] = _mm256_setzero_ps();                                                                          \
+        _mm_prefetch(reinterpret_cast<const char*>(scale + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);        \
+        _mm_prefetch(reinterpret_cast<const char*>(offset + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);       \
+      }                                                                                                        \
+      for (int64_t b = g * group; b < (g + 1) * group; b += 32) {                                              \
+        __m256i sum[T];                                                                                        \
+        for (int t = 0; t < T; ++t) sum[t] = _mm256_setzero_si256();                                           \
+        for (int64_t k = b; k < b + 32; k += 8) {                                                              \
+          int32_t even, odd;                                                                                   \
+          std::memcpy(&even, xq + k, 4);                                                                       \
+          std::memcpy(&odd, xq + k + 4, 4);                                                                    \
+          const __m256i xe = _mm256_set1_epi32(even), xo = _mm256_set1_epi32(odd);                             \
+          if (k % 16 == 0)                                                                                     \
+            for (int t = 0; t < T; ++t)                                                                        \
+              _mm_prefetch(reinterpret_cast<const char*>(codes[t] + ahead + k * 4), _MM_HINT_T0);              \
+          for (int t = 0; t < T; ++t) {                                                                        \
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[t] + k * 4));          \
+            const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);  \
+            sum[t] = DOT(DOT(sum[t], lo, xe), hi, xo);                                                         \
+          }                                                                                                    \
+        }                                                                                                      \
+        const __m256 step = _mm256_set1_ps(dx[b / 32]);                                                        \
+        for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(FINISH(sum[t])), step, acc[t]); \
+      }                                                                                                        \
+      const __m256 xg = _mm256_broadcast_ss(xsum + g);                                                         \
+      for (int t = 0; t < T; ++t) {                                                                            \
+        const int64_t at = ((tile + t) * G + g) * 8;                                                           \
+        total[t] = _mm256_fmadd_ps(acc[t], _mm256_loadu_ps(scale + at), total[t]);                             \
+        off[t] = _mm256_fmadd_ps(_mm256_loadu_ps(offset + at), xg, off[t]);                                    \
+      }                                                                                                        \
+    }                                                                                                          \
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(total[t], off[t]));               \
+  }
+
+// AVX2: byte products summed in pairs to int16 (at most 2·15·127 each, 8 of them a block: 30480 fits), the
+// block's int16 pairs summed to int32 once
+#define LLMINFER_MADDUBS(S, Q, X) _mm256_add_epi16(S, _mm256_maddubs_epi16(Q, X))
+#define LLMINFER_PAIRS(S) _mm256_madd_epi16(S, ones)
+#define LLMINFER_AS_IS(S) (S)
+LLMINFER_INT4T_A8(int4t_a8_avx2, "avx2,fma", , LLMINFER_MADDUBS, LLMINFER_PAIRS)
+LLMINFER_INT4T_A8(int4t_a8_avxvnni, "avx2,fma,avxvnni", , _mm256_dpbusd_avx_epi32, LLMINFER_AS_IS)
+LLMINFER_INT4T_A8(int4t_a8_avx512vnni, "avx2,fma,avx512f,avx512vl,avx512vnni", , _mm256_dpbusd_epi32,
+                  LLMINFER_AS_IS)
+#undef LLMINFER_MADDUBS
+#undef LLMINFER_PAIRS
+#undef LLMINFER_AS_IS
+#undef LLMINFER_INT4T_A8
+
+template <void (*Tiles2)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const float*,
+                         const float*, int64_t, int64_t, float*),
+          void (*Tiles1)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const float*,
+                         const float*, int64_t, int64_t, float*)>
+void rows_int4t_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+                   const float* scale, const float* offset, int64_t group, float* y, int64_t N, int64_t t0,
+                   int64_t t1) {
+  const int64_t G = K / group, B = K / 32;
+  float out[32];
+  for (int64_t t = t0; t < t1;) {
+    const int T = t + 2 <= t1 ? 2 : 1;
+    for (int64_t m = 0; m < M; ++m) {
+      if (T == 2) Tiles2(xq + m * K, dx + m * B, xsum + m * G, K, w, scale, offset, group, t, out);
+      else Tiles1(xq + m * K, dx + m * B, xsum + m * G, K, w, scale, offset, group, t, out);
+      std::memcpy(y + m * N + t * 8, out, 8 * T * sizeof(float));
+    }
+    t += T;
+  }
+}
+#endif
+
+// W4A8 on the tiled layout, plain loops (xq in the chunk order above)
+void rows_int4t_a8_portable(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K,
+                            const uint8_t* w, const float* scale, const float* offset, int64_t group, float* y,
+                            int64_t N, int64_t t0, int64_t t1) {
+  const int64_t G = K / group, B = K / 32;
+  for (int64_t n = t0 * 8; n < t1 * 8; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float total = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        float acc = 0.f;
+        for (int64_t b = g * group; b < (g + 1) * group; b += 32) {
+          int32_t dot = 0;
+          for (int64_t k = b; k < b + 32; ++k) {
+            const int64_t c = k / 8 * 8, i = k % 8;              // xq: 4 even then 4 odd a chunk
+            dot += tiled_code(w, K, n, k) * xq[m * K + c + (i % 2) * 4 + i / 2];
+          }
+          acc += static_cast<float>(dot) * dx[m * B + b / 32];
+        }
+        const int64_t at = ((n / 8) * G + g) * 8 + n % 8;
+        total += acc * scale[at] + offset[at] * xsum[m * G + g];
+      }
+      y[m * N + n] = total;
     }
 }
 
@@ -570,20 +821,27 @@ Weight int8_weight(const at::Tensor& w, const at::Tensor& scale, const char* op)
 
 Weight int4_weight(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset, int64_t group,
                    const char* op) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), op,
-              ": the codes must be contiguous (N, K/2) uint8 on the CPU");
-  const int64_t N = w.size(0), K = w.size(1) * 2;
+  const bool tiled = w.dim() == 3;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() &&
+              (w.dim() == 2 || (tiled && w.size(2) == 32)), op,
+              ": the codes must be contiguous uint8 on the CPU, (N, K/2) nibbles or (N/8, K/8, 32) tiles, got ",
+              w.sizes(), " ", w.scalar_type());
+  const int64_t N = tiled ? w.size(0) * 8 : w.size(0), K = tiled ? w.size(1) * 8 : w.size(1) * 2;
   TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, op, ": group ", group,
               " must be a multiple of 32 that divides ", K);
-  for (const at::Tensor* t : {&scale, &offset})
+  for (const at::Tensor* t : {&scale, &offset}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N * (K / group), op,
                 ": scale and offset must be contiguous float32 (", N, ", ", K / group, ")");
+    TORCH_CHECK(!tiled || (t->dim() == 3 && t->size(0) == N / 8 && t->size(2) == 8), op,
+                ": tiled codes take (", N / 8, ", ", K / group, ", 8) scales and offsets, got ", t->sizes());
+  }
   Weight W{Weight::I4, w.data_ptr()};
   W.scale = scale.data_ptr<float>();
   W.offset = offset.data_ptr<float>();
   W.N = N;
   W.K = K;
   W.group = group;
+  W.tiled = tiled;
   return W;
 }
 
@@ -600,8 +858,10 @@ Weight weight_from_parts(at::TensorList parts, const char* op) {
     return dense_weight(w, op);
   }
   if (parts.size() == 2) return int8_weight(w, parts[1], op);
-  TORCH_CHECK(parts[1].dim() == 2 && parts[1].size(1) > 0, op, ": int4 scales must be (N, groups)");
-  Weight W = int4_weight(w, parts[1], parts[2], w.size(1) * 2 / parts[1].size(1), op);
+  TORCH_CHECK((parts[1].dim() == 2 || parts[1].dim() == 3) && parts[1].size(1) > 0, op,
+              ": int4 scales must be (N, groups) or, for tiled codes, (N/8, groups, 8)");
+  const int64_t K = w.dim() == 3 ? w.size(1) * 8 : w.size(1) * 2;
+  Weight W = int4_weight(w, parts[1], parts[2], K / parts[1].size(1), op);
   if (parts.size() == 4) {
     TORCH_CHECK(parts[3].numel() == 1, op, ": the int8-activation marker must be a one-element tensor");
     W.int8_activations = true;
@@ -647,14 +907,34 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y) {
       for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
       const float step = amax / 127.f, inverse = step > 0.f ? 1.f / step : 0.f;
       dx[m * B + b] = step;
-      for (int j = 0; j < 16; ++j) {             // 16 even inputs, then 16 odd
-        xq[m * K + b * 32 + j] = static_cast<int8_t>(std::lrint(xb[2 * j] * inverse));
-        xq[m * K + b * 32 + 16 + j] = static_cast<int8_t>(std::lrint(xb[2 * j + 1] * inverse));
+      int8_t* q = xq.data() + m * K + b * 32;
+      for (int j = 0; j < 32; ++j) {
+        // row-major codes: the block's 16 even inputs, then its 16 odd; tiled: each chunk of 8 as 4 even, 4 odd
+        const int at = W.tiled ? j / 8 * 8 + (j % 2) * 4 + (j % 8) / 2 : (j % 2) * 16 + j / 2;
+        q[at] = static_cast<int8_t>(std::lrint(xb[j] * inverse));
       }
     }
   }
   const uint8_t* wp = static_cast<const uint8_t*>(W.w);
   const int64_t bits = features();
+  if (W.tiled) {
+    at::parallel_for(0, N / 8, kGrain / 8, [&](int64_t t0, int64_t t1) {
+#ifdef LLMINFER_X86
+      if (bits & kAVX512VNNI)
+        return rows_int4t_a8<int4t_a8_avx512vnni<2>, int4t_a8_avx512vnni<1>>(
+            xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, t0, t1);
+      if (bits & kAVXVNNI)
+        return rows_int4t_a8<int4t_a8_avxvnni<2>, int4t_a8_avxvnni<1>>(
+            xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, t0, t1);
+      if (bits & kAVX2)
+        return rows_int4t_a8<int4t_a8_avx2<2>, int4t_a8_avx2<1>>(
+            xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, t0, t1);
+#endif
+      rows_int4t_a8_portable(xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N,
+                             t0, t1);
+    });
+    return;
+  }
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
 #ifdef LLMINFER_X86
     if (bits & kAVX512VNNI)
@@ -681,6 +961,18 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
   if (avx2 && M > kMatvecMaxRows) return gemm_avx2(x, M, W, y);
 #endif
   if (W.format == Weight::I4 && W.int8_activations && M <= kMatvecMaxRows) return linear_rows_a8(W, x, M, y);
+  if (W.format == Weight::I4 && W.tiled) {
+    const Int4TX sums = int4t_x(x, M, K, W.group);
+    const uint8_t* wp = static_cast<const uint8_t*>(W.w);
+    at::parallel_for(0, N / 8, kGrain / 8, [&](int64_t t0, int64_t t1) {
+#ifdef LLMINFER_X86
+      if (avx2) return rows_int4t_avx2(sums.xs.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y,
+                                       N, t0, t1);
+#endif
+      rows_int4t_portable(x, sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, t0, t1);
+    });
+    return;
+  }
   if (W.format == Weight::I4) {
     const int64_t G = K / W.group;
     const Int4X sums = int4_x(x, M, K, W.group, avx512 ? 32 : avx2 ? 16 : 0);

@@ -205,7 +205,7 @@ class QuantizedLinear(nn.Module):
                                  .transpose(0, 1).contiguous())                            # (K / G, N, 2)
         else:
             stored = _pack_nibbles(codes) if bits == 4 else codes.to(torch.int8 if bits == 8 else torch.uint8)
-            self.register_buffer("qweight", stored.contiguous())    # (N, K) or (N, K/2) nibbles for int4
+            self.register_buffer("qweight", stored.contiguous())    # (N, K), (N, K/2) nibbles for int4 (tiled below)
             self.register_buffer("scales", scales.contiguous())     # (N, n_groups)
             self.register_buffer("zeros", None if zeros is None else zeros.contiguous())
         self.register_buffer("offsets", None if offsets is None or self.kernel == "int4pack" else
@@ -219,6 +219,10 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("kernel_offset", None if bits == 8 else offsets.float().contiguous()
                                  if offsets is not None else
                                  (zeros.float() - 2 ** (bits - 1) * scale32).contiguous(), persistent=False)
+            if bits == 4 and out_features % 8 == 0:
+                # int4 in tiles of 8 rows, the layout the fastest loops read (native_cpu.tile_int4)
+                self.qweight, self.kernel_scale, self.kernel_offset = native_cpu.tile_int4(
+                    self.qweight, self.kernel_scale, self.kernel_offset)
 
     # --- building ------------------------------------------------------------------------------------
 
@@ -284,7 +288,10 @@ class QuantizedLinear(nn.Module):
             codes[_int4_pack_order(self.out_features, self.in_features, self.qweight.device)] = nibbles
             return codes.view(self.out_features, self.in_features)      # (N, K)
         if self.bits == 4:
-            return _unpack_nibbles(self.qweight)
+            nibbles = self.qweight
+            if nibbles.dim() == 3:                                       # tiles of 8 rows
+                nibbles = native_cpu.untile_int4(nibbles, self.kernel_scale, self.kernel_offset)[0]
+            return _unpack_nibbles(nibbles)
         return self.qweight
 
     def scales_zeros(self) -> tuple[torch.Tensor, torch.Tensor | None]:
