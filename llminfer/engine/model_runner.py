@@ -28,21 +28,23 @@ __all__ = ["ModelRunner", "head_rows", "optimized_copy", "PagedNativeStack", "mo
 # Every module, parameter or buffer registered anywhere in the process (an attribute set, a layer replaced by a
 # transform such as quantize or fuse_projections) moves this count on; a cached argument list older than the
 # count is rebuilt. (Rebinding a tensor's .data registers nothing: the cached lists check storage instead.)
+# The hooks are set by the first step that keeps arguments, so a process without an optimised engine has none.
 _module_changes = [0]
+_watching: list = []
 
 
 def _count_registration(*_) -> None:
     _module_changes[0] += 1
 
 
-for _hook in (torch.nn.modules.module.register_module_module_registration_hook,
-              torch.nn.modules.module.register_module_parameter_registration_hook,
-              torch.nn.modules.module.register_module_buffer_registration_hook):
-    _hook(_count_registration)
-
-
 def module_changes() -> int:
-    """Returns how many module, parameter and buffer registrations the process has made (a version stamp)."""
+    """Returns how many module, parameter and buffer registrations the process has made since the first
+    optimised engine step (a version stamp)."""
+    if not _watching:
+        _watching.extend(hook(_count_registration) for hook in (
+            torch.nn.modules.module.register_module_module_registration_hook,
+            torch.nn.modules.module.register_module_parameter_registration_hook,
+            torch.nn.modules.module.register_module_buffer_registration_hook))
     return _module_changes[0]
 
 
