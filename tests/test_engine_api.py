@@ -77,6 +77,52 @@ def test_decodes_go_first_and_prefill_chunks_fill_the_budget(model):
     assert engine.output(b).token_ids                   # the last chunk sampled b's first token
 
 
+def test_max_prefill_tokens_starts_prompts_that_arrive_together_one_after_another(model):
+    engine = LLMEngine(model, block_size=4, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=32,
+                       max_prefill_tokens=6)
+    a, b, c = (engine.add_request(list(range(1 + 10 * i, 6 + 10 * i)), SamplingParams(max_new_tokens=4))
+               for i in range(3))                       # three prompts of 5 tokens at once
+    engine.step()                                       # a alone takes its whole prompt; b gets the 1 left of 6
+    assert engine.trace[-1].entries == ((a, "prefill", 5), (b, "prefill", 1))
+    engine.step()                                       # a decodes; b's rest (4) and c's first 2 fill the cap
+    assert engine.trace[-1].entries == ((a, "decode", 1), (b, "prefill", 4), (c, "prefill", 2))
+    engine.step()
+    assert engine.trace[-1].entries == ((a, "decode", 1), (b, "decode", 1), (c, "prefill", 3))
+    uncapped = LLMEngine(model, block_size=4, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=32)
+    ids = [uncapped.add_request(list(range(1 + 10 * i, 6 + 10 * i)), SamplingParams(max_new_tokens=4))
+           for i in range(3)]
+    uncapped.step()                                     # without the cap all three prefill in one step
+    assert uncapped.trace[-1].entries == tuple((i, "prefill", 5) for i in ids)
+    while engine.has_unfinished():
+        engine.step()
+    while uncapped.has_unfinished():
+        uncapped.step()
+    assert [engine.pop_output(i).token_ids for i in (a, b, c)] == [uncapped.pop_output(i).token_ids for i in ids]
+
+
+def test_max_prefill_tokens_leaves_a_lone_prompt_the_whole_budget_and_is_checked(model):
+    engine = LLMEngine(model, block_size=4, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=16,
+                       max_prefill_tokens=4)
+    a = engine.add_request(list(range(1, 21)), SamplingParams(max_new_tokens=3))     # 20 tokens, alone
+    engine.step()
+    assert engine.trace[-1].entries == ((a, "prefill", 16),)        # nothing else runs: the whole budget
+    b = engine.add_request(list(range(31, 41)), SamplingParams(max_new_tokens=2))   # no prefix shared with a
+    engine.step()                                       # a's last 4 are already the cap: b waits
+    assert engine.trace[-1].entries == ((a, "prefill", 4),)
+    engine.step()
+    assert engine.trace[-1].entries == ((a, "decode", 1), (b, "prefill", 4))       # beside a decode: capped
+    unchunked = LLMEngine(model, block_size=4, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=16,
+                          max_prefill_tokens=4, chunked_prefill=False)
+    c = unchunked.add_request([1, 2, 3], SamplingParams(max_new_tokens=5))
+    unchunked.step()
+    d = unchunked.add_request(list(range(1, 11)), SamplingParams(max_new_tokens=1))
+    unchunked.step()                                    # unchunked prompts are not capped (they could starve)
+    assert unchunked.trace[-1].entries == ((c, "decode", 1), (d, "prefill", 10))
+    for bad in (0, -1, True, 2.0, "8"):
+        with pytest.raises(ValueError, match="max_prefill_tokens"):
+            LLMEngine(model, block_size=4, num_blocks=128, max_prefill_tokens=bad)
+
+
 def test_without_chunking_a_long_prompt_waits_for_a_whole_step(model):
     engine = LLMEngine(model, block_size=4, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=24,
                        chunked_prefill=False)

@@ -194,3 +194,74 @@ def test_a_copy_shares_the_weights_no_transform_touches():
     # the small test model stays off huge pages (under 8 MiB): its norms and o/down projections are shared
     assert copied.layers[0].self_attn.o_proj.weight.untyped_storage().data_ptr() in shared
     assert copied.layers[0].self_attn.o_proj.weight is not model.layers[0].self_attn.o_proj.weight
+
+
+def _kept(stack) -> list[tuple]:
+    """The per-layer argument lists a PagedNativeStack keeps, one per kind of step."""
+    return [layers for _, layers in stack._kept_args[1].values()]
+
+
+def test_the_per_layer_arguments_are_built_once_and_rebuilt_when_they_must_be():
+    model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    params = SamplingParams(max_new_tokens=6)
+    refs = [llminfer.generate(model, p, max_new_tokens=6).token_ids for p in prompts]
+    engine = LLMEngine(model, block_size=8, max_num_seqs=4, optimize=True)
+    stack = engine.model.layers
+    assert [o.token_ids for o in engine.generate(prompts, params)] == refs
+    builds = stack.native_args_builds
+    assert builds == len(stack._kept_args[1]) < engine.stats.steps     # one build per kind of step, not per step
+    assert [o.token_ids for o in engine.generate(prompts, params)] == refs
+    assert stack.native_args_builds == builds              # nothing changed: every step reused them
+
+    with torch.no_grad():                                  # a weight's storage moved (.data rebound): rebuilt
+        down = stack[0].mlp.down_proj
+        down.weight.data = down.weight.data.clone()
+    assert [o.token_ids for o in engine.generate(prompts, params)] == refs
+    assert stack.native_args_builds == 2 * builds
+    for tensors, *_ in _kept(stack):
+        assert any(t is down.weight for t in tensors)
+
+    norm = stack[1].input_layernorm                        # a module replaced (registered): rebuilt, and used
+    replacement = llminfer.model.RMSNorm(norm.weight.shape[0], norm.eps).to(norm.weight.dtype)
+    with torch.no_grad():
+        replacement.weight.copy_(norm.weight * 2)
+    stack[1].input_layernorm = replacement
+    engine.generate(prompts, params)
+    assert stack.native_args_builds == 3 * builds
+    for tensors, *_ in _kept(stack):
+        assert any(t is replacement.weight for t in tensors) and not any(t is norm.weight for t in tensors)
+    stack[1].input_layernorm = norm
+    assert [o.token_ids for o in engine.generate(prompts, params)] == refs
+    assert stack.native_args_builds == 4 * builds
+
+    stack.forget_native_args()                             # by hand
+    engine.generate(prompts, params)
+    assert stack.native_args_builds == 5 * builds
+    other = PagedKVCache.for_model(engine.model, 16, 8)     # other pools: not the kept ones
+    layers = _kept(stack)[0]
+    assert stack._storage_stamp(layers, other)[0] is False and stack._storage_stamp(layers, engine.cache)[0] is True
+
+
+@pytest.mark.parametrize("optimize", [False, True])
+def test_the_head_runs_only_on_the_rows_that_are_sampled(optimize):
+    model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
+    engine = LLMEngine(model, block_size=4, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=12,
+                       optimize=optimize)
+    seen = []
+    handle = engine.model.lm_head.register_forward_hook(lambda module, args, out: seen.append(
+        (tuple(args[0].shape), tuple(out.shape))))
+    try:
+        a = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4))
+        engine.step()                                     # a's whole prompt: 3 rows, the last one sampled
+        b = engine.add_request(list(range(10, 30)), SamplingParams(max_new_tokens=2))    # 20 tokens: chunked
+        c = engine.add_request([40, 41], SamplingParams(max_new_tokens=2))
+        engine.step()                                     # a's decode and b's first 11: b's chunk samples nothing
+        engine.step()                                     # a's decode, b's last 9, c's 2: three rows sampled of 12
+    finally:
+        handle.remove()
+    steps = [record.entries for record in engine.trace]
+    assert steps == [((a, "prefill", 3),), ((a, "decode", 1), (b, "prefill", 11)),
+                     ((a, "decode", 1), (b, "prefill", 9), (c, "prefill", 2))]
+    dim, vocab = model.config.dim, model.config.vocab_size
+    assert seen == [((1, 1, dim), (1, 1, vocab)), ((1, 1, dim), (1, 1, vocab)), ((1, 3, dim), (1, 3, vocab))]

@@ -438,6 +438,15 @@ def test_an_api_key_guards_every_v1_route_and_leaves_health_open(bundled):
         ServeConfig(api_key="")
 
 
+def test_the_prefill_cap_is_a_checked_server_option(capsys):
+    from llminfer.serve.__main__ import SERVE_MAX_PREFILL_TOKENS, parse_args
+    assert parse_args([]).max_prefill_tokens == SERVE_MAX_PREFILL_TOKENS
+    assert parse_args(["--max-prefill-tokens", "0"]).max_prefill_tokens == 0          # 0: no cap
+    with pytest.raises(SystemExit):
+        parse_args(["--max-prefill-tokens", "-1"])
+    assert "--max-prefill-tokens must be >= 0, got -1" in capsys.readouterr().err
+
+
 def test_a_network_host_needs_a_key_or_an_explicit_opt_out(monkeypatch, capsys):
     from llminfer.serve.__main__ import parse_args
     monkeypatch.delenv("LLMINFER_API_KEY", raising=False)

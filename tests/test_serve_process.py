@@ -87,3 +87,45 @@ def test_the_servers_kv_pool_is_capped_at_a_small_share_of_free_memory(monkeypat
         parse_args(["--kv-cache-memory", "lots"])
     with pytest.raises(SystemExit):
         parse_args(["--kv-cache-memory", "1GiB", "--num-blocks", "8"])
+
+
+def test_wait_until_healthy_polls_until_200_and_reports_an_exit_or_a_timeout():
+    import http.server
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from llminfer.serve.process import LOOPBACK, ServerExited, free_port, wait_until_healthy
+    answers = iter([503, 503, 200])                       # unhealthy twice, then healthy
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(next(answers, 200) if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer((LOOPBACK, 0), Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        url = f"http://{LOOPBACK}:{httpd.server_address[1]}"
+        assert wait_until_healthy(url, alive, timeout_s=30, interval_s=0.01) >= 0
+        assert next(answers, "spent") == "spent"           # it asked until the 200, and no more
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not answer 200 within 0.3 s"):
+            wait_until_healthy(f"http://{LOOPBACK}:{free_port()}", alive, timeout_s=0.3, interval_s=0.05)
+        assert time.monotonic() - started < 10
+        assert alive.poll() is None                        # it stops nothing
+    finally:
+        alive.kill()
+        alive.wait()
+        httpd.shutdown()
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait()
+    with pytest.raises(ServerExited, match="exited with code 3") as caught:
+        wait_until_healthy(f"http://{LOOPBACK}:1", dead, timeout_s=30)
+    assert caught.value.returncode == 3 and isinstance(caught.value, RuntimeError)
+

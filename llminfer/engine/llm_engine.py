@@ -111,14 +111,17 @@ class LLMEngine:
 
     optimize=True runs a copy of the model on chapter 08's decode path (`model_runner.optimized_copy`; the
     caller's model is not changed): fused projections and, on a CPU, the native kernels, an engine step over
-    every scheduled sequence in one native call that reads K/V in place through the block tables."""
+    every scheduled sequence in one native call that reads K/V in place through the block tables.
+
+    max_prefill_tokens caps the prompt tokens of a step that runs anything else (`Scheduler`; None: no cap
+    beside max_num_batched_tokens), so prompts that arrive together start one after another."""
 
     def __init__(self, model, block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, policy: str = "continuous", enable_prefix_caching: bool = True,
                  chunked_prefill: bool = True, max_model_len: int | None = None,
                  kv_memory_fraction: float = KV_MEMORY_FRACTION, kernel: str | None = None,
                  clock=time.perf_counter, trace_limit: int = 100_000, optimize: bool = False,
-                 kv_cache_memory: int | None = None):
+                 kv_cache_memory: int | None = None, max_prefill_tokens: int | None = None):
         cfg = model.config
         if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a positive power of two (1, 2, 4, 8, 16, ...), got {block_size!r}; "
@@ -128,6 +131,9 @@ class LLMEngine:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if max_prefill_tokens is not None and (not _is_int(max_prefill_tokens) or max_prefill_tokens < 1):
+            raise ValueError(f"max_prefill_tokens must be a positive integer or None (no cap beside "
+                             f"max_num_batched_tokens), got {max_prefill_tokens!r}")
         if max_model_len is None:
             max_model_len = cfg.max_seq_len
         if not _is_int(max_model_len) or not 1 <= max_model_len <= cfg.max_seq_len:
@@ -206,7 +212,8 @@ class LLMEngine:
         self.enable_prefix_caching = enable_prefix_caching
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size, kernel=kernel)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, policy, chunked_prefill)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, policy, chunked_prefill,
+                                   max_prefill_tokens)
         self.runner = ModelRunner(model, self.cache)
         self.clock = clock
         self.trace: deque[StepRecord] = deque(maxlen=trace_limit)

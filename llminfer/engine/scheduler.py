@@ -6,6 +6,11 @@ Every step has a token budget, `max_num_batched_tokens`, and a cap on sequences,
   running sequence that is decoding, then prefill work from partly prefilled and newly admitted
   sequences fills what is left of the budget, split into chunks when `chunked_prefill` is on. A
   sequence that finishes frees its place at once, and a waiting one takes it in the next step.
+- `max_prefill_tokens` (continuous, chunked): the most prompt tokens a step runs beside other work. A step that
+  has decodes, or already one prefill chunk, gives prompts no more than this; only a step with nothing else
+  may give its first chunk the whole budget. Prompts that arrive together then start one after another
+  instead of all in one long step: the first ones reach their first token sooner, and the decodes running
+  beside them are not held up by a long step. None: prompts may take the whole budget in every step.
 - "static": a batch of up to max_num_seqs waiting requests is admitted together and runs until its
   last member finishes; nothing joins it meanwhile (a finished member's place stays empty).
 - "sequential": one request at a time (a static batch of one).
@@ -31,12 +36,17 @@ class Scheduler:
     """Picks each step's batch under a token budget, admits waiting requests, preempts when the pool is full. Chapter 05."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-                 policy: str = "continuous", chunked_prefill: bool = True):
+                 policy: str = "continuous", chunked_prefill: bool = True, max_prefill_tokens: int | None = None):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if max_prefill_tokens is not None and (not isinstance(max_prefill_tokens, int)
+                                               or isinstance(max_prefill_tokens, bool) or max_prefill_tokens < 1):
+            raise ValueError(f"max_prefill_tokens must be a positive integer or None (no cap beside the budget), "
+                             f"got {max_prefill_tokens!r}")
+        self.max_prefill_tokens = max_prefill_tokens
         self.block_manager = block_manager
         self.max_num_seqs = 1 if policy == "sequential" else max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -107,10 +117,18 @@ class Scheduler:
             if self.block_manager.enable_prefix_caching:
                 self.block_manager.record_lookup(seq.num_prompt_tokens, hit)
 
+    def _prefill_room(self, budget: int, prefill_tokens: int, scheduled: dict) -> int:
+        """Tokens a prefill chunk may take now: what is left of the budget, within max_prefill_tokens once the
+        step holds anything else (the cap applies to chunked prefill only: an unchunked prompt could wait forever)."""
+        if self.max_prefill_tokens is None or not self.chunked_prefill or not scheduled:
+            return budget
+        return min(budget, self.max_prefill_tokens - prefill_tokens)
+
     def schedule(self, now: float = 0.0) -> AttentionMetadata | None:
         """The next step's batch as AttentionMetadata (None when there is nothing to run). Chapter 05."""
         budget = self.max_num_batched_tokens
         scheduled: dict[int, int] = {}                               # request id -> new tokens
+        prefill_tokens = 0                                           # of them, prompt tokens (chunks)
         self.last_preempted = []
 
         if self.policy != "continuous" and not self.running:         # static: admit the next batch whole
@@ -126,16 +144,21 @@ class Scheduler:
                 break
             if seq not in self.running:                               # preempted while booking an earlier one
                 continue
-            n = self._book(seq, budget, scheduled, may_preempt=True)
+            room = budget if seq.is_decoding else self._prefill_room(budget, prefill_tokens, scheduled)
+            if room <= 0:
+                continue
+            n = self._book(seq, room, scheduled, may_preempt=True)
             if n:
                 scheduled[seq.request_id] = n
                 budget -= n
+                prefill_tokens += 0 if seq.is_decoding else n
 
         # 2. continuous: admit waiting requests into what is left (not in a step that had to preempt)
         if self.policy == "continuous" and not self.last_preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
-                n = self._book(seq, budget, scheduled, may_preempt=False)
+                room = self._prefill_room(budget, prefill_tokens, scheduled)
+                n = self._book(seq, room, scheduled, may_preempt=False) if room > 0 else 0
                 if n == 0:
                     break                                             # first come, first served: no overtaking
                 self.waiting.popleft()
@@ -143,6 +166,7 @@ class Scheduler:
                 self.running.append(seq)
                 scheduled[seq.request_id] = n
                 budget -= n
+                prefill_tokens += n
 
         if not scheduled:
             return None

@@ -23,8 +23,12 @@ from ..generate import MIN_TEMPERATURE
 # The server's default cap on the KV pool, as a share of free memory (the library's LLMEngine takes up to half):
 # a server shares its machine, and short requests need far less than max_num_seqs full-length ones.
 SERVE_KV_MEMORY_FRACTION = 0.05
+# The server's default cap on the prompt tokens of a step that runs anything else (LLMEngine's max_prefill_tokens):
+# prompts that arrive together start one after another, so most reach their first token in a short step.
+SERVE_MAX_PREFILL_TOKENS = 64
 
-__all__ = ["main", "parse_args", "build_server", "API_KEY_VARIABLE", "SERVE_KV_MEMORY_FRACTION"]
+__all__ = ["main", "parse_args", "build_server", "API_KEY_VARIABLE", "SERVE_KV_MEMORY_FRACTION",
+           "SERVE_MAX_PREFILL_TOKENS"]
 
 API_KEY_VARIABLE = "LLMINFER_API_KEY"
 
@@ -81,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "pool takes")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-prefill-tokens", type=int, default=SERVE_MAX_PREFILL_TOKENS,
+                   help="the most prompt tokens a step runs beside decodes or another prompt's chunk (a step with "
+                        "nothing else may take --max-num-batched-tokens); 0: no cap")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--max-queued-requests", type=int, default=128,
@@ -123,6 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              ("--block-size", args.block_size, 1), ("--num-blocks", args.num_blocks, 1),
                              ("--max-num-seqs", args.max_num_seqs, 1),
                              ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+                             ("--max-prefill-tokens", args.max_prefill_tokens, 0),
                              ("--max-request-bytes", args.max_request_bytes, 1024),
                              ("--max-connections", args.max_connections, 1)):
         if value is not None and value < low:
@@ -175,6 +183,7 @@ def build_server(args: argparse.Namespace):
         engine_kwargs=dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                            kv_cache_memory=args.kv_cache_memory, kv_memory_fraction=args.kv_memory_fraction,
                            max_num_batched_tokens=args.max_num_batched_tokens,
+                           max_prefill_tokens=args.max_prefill_tokens or None,
                            enable_prefix_caching=not args.no_prefix_caching,
                            chunked_prefill=not args.no_chunked_prefill, max_model_len=args.max_model_len,
                            optimize=not args.no_optimize))

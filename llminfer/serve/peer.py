@@ -31,13 +31,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from ..engine.latency import percentiles
 from .bench import RequestRecord, _finite, run_benchmark, workload_requests
-from .process import LOOPBACK, ServerProcess, free_port
+from .process import LOOPBACK, ServerExited, ServerProcess, free_port, wait_until_healthy
 
 __all__ = ["ROOT", "cpu_slug", "vllm_python", "peer_checkpoint", "process_tree_rss", "RSSSampler", "VLLMProcess",
            "round_order", "aggregate", "ratios", "compare", "plot_comparison", "main"]
@@ -182,24 +180,17 @@ class VLLMProcess:
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            if self.process.poll() is not None:
-                code = self.process.returncode
-                raise RuntimeError(f"vLLM exited with code {code} before it was ready; its log ({self.log_path}) "
-                                   f"ends:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        self.startup_s = time.perf_counter() - started
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"vLLM did not answer /health within {self.startup_timeout_s:g} s; its log "
-                                   f"({self.log_path}) ends:\n{self.log_tail()}")
-            time.sleep(1.0)
+        try:
+            wait_until_healthy(self.url, self.process, self.startup_timeout_s, interval_s=1.0)
+        except ServerExited as exc:
+            raise RuntimeError(f"vLLM exited with code {exc.returncode} before it was ready; its log "
+                               f"({self.log_path}) ends:\n{self.log_tail()}") from None
+        except TimeoutError:
+            self.stop()
+            raise TimeoutError(f"vLLM did not answer /health within {self.startup_timeout_s:g} s; its log "
+                               f"({self.log_path}) ends:\n{self.log_tail()}") from None
+        self.startup_s = time.perf_counter() - started
+        return self
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -22,7 +22,7 @@ import urllib.request
 import weakref
 from pathlib import Path
 
-__all__ = ["ServerProcess", "free_port"]
+__all__ = ["ServerProcess", "free_port", "wait_until_healthy", "ServerExited"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -32,6 +32,37 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((LOOPBACK, 0))
         return sock.getsockname()[1]
+
+
+class ServerExited(RuntimeError):
+    """The server's process ended before its /health answered. Chapter 11."""
+
+    def __init__(self, returncode: int | None):
+        super().__init__(f"the server exited with code {returncode} before it was ready")
+        self.returncode = returncode
+
+
+def wait_until_healthy(url: str, process: subprocess.Popen, timeout_s: float, interval_s: float = 0.1,
+                       request_timeout_s: float = 2.0) -> float:
+    """Polls GET url/health until it answers 200; returns the seconds that took. Chapter 11.
+
+    Raises ServerExited (a RuntimeError, with the exit code) if process ends first, and TimeoutError once
+    timeout_s have passed without a 200; it stops nothing (the caller decides what to do with the process).
+    """
+    started = time.monotonic()
+    deadline = started + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise ServerExited(process.returncode)
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=request_timeout_s) as response:
+                if response.status == 200:
+                    return time.monotonic() - started
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass                               # not listening yet, or not healthy yet (an HTTPError is a URLError)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:g} s")
+        time.sleep(interval_s)
 
 
 def _stop(process: subprocess.Popen, grace_s: float) -> None:
@@ -92,24 +123,17 @@ class ServerProcess:
         self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                         stdin=subprocess.DEVNULL)
         self._finalizer = weakref.finalize(self, _stop, self.process, self.drain_timeout_s + 2)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            if self.process.poll() is not None:
-                log = self.log()
-                self.stop()
-                raise RuntimeError(f"the server exited with code {self.process.returncode} before it was ready:\n"
-                                   f"{log[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server did not answer /health within {self.startup_timeout_s} s; "
-                                   f"its log:\n{self.log()[-3000:]}")
-            time.sleep(0.1)
+        try:
+            wait_until_healthy(self.url, self.process, self.startup_timeout_s)
+        except ServerExited as exc:
+            log = self.log()
+            self.stop()
+            raise RuntimeError(f"{exc}:\n{log[-3000:]}") from None
+        except TimeoutError:
+            self.stop()
+            raise RuntimeError(f"the server did not answer /health within {self.startup_timeout_s} s; "
+                               f"its log:\n{self.log()[-3000:]}") from None
+        return self
 
     def stop(self) -> int | None:
         """Graceful stop (SIGINT), then harder ones; returns the exit code."""
