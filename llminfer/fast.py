@@ -173,9 +173,20 @@ def _native_parts(linear: nn.Module, dtype: torch.dtype) -> list[torch.Tensor] |
     return None
 
 
-def _step_fits(x: torch.Tensor, cos: torch.Tensor, backend) -> str | None:
+def _weight_dtype(layer: nn.Module, x: torch.Tensor) -> torch.dtype:
+    """The dtype a fused layer's q/k/v weight is held in (uint8 for int4, int8 for int8; x's for float layers), the
+    key of its measured prefill path."""
+    qkv = getattr(getattr(layer, "self_attn", None), "qkv_proj", None)
+    weight = getattr(qkv, "qweight", None)
+    if weight is None:
+        weight = getattr(qkv, "weight", None)
+    return x.dtype if weight is None else weight.dtype
+
+
+def _step_fits(x: torch.Tensor, cos: torch.Tensor, backend, weight_dtype: torch.dtype | None = None) -> str | None:
     """Whether a step's input can take the one-call path at all (the same for every layer of the step):
-    'decode' for up to MAX_TOKENS tokens, 'prefill' for more where the blocked kernel runs, else None."""
+    'decode' for up to MAX_TOKENS tokens, 'prefill' for more where the blocked kernel runs for weights of
+    `weight_dtype` (default x's), else None."""
     if not (backend is native_cpu.attention_backend and native_cpu.loaded() and x.device.type == "cpu"
             and x.dim() == 3 and x.dtype in (torch.float32, torch.bfloat16) and cos.dim() == 2
             and cos.dtype == x.dtype and not (torch.is_grad_enabled() and x.requires_grad)):
@@ -183,7 +194,7 @@ def _step_fits(x: torch.Tensor, cos: torch.Tensor, backend) -> str | None:
     if x.shape[0] * x.shape[1] <= native_cpu.MAX_TOKENS:
         return "decode"
     rows = x.shape[0] * x.shape[1]
-    return "prefill" if native_cpu.blocked_prefill(x.dtype, rows) else None   # (float layers' weights: x's dtype)
+    return "prefill" if native_cpu.blocked_prefill(weight_dtype or x.dtype, rows) else None
 
 
 class _OneNativeCall:
@@ -215,7 +226,8 @@ class NativeDecoderLayer(_OneNativeCall, DecoderLayer):
     op = "decode_layer"
 
     def _native_args(self, x, cos, sin, cache, backend) -> tuple | None:
-        return self._layer_args(x, cos, sin, cache, backend) if _step_fits(x, cos, backend) else None
+        fits = _step_fits(x, cos, backend, _weight_dtype(self, x))
+        return self._layer_args(x, cos, sin, cache, backend) if fits else None
 
     def _layer_args(self, x, cos, sin, cache, backend) -> tuple | None:
         """This layer's arguments of `decode_layer`, for a step that `_step_fits`; None where the layer cannot."""
@@ -258,8 +270,13 @@ class NativeDecoderStack(_OneNativeCall, DecoderStack):
 
     op = "decode_layers"
 
+    def _step_fits(self, x, cos, backend) -> str | None:
+        """`_step_fits` for the stack's step, with the prefill path of its first layer's weights."""
+        first = next(iter(self), None)
+        return _step_fits(x, cos, backend, None if first is None else _weight_dtype(first, x))
+
     def _native_args(self, x, cos, sin, cache, backend) -> tuple | None:
-        if _step_fits(x, cos, backend) is None:              # checked once for the whole step
+        if self._step_fits(x, cos, backend) is None:         # checked once for the whole step
             return None
         tensors, layout, eps, keys, values = [], [], [], [], []
         call = None

@@ -277,6 +277,33 @@ def test_the_prefill_choice_is_measured_once_and_cached(monkeypatch, tmp_path):
         cpu.force_prefill("quick")
 
 
+def test_a_quantized_stack_takes_the_prefill_path_measured_for_its_own_weights(monkeypatch, tmp_path):
+    """The one-call prefill of an int4 stack follows the choice for uint8 weights, not float32's (its activations)."""
+    from llminfer import fast, load_random
+    from llminfer.config import ModelConfig
+
+    def fake_measure(dtype, rows, repeats=5):              # float32: torch's matmul; int4 (uint8): the blocked kernel
+        return {"blocked": [1.0], "torch": [2.0]} if dtype == torch.uint8 else {"blocked": [2.0], "torch": [1.0]}
+
+    monkeypatch.setattr(cpu, "measure_prefill", fake_measure)
+    monkeypatch.setattr(cpu, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
+    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
+    monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
+    config = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=64)
+    float_model = fast.fuse_projections(load_random(config, seed=0))
+    int4_model = fast.fuse_projections(quant.quantize(load_random(config, seed=0), "int4", 32))
+    x, cos = torch.zeros(1, 40, 64), torch.zeros(40, 16)
+    for model, dtype in ((float_model, torch.float32), (int4_model, torch.uint8)):
+        fast.use_native_kernels(model)
+        stack = model.layers
+        assert isinstance(stack, fast.NativeDecoderStack)
+        assert fast._weight_dtype(stack[0], x) == dtype
+        vector = cpu.isa() != "portable"
+        expected = "prefill" if vector and dtype == torch.uint8 else None
+        assert stack._step_fits(x, cos, cpu.attention_backend) == expected, dtype
+        assert fast._step_fits(x, cos, cpu.attention_backend) is None          # float32's own choice: torch
+
+
 def test_measure_prefill_times_both_paths_in_turn():
     timings = cpu.measure_prefill(torch.uint8, 16, repeats=2)
     assert sorted(timings) == ["blocked", "torch"] and all(len(t) == 2 and min(t) > 0 for t in timings.values())

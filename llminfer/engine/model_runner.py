@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from ..fast import NativeDecoderStack, _step_fits, optimize_decode
+from ..fast import NativeDecoderStack, optimize_decode
 from ..generate import sample_next
 from ..kernels import cpu as native_cpu
 from .attention_metadata import AttentionMetadata
@@ -86,7 +86,7 @@ class PagedNativeStack(NativeDecoderStack):
 
     def _stack_key(self, x, cos, cache: PagedKVCache, backend) -> tuple | None:
         """What kept arguments are built for: None where the step cannot take the one call at all."""
-        path = _step_fits(x, cos, backend)
+        path = self._step_fits(x, cos, backend)
         if path is None:
             return None
         rows = x.shape[0] * x.shape[1]
