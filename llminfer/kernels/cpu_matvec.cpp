@@ -915,40 +915,26 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y) {
       }
     }
   }
-  const uint8_t* wp = static_cast<const uint8_t*>(W.w);
+  // the loops for the layout (rows, or tiles of 8 rows) and the instruction set: VNNI, AVX2 or plain
+  using Rows = void (*)(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, const float*,
+                        const float*, int64_t, float*, int64_t, int64_t, int64_t);
+  Rows rows = W.tiled ? rows_int4t_a8_portable : rows_int4_a8_portable;
   const int64_t bits = features();
-  if (W.tiled) {
-    at::parallel_for(0, N / 8, kGrain / 8, [&](int64_t t0, int64_t t1) {
 #ifdef LLMINFER_X86
-      if (bits & kAVX512VNNI)
-        return rows_int4t_a8<int4t_a8_avx512vnni<2>, int4t_a8_avx512vnni<1>>(
-            xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, t0, t1);
-      if (bits & kAVXVNNI)
-        return rows_int4t_a8<int4t_a8_avxvnni<2>, int4t_a8_avxvnni<1>>(
-            xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, t0, t1);
-      if (bits & kAVX2)
-        return rows_int4t_a8<int4t_a8_avx2<2>, int4t_a8_avx2<1>>(
-            xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, t0, t1);
+  if (bits & kAVX512VNNI)
+    rows = W.tiled ? rows_int4t_a8<int4t_a8_avx512vnni<2>, int4t_a8_avx512vnni<1>>
+                   : rows_int4_a8<int4_a8_rows_avx512vnni<4>, int4_a8_rows_avx512vnni<1>>;
+  else if (bits & kAVXVNNI)
+    rows = W.tiled ? rows_int4t_a8<int4t_a8_avxvnni<2>, int4t_a8_avxvnni<1>>
+                   : rows_int4_a8<int4_a8_rows_avxvnni<4>, int4_a8_rows_avxvnni<1>>;
+  else if (bits & kAVX2)
+    rows = W.tiled ? rows_int4t_a8<int4t_a8_avx2<2>, int4t_a8_avx2<1>>
+                   : rows_int4_a8<int4_a8_rows_avx2<4>, int4_a8_rows_avx2<1>>;
 #endif
-      rows_int4t_a8_portable(xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N,
-                             t0, t1);
-    });
-    return;
-  }
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-#ifdef LLMINFER_X86
-    if (bits & kAVX512VNNI)
-      return rows_int4_a8<int4_a8_rows_avx512vnni<4>, int4_a8_rows_avx512vnni<1>>(
-          xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, n0, n1);
-    if (bits & kAVXVNNI)
-      return rows_int4_a8<int4_a8_rows_avxvnni<4>, int4_a8_rows_avxvnni<1>>(
-          xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, n0, n1);
-    if (bits & kAVX2)
-      return rows_int4_a8<int4_a8_rows_avx2<4>, int4_a8_rows_avx2<1>>(
-          xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, n0, n1);
-#endif
-    rows_int4_a8_portable(xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N,
-                          n0, n1);
+  const int64_t unit = W.tiled ? 8 : 1;                    // the loops take tiles of 8 rows, or rows
+  const uint8_t* wp = static_cast<const uint8_t*>(W.w);
+  at::parallel_for(0, N / unit, kGrain / unit, [&](int64_t a, int64_t b) {
+    rows(xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, a, b);
   });
 }
 
