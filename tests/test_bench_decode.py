@@ -16,10 +16,19 @@ def test_a_short_run_writes_its_report(tmp_path, capsys):
     (path,) = tmp_path.glob("decode-*.json")
     report = json.loads(path.read_text())
     band = report["bandwidth"]
-    # the ceiling is the best of the three probes, all measured in the run (the third the native streaming read)
+    # the ceiling is the best of the probes, all measured in the run (the last the native streaming reads)
     assert band["ceiling_bytes_per_s"] == max(band["matvec_bytes_per_s"], band["read_bytes_per_s"],
                                               band["native_read_bytes_per_s"]) > 0
     assert "native streaming read" in band["what"] and "2 MiB pages" in band["what"]
+    # one native probe per load width this process runs (the widest is not always the fastest), the best reported
+    from llminfer.kernels import cpu as kernels
+    by_width = band["native_read_by_width"]
+    widths = sorted(int(what.split(", ")[1].split("-byte")[0]) for what in by_width)
+    features = kernels.isa_features()
+    assert widths == sorted([w for w, level in ((64, "avx512"), (32, "avx2")) if level in features] or [8])
+    assert band["native_read_bytes_per_s"] == max(by_width.values())
+    # each format's decode loops, as chosen here, are in the report
+    assert report["kernels"]["matvec"] == kernels.matvec_choices()
     # the kernels' level and, per precision, the prefill on the measured path, on both paths and on the plain model
     from llminfer.kernels import cpu
     assert report["kernels"]["isa"] == cpu.isa()

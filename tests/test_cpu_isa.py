@@ -307,3 +307,79 @@ def test_a_quantized_stack_takes_the_prefill_path_measured_for_its_own_weights(m
 def test_measure_prefill_times_both_paths_in_turn():
     timings = cpu.measure_prefill(torch.uint8, 16, repeats=2)
     assert sorted(timings) == ["blocked", "torch"] and all(len(t) == 2 and min(t) > 0 for t in timings.values())
+
+
+def test_the_decode_loops_choice_is_the_lowest_median_and_the_first_on_a_tie():
+    assert cpu.choose_fastest({"avx2": [3.0, 1.0, 1.1], "avx512": [1.2, 1.3, 0.1]}) == "avx2"
+    assert cpu.choose_fastest({"avx2": [2.0], "avx512": [1.0], "avx512_bf16": [1.5]}) == "avx512"
+    assert cpu.choose_fastest({"avx2": [1.0], "avx512": [1.0]}) == "avx2"
+    with pytest.raises(ValueError, match="needs some timings for every candidate"):
+        cpu.choose_fastest({"avx2": [1.0], "avx512": []})
+    with pytest.raises(ValueError, match="format 'int3' is not one of float32"):
+        cpu.matvec_candidates("int3")
+
+
+def test_each_format_runs_the_decode_loops_measured_fastest_and_a_forced_level_runs_its_own(monkeypatch, tmp_path):
+    """With fake timings (float32: the lowest candidate fastest; every other format: the highest), each format's
+    loops are set to the winner, the answers kept on disk and read back; a forced level measures nothing."""
+    import dataclasses
+
+    assert cpu.available(), cpu.why_unavailable()
+    here = cpu._state["isa"]
+    kinds = {name: kind for name, (kind, _) in cpu.MATVEC_CANDIDATES.items()}
+    saved_bits = {name: int(torch.ops.llminfer.matvec_features(kind)) for name, kind in kinds.items()}
+    saved_choices = cpu.matvec_choices()
+    calls = []
+
+    def fake_measure(name, levels, repeats=5):
+        calls.append(name)
+        winner = levels[0] if name == "float32" else levels[-1]
+        return {level: [1.0 if level == winner else 2.0] for level in levels}
+
+    monkeypatch.setattr(cpu, "measure_matvec", fake_measure)
+    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
+    unforced, forced = dataclasses.replace(here, forced=False), dataclasses.replace(here, forced=True)
+    try:
+        cpu._choose_matvec(unforced)
+        choices = cpu.matvec_choices()
+        several = [name for name in kinds if len(cpu.matvec_candidates(name, unforced)) > 1]
+        assert calls == several
+        for name, kind in kinds.items():
+            levels = cpu.matvec_candidates(name, unforced)
+            if not levels:                                  # (portable: no vector loops to choose among)
+                assert name not in choices
+                continue
+            expected = levels[0] if name == "float32" else levels[-1]
+            assert choices[name]["level"] == expected and choices[name]["measured"] == (name in several)
+            assert int(torch.ops.llminfer.matvec_features(kind)) == cpu._level_bits(expected, unforced)
+        kept = json.loads((tmp_path / "matvec_choices.json").read_text())
+        assert sorted(key.rsplit("|", 1)[1] for key in kept) == sorted(several)
+        cpu._choose_matvec(unforced)                        # read back from disk: nothing measured again
+        assert calls == several
+        cpu._choose_matvec(forced)                          # LLMINFER_ISA: every format on the level's own loops
+        assert calls == several
+        for name, kind in kinds.items():
+            assert int(torch.ops.llminfer.matvec_features(kind)) == here.bits
+            if cpu.matvec_candidates(name, forced):
+                assert cpu.matvec_choices()[name] == {"level": cpu.matvec_candidates(name, forced)[-1],
+                                                      "measured": False}
+    finally:
+        for name, kind in kinds.items():
+            torch.ops.llminfer.set_matvec_features(kind, saved_bits[name])
+        cpu._matvec["choices"] = saved_choices
+
+
+def test_measure_matvec_times_every_candidate_in_turn_and_leaves_the_loops_as_they_were():
+    assert cpu.available(), cpu.why_unavailable()
+    levels = cpu.matvec_candidates("int8")
+    if not levels:
+        pytest.skip("the portable level has no vector loops to time")    # (a CPU without AVX2)
+    kind = cpu.MATVEC_CANDIDATES["int8"][0]
+    before = int(torch.ops.llminfer.matvec_features(kind))
+    timings = cpu.measure_matvec("int8", levels, repeats=2)
+    assert list(timings) == list(levels) and all(len(t) == 2 and min(t) > 0 for t in timings.values())
+    assert int(torch.ops.llminfer.matvec_features(kind)) == before
+    with pytest.raises(ValueError, match=r"\['sse9'\] are not levels this process runs int8 loops at"):
+        cpu.measure_matvec("int8", ("sse9",))
+    with pytest.raises(RuntimeError, match="set_matvec_features: kind 7 is not one of 0..4"):
+        torch.ops.llminfer.set_matvec_features(7, 1)

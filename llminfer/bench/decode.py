@@ -201,7 +201,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     probe_bytes = costs.weight_bytes(cfg, 4)
     matvec = timing.matvec_probe("cpu", torch.float32, probe_bytes)
     read = timing.read_probe("cpu", torch.float32, probe_bytes, huge_pages=True)   # where the weights are too
-    native_read = native_read_probe(max(probe_bytes, 4 * last_level_cache_bytes()))
+    native_reads = native_read_probes(max(probe_bytes, 4 * last_level_cache_bytes()))
     matmul = timing.matmul_probe("cpu", torch.float32)
     _log("warm-up")
     tokens = {}
@@ -209,21 +209,22 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
         tokens[label] = runner().token_ids
     matvec.sample(2)
     read.sample(2)
-    if native_read is not None:
-        native_read.sample(2)
+    for probe in native_reads:
+        probe.sample(2)
     results = {label: [] for label in contenders}
-    alongside, read_alongside, native_alongside = [], [], []
+    alongside, read_alongside, native_alongside = [], [], [[] for _ in native_reads]
     for round_index in range(args.repeats):
         _log(f"round {round_index + 1}/{args.repeats}")
         for label, runner in contenders.items():
             results[label].append(runner())
         alongside += matvec.sample(2)
         read_alongside += read.sample(2)
-        if native_read is not None:
-            native_alongside += native_read.sample(2)
-    # the ceiling: the best of torch's matrix-vector product, a torch streaming read and the native one
+        for probe, samples in zip(native_reads, native_alongside):
+            samples += probe.sample(2)
+    # the ceiling: the best of torch's matrix-vector product, a torch streaming read and the native ones
     matvec_rate, read_rate = matvec.rate_of(alongside), read.rate_of(read_alongside)
-    native_rate = native_read.rate_of(native_alongside) if native_read is not None else None
+    native_rates = [probe.rate_of(samples) for probe, samples in zip(native_reads, native_alongside)]
+    native_rate = max(native_rates, default=None)
     bandwidth = max(matvec_rate, read_rate, native_rate or 0.0)
     prefill, sgemm_times = _prefill_table(args, base, ids, info, quant_dtype, matmul)
     rows = {}
@@ -248,6 +249,11 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
             ratios[f"{name} / llama.cpp {kind}"] = mine["tokens_per_s"] / rows[f"llama.cpp {kind}"]["tokens_per_s"]
         if f"transformers {name}" in rows:
             ratios[f"{name} / transformers {name}"] = mine["tokens_per_s"] / rows[f"transformers {name}"]["tokens_per_s"]
+    for name in args.precisions:                     # prefill: llama.cpp's time to first token over ours
+        kind = PRECISIONS[name][0]
+        mine, theirs = rows.get(f"llminfer fast {name}"), rows.get(f"llama.cpp {kind}")
+        if mine and theirs:
+            ratios[f"prefill {name} / llama.cpp {kind}"] = theirs["ttft_median_s"] / mine["ttft_median_s"]
     for faster, slower in (("int4", "int8"), ("int4a8", "int8"), ("int4a8", "int4")):
         if f"llminfer fast {faster}" in rows and f"llminfer fast {slower}" in rows:
             ratios[f"fast {faster} / fast {slower}"] = (rows[f"llminfer fast {faster}"]["tokens_per_s"] /
@@ -266,11 +272,11 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
                      "llama_cpp": _llama_cpp_version() if ggufs else None, "transformers": hf_note},
         "load_average_before": load_before, "load_average_after": None,
         "kernels": {"isa": native_cpu.isa(), "features": list(native_cpu.isa_features()),
-                    "forced_by": os.environ.get(native_cpu.ISA_ENV)},
+                    "forced_by": os.environ.get(native_cpu.ISA_ENV), "matvec": native_cpu.matvec_choices()},
         "bandwidth": {"ceiling_bytes_per_s": bandwidth, "matvec_bytes_per_s": matvec_rate,
                       "read_bytes_per_s": read_rate, "native_read_bytes_per_s": native_rate,
-                      "what": f"the best of: {matvec.what}; {read.what}"
-                              + (f"; {native_read.what}" if native_read is not None else ""),
+                      "native_read_by_width": {probe.what: rate for probe, rate in zip(native_reads, native_rates)},
+                      "what": "; ".join([f"the best of: {matvec.what}", read.what] + [p.what for p in native_reads]),
                       "samples": len(alongside)},
         "contenders": rows, "ratios": ratios,
     }
@@ -305,20 +311,22 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
-def native_read_probe(nbytes: int) -> timing.CeilingProbe | None:
-    """Returns a probe streaming nbytes from 2 MiB pages through the native kernels' read loop (every thread, the
-    widest loads in use; `kernels.cpu.stream_read`), or None without the kernels. Chapter 08."""
+def native_read_probes(nbytes: int) -> list[timing.CeilingProbe]:
+    """Returns probes streaming nbytes from 2 MiB pages through the native kernels' read loop (every thread;
+    `kernels.cpu.stream_read`), one per load width the process runs (64 bytes with AVX-512, 32 with AVX2, else 8:
+    the widest is not always the fastest), or none without the kernels. Chapter 08."""
     if not native_cpu.available():
-        return None
+        return []
     data = huge_page_empty((nbytes,), torch.uint8)
     pages = "2 MiB pages"
     if data is None:
         data, pages = torch.empty(nbytes, dtype=torch.uint8), "4 KiB pages"
     data.fill_(1)
-    width = 64 if "avx512" in native_cpu.isa_features() else 32 if native_cpu.isa() != "portable" else 8
-    return timing.CeilingProbe(lambda: native_cpu.stream_read(data), nbytes,
-                               f"native streaming read of {nbytes / 2**20:.0f} MiB on {pages}, {width}-byte loads, "
-                               f"{torch.get_num_threads()} thread(s)", "cpu")
+    features = native_cpu.isa_features()
+    widths = [w for w, level in ((64, "avx512"), (32, "avx2")) if level in features] or [8]
+    return [timing.CeilingProbe(lambda w=width: native_cpu.stream_read(data, w), nbytes,
+                                f"native streaming read of {nbytes / 2**20:.0f} MiB on {pages}, {width}-byte loads, "
+                                f"{torch.get_num_threads()} thread(s)", "cpu") for width in widths]
 
 
 def _prefill_table(args, base, ids, info, quant_dtype, matmul) -> tuple[dict, list[float]]:
@@ -391,16 +399,22 @@ def table(report: dict) -> str:
     lines = [f"{report['machine']['cpu']}, {report['settings']['threads']} thread(s), load "
              f"{report['load_average_before']} -> {report['load_average_after']}",
              f"native kernels: {kernels.get('isa', '?')} ({'+'.join(kernels.get('features', [])) or 'plain loops'})"
-             + (f", forced by LLMINFER_ISA={kernels['forced_by']}" if kernels.get("forced_by") else ""),
+             + (f", forced by LLMINFER_ISA={kernels['forced_by']}" if kernels.get("forced_by") else "")
+             + (("; decode loops " + ", ".join(f"{name} {entry['level']}" for name, entry in kernels["matvec"].items())
+                 + (" (measured here)" if any(e.get("measured") for e in kernels["matvec"].values()) else ""))
+                if kernels.get("matvec") else ""),
              f"bandwidth ceiling {_ceiling(report) / 1e9:.1f} GB/s (matvec "
              f"{report['bandwidth']['matvec_bytes_per_s'] / 1e9:.1f}, read "
              f"{report['bandwidth'].get('read_bytes_per_s', float('nan')) / 1e9:.1f}, native read "
-             f"{(report['bandwidth'].get('native_read_bytes_per_s') or float('nan')) / 1e9:.1f})",
-             f"{'contender':<24}{'tokens/s':>10}{'MB/token':>10}{'MBU':>7}{'compile s':>11}"]
+             f"{(report['bandwidth'].get('native_read_bytes_per_s') or float('nan')) / 1e9:.1f}"
+             + "".join(f"; {what.split(', ')[1]} {rate / 1e9:.1f}"
+                       for what, rate in report['bandwidth'].get('native_read_by_width', {}).items()) + ")",
+             f"{'contender':<24}{'tokens/s':>10}{'MB/token':>10}{'MBU':>7}{'compile s':>11}{'TTFT ms':>9}"]
     for label, row in report["contenders"].items():
         compile_s = f"{row['compile_s']:.0f}" if row.get("compile_s") else "-"
         lines.append(f"{label:<24}{row['tokens_per_s']:>10.1f}{row['bytes_per_token'] / 1e6:>10.0f}"
-                     f"{row['mbu']:>7.2f}{compile_s:>11}")
+                     f"{row['mbu']:>7.2f}{compile_s:>11}"
+                     + (f"{row['ttft_median_s'] * 1e3:>9.0f}" if row.get("ttft_median_s") else f"{'-':>9}"))
     for name, value in report["ratios"].items():
         if value is not None:
             lines.append(f"{name:<40}{value:>6.2f}x")

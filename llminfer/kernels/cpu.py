@@ -60,6 +60,8 @@ __all__ = ["available", "why_unavailable", "load", "isa", "isa_features", "choos
            "attention_backend", "loaded", "prefill_path", "prefill_choices", "choose_prefill", "measure_prefill",
            "force_prefill", "rows_bucket", "stream_read", "PREFILL_PATHS", "PREFILL_ENV",
            "MAX_TOKENS", "blocked_prefill", "tile_int4", "untile_int4", "cpu_flags", "bfloat16_in_hardware",
+           "MATVEC_CANDIDATES", "MATVEC_PROBE_BYTES", "choose_fastest", "matvec_candidates", "measure_matvec",
+           "matvec_choices",
            "SOURCES", "HEADERS",
            "cache_dir"]
 
@@ -219,6 +221,7 @@ def load() -> bool:
                                f"{choice.level}; set {ISA_ENV} to a lower level")
         _state["isa"] = choice
         _state["loaded"] = True
+        _choose_matvec(choice)
         return True
 
 
@@ -266,6 +269,142 @@ def bfloat16_in_hardware() -> bool:
     """Whether this CPU multiplies bfloat16 itself (AVX512-BF16 or AMX), which torch's bfloat16 matmul (oneDNN)
     then uses."""
     return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
+
+
+# The decode loops' choice. Each weight format's matrix-vector loops exist at several levels, and the widest is not
+# always the fastest: on a Zen 4 (512-bit operations run as two 256-bit halves) the AVX2 loops stream float32 and
+# bfloat16 weights faster than the AVX-512 ones. So when the kernels load, each format's candidate loops (those of
+# MATVEC_CANDIDATES that this process runs) take turns on a weight of MATVEC_PROBE_BYTES, about twice a server's last-
+# level cache, and the fastest median wins (`choose_fastest`). The answers are kept beside the kernel build, keyed by
+# CPU, level and thread count at load, so a machine measures once. With LLMINFER_ISA set, nothing is measured: every
+# format runs the forced level's own loops (so each level's loops can be tested on any machine that has it).
+MATVEC_CANDIDATES: dict[str, tuple[int, tuple[str, ...]]] = {     # format -> (MatvecKind in C++, levels)
+    "float32": (0, ("avx2", "avx512")),
+    "bfloat16": (1, ("avx2", "avx512", "avx512_bf16")),
+    "int8": (2, ("avx2", "avx512")),
+    "int4": (3, ("avx2", "avx512")),
+    "int4a8": (4, ("avx2", "avx_vnni", "avx512_vnni")),
+}
+MATVEC_PROBE_BYTES = 64 << 20
+_matvec: dict = {"choices": {}}
+
+
+def choose_fastest(timings: dict[str, list[float]]) -> str:
+    """Returns the key of `timings` {level: [s, ...]} with the lowest median; on a tie, the first. Appendix A1."""
+    if not timings or not all(timings.values()):
+        raise ValueError(f"choose_fastest needs some timings for every candidate, got {timings}")
+    medians = {key: statistics.median(times) for key, times in timings.items()}
+    return min(medians, key=lambda key: (medians[key], list(medians).index(key)))
+
+
+def matvec_candidates(name: str, choice: IsaChoice | None = None) -> tuple[str, ...]:
+    """Returns the levels whose matrix-vector loops for weight format `name` (a key of MATVEC_CANDIDATES) this
+    process can run: those among its features (default: the process's own choice). Appendix A1."""
+    if name not in MATVEC_CANDIDATES:
+        raise ValueError(f"format {name!r} is not one of {', '.join(MATVEC_CANDIDATES)}")
+    choice = choice or _state["isa"]
+    return tuple(level for level in MATVEC_CANDIDATES[name][1] if level in choice.features)
+
+
+def _level_bits(level: str, choice: IsaChoice) -> int:
+    """The feature bits of `level` and every lower level the process runs."""
+    order = list(KERNEL_LEVELS)
+    return sum(KERNEL_LEVELS[name][0] for name in choice.features if order.index(name) <= order.index(level))
+
+
+def _matvec_probe(name: str) -> tuple[list, str, torch.Tensor]:
+    """A random weight of about MATVEC_PROBE_BYTES in format `name`, as gemv takes it, its activations and x."""
+    from ..device import huge_page_empty
+
+    generator = torch.Generator().manual_seed(0)
+    K = PREFILL_PROBE_SHAPE[1]
+    per_row = {"float32": 4 * K, "bfloat16": 2 * K, "int8": K + 4}.get(name, K // 2 + 8 * (K // 32))
+    N = max(8, MATVEC_PROBE_BYTES // per_row // 8 * 8)
+
+    def placed(t: torch.Tensor) -> torch.Tensor:                  # on 2 MiB pages, as the fast path keeps weights
+        out = huge_page_empty(tuple(t.shape), t.dtype)
+        return t if out is None else out.copy_(t)
+
+    x = torch.randn(1, K, generator=generator)
+    if name in ("float32", "bfloat16"):
+        weight = torch.rand(N, K, generator=generator) - 0.5
+        return [placed(weight.to(getattr(torch, name)))], "float", x.to(getattr(torch, name))
+    if name == "int8":
+        return [placed(torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator)),
+                torch.rand(N, generator=generator)], "float", x
+    nibbles = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=generator)
+    scale, offset = torch.rand(N, K // 32, generator=generator), torch.rand(N, K // 32, generator=generator)
+    return [*(placed(t) for t in tile_int4(nibbles, scale, offset)), 32], "int8" if name == "int4a8" else "float", x
+
+
+def measure_matvec(name: str, levels: tuple[str, ...], repeats: int = 5) -> dict[str, list[float]]:
+    """Returns seconds per product of one row with a MATVEC_PROBE_BYTES weight of format `name`, by level, the
+    levels taking turns (after one warm-up each); the format's loops are left as they were. Appendix A1."""
+    _require()
+    choice, (kind, _) = _state["isa"], MATVEC_CANDIDATES[name]
+    unknown = [level for level in levels if level not in matvec_candidates(name, choice)]
+    if unknown:
+        raise ValueError(f"{unknown} are not levels this process runs {name} loops at; choose from "
+                         f"{matvec_candidates(name, choice)}")
+    before = int(torch.ops.llminfer.matvec_features(kind))
+    parts, activations, x = _matvec_probe(name)
+    timings: dict[str, list[float]] = {level: [] for level in levels}
+    try:
+        with torch.inference_mode():
+            for round_index in range(repeats + 1):
+                for level in levels:
+                    torch.ops.llminfer.set_matvec_features(kind, _level_bits(level, choice))
+                    start = time.perf_counter()
+                    gemv(x, *parts, activations=activations)
+                    if round_index:                          # the first round warms up
+                        timings[level].append(time.perf_counter() - start)
+    finally:
+        torch.ops.llminfer.set_matvec_features(kind, before)
+    return timings
+
+
+def _choose_matvec(choice: IsaChoice) -> None:
+    """Sets each format's matrix-vector loops: measured (or read from the kept answers), or the forced level's."""
+    _matvec["choices"] = {}
+    path = None if _state.get("build") is None else Path(_state["build"]) / "matvec_choices.json"
+    kept = {}
+    if not choice.forced and path is not None and path.is_file():
+        try:
+            kept = json.loads(path.read_text())
+        except (OSError, ValueError):
+            kept = {}
+    from ..device import cpu_capabilities
+
+    changed = False
+    for name, (kind, _) in MATVEC_CANDIDATES.items():
+        torch.ops.llminfer.set_matvec_features(kind, -1)            # the process's own loops, unless measured
+        levels = matvec_candidates(name, choice)
+        if not levels:
+            continue
+        if choice.forced or len(levels) == 1:
+            _matvec["choices"][name] = {"level": levels[-1], "measured": False}
+            continue
+        key = f"{cpu_capabilities().model}|{choice.level}|{torch.get_num_threads()} threads|{name}"
+        if key not in kept or kept[key].get("level") not in levels:
+            timings = measure_matvec(name, levels)
+            kept[key] = {"level": choose_fastest(timings),
+                         "median_s": {level: statistics.median(t) for level, t in timings.items()}}
+            changed = True
+        torch.ops.llminfer.set_matvec_features(kind, _level_bits(kept[key]["level"], choice))
+        _matvec["choices"][name] = dict(kept[key], measured=True)
+    if changed and path is not None:
+        try:
+            path.write_text(json.dumps(kept, indent=1, sort_keys=True))
+        except OSError:
+            pass
+
+
+def matvec_choices() -> dict[str, dict]:
+    """Returns, per weight format, the level whose matrix-vector loops run here ('level'), whether it was measured
+    here (else forced by LLMINFER_ISA, or the only candidate) and the median seconds of each candidate. Appendix
+    A1."""
+    load()
+    return {name: dict(entry) for name, entry in _matvec["choices"].items()}
 
 
 # The prefill choice. For each (weight dtype, rows) the first product asks: does the blocked kernel or torch's
@@ -468,11 +607,12 @@ def untile_int4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
     return nibbles.contiguous(), rows[0].contiguous(), rows[1].contiguous()
 
 
-def stream_read(data: torch.Tensor) -> int:
-    """Reads every byte of a contiguous CPU tensor once, on every thread, with the widest loads in use; returns a
-    checksum. The decode benchmark's native bandwidth probe. Chapter 08."""
+def stream_read(data: torch.Tensor, width: int = 0) -> int:
+    """Reads every byte of a contiguous CPU tensor once, on every thread, with loads of `width` bytes (64 with
+    AVX-512, 32 with AVX2, 8; 0: the widest in use); returns a checksum. The decode benchmark's native bandwidth
+    probes. Chapter 08."""
     _require()
-    return int(torch.ops.llminfer.stream_read(data))
+    return int(torch.ops.llminfer.stream_read(data, width))
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,

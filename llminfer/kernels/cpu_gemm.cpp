@@ -21,16 +21,6 @@ constexpr int64_t kGemmTile = 16;   // tokens of one packed tile
 constexpr int64_t kGemmRowsW = 6;   // rows of W of one tile
 constexpr int64_t kGemmChunk = 512; // inputs per chunk of a long product
 
-struct AlignedFloats {
-  float* data = nullptr;
-  explicit AlignedFloats(size_t n) {
-    data = static_cast<float*>(std::aligned_alloc(64, std::max<size_t>(64, ((n * sizeof(float) + 63) / 64) * 64)));
-    TORCH_CHECK(data != nullptr, "llminfer: out of memory for ", n, " floats");
-  }
-  ~AlignedFloats() { std::free(data); }
-  AlignedFloats(const AlignedFloats&) = delete;
-  AlignedFloats& operator=(const AlignedFloats&) = delete;
-};
 
 #ifdef LLMINFER_X86
 // y[j][0..5] (+)= column j of the 6 x 8 block (r0 .. r5) for tokens j < rows, y rows `ldy` floats apart
@@ -149,48 +139,164 @@ __attribute__((target("avx2,fma"))) void widen_rows(const Weight& W, int64_t n, 
   }
 }
 
-// y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, W in any format
-void gemm_avx2(const float* x, int64_t M, const Weight& W, float* y) {
+// ---------------------------------------------------------------------------------------------------
+// AVX-512: the same tile of 6 rows of W, for 32 tokens (two 16-lane registers a row, 12 accumulators). Two tiles:
+//   float32  6 broadcasts of W and 12 FMAs a step of one input, W widened to float32 as for AVX2
+//   bfloat16 (AVX512-BF16) one vdpbf16ps multiplies a pair of inputs into 16 tokens: W's bfloat16 rows read in
+//            place (each 32-bit word a pair of inputs, broadcast), x packed as bfloat16 pairs (16 tokens' pairs a
+//            register), products summed in float32. x rounded to bfloat16: exact when it came as bfloat16.
+#define LLMINFER_GEMM_AVX512 "avx2,fma,avx512f,avx512bw,avx512vl"
+
+// y (rows <= 32 tokens, 6 outputs, rows `ldy` apart) (+)= the 12 accumulators (a: tokens 0..15, b: 16..31)
+__attribute__((target(LLMINFER_GEMM_AVX512))) inline void store_tile_6x32(const __m512 (&a)[6], const __m512 (&b)[6],
+                                                                         float* y, int64_t ldy, int64_t rows,
+                                                                         bool accumulate) {
+  alignas(64) float part[6][32];
+  for (int i = 0; i < 6; ++i) {
+    _mm512_store_ps(part[i], a[i]);
+    _mm512_store_ps(part[i] + 16, b[i]);
+  }
+  for (int64_t j = 0; j < rows; ++j) {
+    float* dst = y + j * ldy;
+    for (int i = 0; i < 6; ++i) dst[i] = (accumulate ? dst[i] : 0.f) + part[i][j];
+  }
+}
+
+__attribute__((target(LLMINFER_GEMM_AVX512))) void gemm_tile_6x32_avx512(const float* w, int64_t ldw,
+                                                                          const float* xp, int64_t kc, float* y,
+                                                                          int64_t ldy, int64_t rows,
+                                                                          bool accumulate) {
+  __m512 a[6], b[6];
+  for (int i = 0; i < 6; ++i) a[i] = b[i] = _mm512_setzero_ps();
+  const float* r[6] = {w, w + ldw, w + 2 * ldw, w + 3 * ldw, w + 4 * ldw, w + 5 * ldw};
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m512 x0 = _mm512_load_ps(xp + k * 32), x1 = _mm512_load_ps(xp + k * 32 + 16);
+#pragma GCC unroll 6
+    for (int i = 0; i < 6; ++i) {
+      const __m512 s = _mm512_set1_ps(r[i][k]);
+      a[i] = _mm512_fmadd_ps(s, x0, a[i]);
+      b[i] = _mm512_fmadd_ps(s, x1, b[i]);
+    }
+  }
+  store_tile_6x32(a, b, y, ldy, rows, accumulate);
+}
+
+// w: 6 bfloat16 rows `ldw` elements apart; xp: kc / 2 steps of 32 tokens' input pairs (64 bfloat16 a half)
+__attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) void gemm_tile_6x32_bf16dp(
+    const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t kc, float* y, int64_t ldy, int64_t rows,
+    bool accumulate) {
+  __m512 a[6], b[6];
+  for (int i = 0; i < 6; ++i) a[i] = b[i] = _mm512_setzero_ps();
+  const uint16_t* r[6] = {w, w + ldw, w + 2 * ldw, w + 3 * ldw, w + 4 * ldw, w + 5 * ldw};
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < kc; k += 2) {
+    const __m512bh x0 = (__m512bh)_mm512_load_si512(xp + k * 32), x1 = (__m512bh)_mm512_load_si512(xp + k * 32 + 32);
+#pragma GCC unroll 6
+    for (int i = 0; i < 6; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, r[i] + k, 4);
+      const __m512bh s = (__m512bh)_mm512_set1_epi32(pair);
+      a[i] = _mm512_dpbf16_ps(a[i], s, x0);
+      b[i] = _mm512_dpbf16_ps(b[i], s, x1);
+    }
+  }
+  store_tile_6x32(a, b, y, ldy, rows, accumulate);
+}
+
+// The three tile kernels, as the driver below takes them: tokens a tile, the element type of packed x and of the
+// rows of W the tile reads (P inputs a packed step: 1 for float32, 2 for bfloat16 pairs)
+struct TileAVX2 {
+  using T = float;
+  static constexpr int64_t kTokens = 16, kPair = 1;
+  static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc) {
+    gemm_tile_6x16(w, ldw, xp, kc, y, ldy, rows, acc);
+  }
+};
+struct TileAVX512 {
+  using T = float;
+  static constexpr int64_t kTokens = 32, kPair = 1;
+  static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc) {
+    gemm_tile_6x32_avx512(w, ldw, xp, kc, y, ldy, rows, acc);
+  }
+};
+struct TileBF16DP {
+  using T = uint16_t;
+  static constexpr int64_t kTokens = 32, kPair = 2;
+  static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc) {
+    gemm_tile_6x32_bf16dp(w, ldw, xp, kc, y, ldy, rows, acc);
+  }
+};
+
+template <class T>
+struct AlignedBuffer {
+  T* data = nullptr;
+  explicit AlignedBuffer(size_t n) {
+    data = static_cast<T*>(std::aligned_alloc(64, std::max<size_t>(64, ((n * sizeof(T) + 63) / 64) * 64)));
+    TORCH_CHECK(data != nullptr, "llminfer: out of memory for ", n, " elements of ", sizeof(T), " bytes");
+  }
+  ~AlignedBuffer() { std::free(data); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+};
+
+// y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, by tiles of `Tile`: x packed once (tile t: element
+// (k, j) at [k / P][j][k % P]), W read in place where the tile takes its format as it is (float32 for the float
+// tiles, bfloat16 for the bfloat16 one) and widened (or copied) a block of 6 rows at a time otherwise
+template <class Tile>
+void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
+  using T = typename Tile::T;
+  constexpr int64_t TT = Tile::kTokens, P = Tile::kPair;
+  constexpr bool kBF16 = std::is_same_v<T, uint16_t>;
   const int64_t N = W.N, K = W.K;
-  const int64_t tiles = (M + kGemmTile - 1) / kGemmTile;
-  AlignedFloats packed(static_cast<size_t>(tiles * K * kGemmTile));
-  float* xp = packed.data;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {     // tile t: xp[t][k][j] = x[16t + j][k]
+  const int64_t tiles = (M + TT - 1) / TT;
+  AlignedBuffer<T> packed(static_cast<size_t>(tiles * K * TT));
+  T* xp = packed.data;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      float* dst = xp + t * K * kGemmTile;
-      const int64_t rows = std::min<int64_t>(kGemmTile, M - t * kGemmTile);
-      if (rows < kGemmTile) std::fill(dst, dst + K * kGemmTile, 0.f);
+      T* dst = xp + t * K * TT;
+      const int64_t rows = std::min<int64_t>(TT, M - t * TT);
+      if (rows < TT) std::fill(dst, dst + K * TT, T(0));
       for (int64_t j = 0; j < rows; ++j) {
-        const float* src = x + (t * kGemmTile + j) * K;
-        for (int64_t k = 0; k < K; ++k) dst[k * kGemmTile + j] = src[k];
+        const float* src = x + (t * TT + j) * K;
+        for (int64_t k = 0; k < K; ++k) {
+          if constexpr (kBF16) dst[(k / P) * TT * P + j * P + k % P] = c10::BFloat16(src[k]).x;
+          else dst[k * TT + j] = src[k];
+        }
       }
     }
   });
+  const bool in_place = kBF16 ? W.format == Weight::BF16 : W.format == Weight::F32;
   const int64_t blocks = (N + kGemmRowsW - 1) / kGemmRowsW;        // the last may hold fewer than 6 rows
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    AlignedFloats wide(static_cast<size_t>(kGemmRowsW * std::min(K, kGemmChunk)));
-    alignas(64) float part[kGemmTile * kGemmRowsW];
+    AlignedBuffer<T> wide(static_cast<size_t>(kGemmRowsW * std::min(K, kGemmChunk)));
+    alignas(64) float part[32 * kGemmRowsW];
     for (int64_t k0 = 0; k0 < K; k0 += kGemmChunk) {
       const int64_t kc = std::min<int64_t>(kGemmChunk, K - k0);
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n = b * kGemmRowsW, r = std::min<int64_t>(kGemmRowsW, N - n);
-        const float* rows_of_w = wide.data;
+        const T* rows_of_w = wide.data;
         int64_t ldw = kc;
-        if (W.format == Weight::F32 && r == kGemmRowsW) {
-          rows_of_w = static_cast<const float*>(W.w) + n * K + k0;
+        if (in_place && r == kGemmRowsW) {
+          rows_of_w = static_cast<const T*>(W.w) + n * K + k0;
           ldw = K;
         } else {
-          widen_rows(W, n, r, k0, kc, wide.data);
-          std::fill(wide.data + r * kc, wide.data + kGemmRowsW * kc, 0.f);
+          if constexpr (kBF16) {                   // (the bfloat16 tile takes bfloat16 weights only)
+            for (int64_t i = 0; i < r; ++i)
+              std::memcpy(wide.data + i * kc, static_cast<const uint16_t*>(W.w) + (n + i) * K + k0, kc * 2);
+          } else {
+            widen_rows(W, n, r, k0, kc, wide.data);
+          }
+          std::fill(wide.data + r * kc, wide.data + kGemmRowsW * kc, T(0));
         }
         for (int64_t t = 0; t < tiles; ++t) {
-          const int64_t rows = std::min<int64_t>(kGemmTile, M - t * kGemmTile);
-          const float* xt = xp + (t * K + k0) * kGemmTile;
-          float* yt = y + t * kGemmTile * N + n;
+          const int64_t rows = std::min<int64_t>(TT, M - t * TT);
+          const T* xt = xp + (t * K + k0) * TT;
+          float* yt = y + t * TT * N + n;
           if (r == kGemmRowsW) {
-            gemm_tile_6x16(rows_of_w, ldw, xt, kc, yt, N, rows, k0 > 0);
+            Tile::tile(rows_of_w, ldw, xt, kc, yt, N, rows, k0 > 0);
           } else {                                // the last rows of W: through a small buffer
-            gemm_tile_6x16(rows_of_w, ldw, xt, kc, part, kGemmRowsW, rows, false);
+            Tile::tile(rows_of_w, ldw, xt, kc, part, kGemmRowsW, rows, false);
             for (int64_t j = 0; j < rows; ++j)
               for (int64_t i = 0; i < r; ++i)
                 yt[j * N + i] = (k0 > 0 ? yt[j * N + i] : 0.f) + part[j * kGemmRowsW + i];
@@ -199,6 +305,15 @@ void gemm_avx2(const float* x, int64_t M, const Weight& W, float* y) {
       }
     }
   });
+}
+
+// y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, W in any format: the widest tile this process runs
+// (bfloat16 weights by vdpbf16ps where AVX512-BF16 runs and K is even)
+void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
+  const int64_t bits = features();
+  if (W.format == Weight::BF16 && (bits & kAVX512BF16) && W.K % 2 == 0) return gemm_blocked<TileBF16DP>(x, M, W, y);
+  if (bits & kAVX512) return gemm_blocked<TileAVX512>(x, M, W, y);
+  gemm_blocked<TileAVX2>(x, M, W, y);
 }
 #endif
 

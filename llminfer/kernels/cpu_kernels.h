@@ -24,6 +24,7 @@
 #include <limits>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -69,6 +70,16 @@ int64_t set_features(int64_t bits);
 inline bool has(Feature f) { return (features() & f) != 0; }
 // Whether the AVX2 + FMA loops run
 inline bool has_avx2() { return has(kAVX2); }
+
+// The matrix-vector loops of each weight format may run a lower level than the process's own: which is faster
+// depends on the machine (on a Zen 4, double-pumped 512-bit loads stream float32 slower than 256-bit ones), so
+// llminfer/kernels/cpu.py times the candidates at first use and sets the winner (`set_matvec_features`). Until
+// then, and where LLMINFER_ISA forces a level, each format runs the process's widest loops.
+enum MatvecKind : int64_t { kMatvecF32 = 0, kMatvecBF16, kMatvecI8, kMatvecI4, kMatvecI4A8, kMatvecKinds };
+// the bits the matrix-vector loops for weights of `kind` run (within features())
+int64_t matvec_features(int64_t kind);
+// sets them (-1: the process's own again); returns the bits the process does not run (nothing is set then)
+int64_t set_matvec_features(int64_t kind, int64_t bits);
 
 #ifdef LLMINFER_X86
 __attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -145,8 +156,9 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y);
 constexpr int64_t kMatvecMaxRows = LLMINFER_MATVEC_MAX_ROWS;
 
 #ifdef LLMINFER_X86
-// y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, W in any format (cpu_gemm.cpp)
-void gemm_avx2(const float* x, int64_t M, const Weight& W, float* y);
+// y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, W in any format, by the widest blocked tile this
+// process runs (AVX2, AVX-512, AVX512-BF16 for bfloat16 weights; cpu_gemm.cpp)
+void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y);
 #endif
 
 // x as contiguous float32
@@ -192,8 +204,9 @@ at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
                      int64_t group);
 at::Tensor gemv_int4_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset,
                         int64_t group);
-// reads every byte of data once on every thread with the widest loads in use; returns a checksum (the probe)
-int64_t stream_read(const at::Tensor& data);
+// reads every byte of data once on every thread with loads of `width` bytes (64, 32 or 8; 0: the widest in use);
+// returns a checksum (the bandwidth probe)
+int64_t stream_read(const at::Tensor& data, int64_t width);
 // y (M, N) = x · Wᵀ for the int8-activation path of an int4 weight (cpu_matvec.cpp)
 void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,

@@ -55,11 +55,42 @@ int64_t features() {
   return bits;
 }
 
+namespace {
+std::atomic<int64_t> g_matvec[kMatvecKinds] = {-1, -1, -1, -1, -1};
+}
+
 int64_t set_features(int64_t bits) {
   const int64_t missing = bits & ~cpu_supported();
-  if (missing == 0) g_features.store(bits, std::memory_order_relaxed);
+  if (missing == 0) {
+    g_features.store(bits, std::memory_order_relaxed);
+    for (auto& kind : g_matvec) kind.store(-1, std::memory_order_relaxed);   // each format: the widest again
+  }
   return missing;
 }
+
+int64_t matvec_features(int64_t kind) {
+  const int64_t bits = g_matvec[kind].load(std::memory_order_relaxed);
+  return bits < 0 ? features() : bits;
+}
+
+int64_t set_matvec_features(int64_t kind, int64_t bits) {
+  TORCH_CHECK(kind >= 0 && kind < kMatvecKinds, "set_matvec_features: kind ", kind, " is not one of 0..",
+              kMatvecKinds - 1);
+  const int64_t missing = bits < 0 ? 0 : bits & ~features();
+  if (missing == 0) g_matvec[kind].store(bits, std::memory_order_relaxed);
+  return missing;
+}
+
+namespace {
+int64_t matvec_kind(const Weight& W) {
+  switch (W.format) {
+    case Weight::F32: return kMatvecF32;
+    case Weight::BF16: return kMatvecBF16;
+    case Weight::I8: return kMatvecI8;
+    default: return W.int8_activations ? kMatvecI4A8 : kMatvecI4;
+  }
+}
+}  // namespace
 
 // ---------------------------------------------------------------------------------------------------
 // portable loops
@@ -409,9 +440,14 @@ Int4TX int4t_x(const float* x, int64_t M, int64_t K, int64_t group) {
   out.xs.resize(M * K);
   out.xsum.assign(M * G, 0.f);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) {
-      out.xs[m * K + k] = x[m * K + k] * kPlace[k % 8];
-      out.xsum[m * G + k / group] += x[m * K + k];
+    for (int64_t g = 0; g < G; ++g) {                    // (groups outside: no division per input)
+      float sum = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; k += 8)
+        for (int i = 0; i < 8; ++i) {
+          out.xs[m * K + k + i] = x[m * K + k + i] * kPlace[i];
+          sum += x[m * K + k + i];
+        }
+      out.xsum[m * G + g] = sum;
     }
   return out;
 }
@@ -458,8 +494,8 @@ __attribute__((target("avx2,fma"))) void int4t_tiles_avx2(const float* xs, const
   __m256 total[T], off[T];
   for (int t = 0; t < T; ++t) total[t] = off[t] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m256 a[T], b[T];                                    // two chains a tile: even and odd codes
-    for (int t = 0; t < T; ++t) a[t] = b[t] = _mm256_setzero_ps();
+    __m256 a[T], b[T], c[T], d[T];                          // four chains a tile: codes i % 4
+    for (int t = 0; t < T; ++t) a[t] = b[t] = c[t] = d[t] = _mm256_setzero_ps();
     for (int t = 0; t < T; ++t) {                        // the next T tiles' scales and offsets
       _mm_prefetch(reinterpret_cast<const char*>(scale + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(offset + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);
@@ -474,39 +510,105 @@ __attribute__((target("avx2,fma"))) void int4t_tiles_avx2(const float* xs, const
         const __m256 xb = _mm256_broadcast_ss(xk + i);
         for (int t = 0; t < T; ++t) {
           const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(v[t], mask[i]));
-          if (i % 2) b[t] = _mm256_fmadd_ps(q, xb, b[t]);
-          else a[t] = _mm256_fmadd_ps(q, xb, a[t]);
+          __m256& chain = i % 4 == 0 ? a[t] : i % 4 == 1 ? b[t] : i % 4 == 2 ? c[t] : d[t];
+          chain = _mm256_fmadd_ps(q, xb, chain);
         }
       }
       const __m256 xb = _mm256_broadcast_ss(xk + 7);
       for (int t = 0; t < T; ++t)
-        b[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v[t], 4), mask[6])), xb, b[t]);
+        d[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v[t], 4), mask[6])), xb, d[t]);
     }
     const __m256 xg = _mm256_broadcast_ss(xsum + g);
     for (int t = 0; t < T; ++t) {
       const int64_t at = ((tile + t) * G + g) * 8;
-      total[t] = _mm256_fmadd_ps(_mm256_add_ps(a[t], b[t]), _mm256_loadu_ps(scale + at), total[t]);
+      total[t] = _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(a[t], b[t]), _mm256_add_ps(c[t], d[t])),
+                                 _mm256_loadu_ps(scale + at), total[t]);
       off[t] = _mm256_fmadd_ps(_mm256_loadu_ps(offset + at), xg, off[t]);
     }
   }
   for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(total[t], off[t]));
 }
 
-__attribute__((target("avx2,fma"))) void rows_int4t_avx2(const float* xs, const float* xsum, int64_t M, int64_t K,
-                                                          const uint8_t* w, const float* scale, const float* offset,
-                                                          int64_t group, float* y, int64_t N, int64_t t0,
-                                                          int64_t t1) {
+// tiles [t0, t1) of y (M, N) for float x, two tiles at a time (`Tiles2`), a last odd one alone (`Tiles1`)
+using Int4TTiles = void (*)(const float*, const float*, int64_t, const uint8_t*, const float*, const float*, int64_t,
+                            int64_t, float*);
+template <Int4TTiles Tiles2, Int4TTiles Tiles1>
+void rows_int4t(const float* xs, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
+                const float* offset, int64_t group, float* y, int64_t N, int64_t t0, int64_t t1) {
   const int64_t G = K / group;
   float out[32];
   for (int64_t t = t0; t < t1;) {
     const int T = t + 2 <= t1 ? 2 : 1;
     for (int64_t m = 0; m < M; ++m) {
-      if (T == 2) int4t_tiles_avx2<2>(xs + m * K, xsum + m * G, K, w, scale, offset, group, t, out);
-      else int4t_tiles_avx2<1>(xs + m * K, xsum + m * G, K, w, scale, offset, group, t, out);
+      if (T == 2) Tiles2(xs + m * K, xsum + m * G, K, w, scale, offset, group, t, out);
+      else Tiles1(xs + m * K, xsum + m * G, K, w, scale, offset, group, t, out);
       std::memcpy(y + m * N + t * 8, out, 8 * T * sizeof(float));
     }
     t += T;
   }
+}
+
+// AVX-512, 16 lanes: one 64-byte load brings two chunks of a tile (inputs 8c..8c+15: lanes 0-7 the 8 rows' codes
+// for the first 8 inputs, lanes 8-15 for the next 8). Code i of each half is isolated in place and converted as
+// on AVX2, against x whose lanes 0-7 hold input 8c+i and lanes 8-15 input 8c+8+i (one vpermps of the 16 inputs,
+// shared by the tiles). The two halves are summed at the end: twice the work per instruction of the AVX2 loop.
+#define LLMINFER_AVX512_TILES "avx2,fma,avx512f,avx512bw,avx512vl"
+__attribute__((target(LLMINFER_AVX512_TILES))) inline __m256 halves_sum(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+template <int T>
+__attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const float* xs, const float* xsum, int64_t K,
+                                                                       const uint8_t* w, const float* scale,
+                                                                       const float* offset, int64_t group,
+                                                                       int64_t tile, float* out) {
+  const int64_t G = K / group;
+  __m512i mask[7], pick[8];
+  for (int i = 0; i < 8; ++i) {
+    if (i < 7) mask[i] = _mm512_set1_epi32(0xF << (4 * i));
+    pick[i] = _mm512_setr_epi32(i, i, i, i, i, i, i, i, 8 + i, 8 + i, 8 + i, 8 + i, 8 + i, 8 + i, 8 + i, 8 + i);
+  }
+  const uint8_t* codes[T];
+  for (int t = 0; t < T; ++t) codes[t] = w + (tile + t) * (K / 8) * 32;
+  const int64_t ahead = T * (K / 8) * 32;
+  __m512 total[T];
+  __m256 off[T];
+  for (int t = 0; t < T; ++t) total[t] = _mm512_setzero_ps(), off[t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 a[T], b[T], c[T], d[T];                          // four chains a tile: codes i % 4
+    for (int t = 0; t < T; ++t) a[t] = b[t] = c[t] = d[t] = _mm512_setzero_ps();
+    for (int t = 0; t < T; ++t) {
+      _mm_prefetch(reinterpret_cast<const char*>(scale + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(offset + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);
+    }
+    for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+      __m512i v[T];
+      for (int t = 0; t < T; ++t) {
+        _mm_prefetch(reinterpret_cast<const char*>(codes[t] + ahead + k * 4), _MM_HINT_T0);
+        v[t] = _mm512_loadu_si512(codes[t] + k * 4);
+      }
+      const __m512 xk = _mm512_loadu_ps(xs + k);
+      for (int i = 0; i < 7; ++i) {
+        const __m512 xb = _mm512_permutexvar_ps(pick[i], xk);
+        for (int t = 0; t < T; ++t) {
+          const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(v[t], mask[i]));
+          __m512& chain = i % 4 == 0 ? a[t] : i % 4 == 1 ? b[t] : i % 4 == 2 ? c[t] : d[t];
+          chain = _mm512_fmadd_ps(q, xb, chain);
+        }
+      }
+      const __m512 xb = _mm512_permutexvar_ps(pick[7], xk);
+      for (int t = 0; t < T; ++t)
+        d[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v[t], 4), mask[6])), xb, d[t]);
+    }
+    const __m256 xg = _mm256_broadcast_ss(xsum + g);
+    for (int t = 0; t < T; ++t) {
+      const int64_t at = ((tile + t) * G + g) * 8;
+      const __m512 scales = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(scale + at))));
+      total[t] = _mm512_fmadd_ps(_mm512_add_ps(_mm512_add_ps(a[t], b[t]), _mm512_add_ps(c[t], d[t])), scales, total[t]);   // the 8 rows' scales, both halves
+      off[t] = _mm256_fmadd_ps(_mm256_loadu_ps(offset + at), xg, off[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(halves_sum(total[t]), off[t]));
 }
 
 // W4A8 on the tiled layout, T tiles for one row of x. xq holds each chunk of 8 inputs as its 4 even then its 4
@@ -573,12 +675,63 @@ __attribute__((target("avx2,fma"))) void rows_int4t_avx2(const float* xs, const 
 #define LLMINFER_AS_IS(S) (S)
 LLMINFER_INT4T_A8(int4t_a8_avx2, "avx2,fma", , LLMINFER_MADDUBS, LLMINFER_PAIRS)
 LLMINFER_INT4T_A8(int4t_a8_avxvnni, "avx2,fma,avxvnni", , _mm256_dpbusd_avx_epi32, LLMINFER_AS_IS)
-LLMINFER_INT4T_A8(int4t_a8_avx512vnni, "avx2,fma,avx512f,avx512vl,avx512vnni", , _mm256_dpbusd_epi32,
-                  LLMINFER_AS_IS)
 #undef LLMINFER_MADDUBS
 #undef LLMINFER_PAIRS
 #undef LLMINFER_AS_IS
 #undef LLMINFER_INT4T_A8
+
+// W4A8 on 512-bit registers (AVX512-VNNI): one 64-byte load brings two chunks of a tile, as in the weight-only
+// loop above; the x bytes of each half come from one vpermd of the 16 inputs' bytes (lanes 0-7 the first chunk's
+// even or odd four, lanes 8-15 the second's), shared by the tiles. vpdpbusd sums each row's products into int32,
+// the halves are summed once per block, before the conversion.
+template <int T>
+__attribute__((target(LLMINFER_AVX512_TILES ",avx512vnni"))) void int4t_a8_avx512(
+    const int8_t* xq, const float* dx, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
+    const float* offset, int64_t group, int64_t tile, float* out) {
+  const int64_t G = K / group;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i pick_even = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  const __m512i pick_odd = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+  const uint8_t* codes[T];
+  for (int t = 0; t < T; ++t) codes[t] = w + (tile + t) * (K / 8) * 32;
+  const int64_t ahead = T * (K / 8) * 32;
+  __m256 total[T], off[T];
+  for (int t = 0; t < T; ++t) total[t] = off[t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 acc[T];
+    for (int t = 0; t < T; ++t) {
+      acc[t] = _mm256_setzero_ps();
+      _mm_prefetch(reinterpret_cast<const char*>(scale + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(offset + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);
+    }
+    for (int64_t b = g * group; b < (g + 1) * group; b += 32) {
+      __m512i sum[T];
+      for (int t = 0; t < T; ++t) sum[t] = _mm512_setzero_si512();
+      for (int64_t k = b; k < b + 32; k += 16) {
+        const __m512i xk = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + k)));
+        const __m512i xe = _mm512_permutexvar_epi32(pick_even, xk), xo = _mm512_permutexvar_epi32(pick_odd, xk);
+        for (int t = 0; t < T; ++t) {
+          _mm_prefetch(reinterpret_cast<const char*>(codes[t] + ahead + k * 4), _MM_HINT_T0);
+          const __m512i v = _mm512_loadu_si512(codes[t] + k * 4);
+          const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          sum[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum[t], lo, xe), hi, xo);
+        }
+      }
+      const __m256 step = _mm256_set1_ps(dx[b / 32]);
+      for (int t = 0; t < T; ++t) {
+        const __m256i both = _mm256_add_epi32(_mm512_castsi512_si256(sum[t]), _mm512_extracti64x4_epi64(sum[t], 1));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(both), step, acc[t]);
+      }
+    }
+    const __m256 xg = _mm256_broadcast_ss(xsum + g);
+    for (int t = 0; t < T; ++t) {
+      const int64_t at = ((tile + t) * G + g) * 8;
+      total[t] = _mm256_fmadd_ps(acc[t], _mm256_loadu_ps(scale + at), total[t]);
+      off[t] = _mm256_fmadd_ps(_mm256_loadu_ps(offset + at), xg, off[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(total[t], off[t]));
+}
 
 template <void (*Tiles2)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const float*,
                          const float*, int64_t, int64_t, float*),
@@ -889,7 +1042,8 @@ Int4X int4_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t chunk)
           out.xp[m * K + b + chunk / 2 + j] = xm[b + 2 * j + 1];
         }
     }
-    for (int64_t k = 0; k < K; ++k) out.xsum[m * G + k / group] += xm[k];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) out.xsum[m * G + g] += xm[k];
   }
   return out;
 }
@@ -919,10 +1073,10 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y) {
   using Rows = void (*)(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, const float*,
                         const float*, int64_t, float*, int64_t, int64_t, int64_t);
   Rows rows = W.tiled ? rows_int4t_a8_portable : rows_int4_a8_portable;
-  const int64_t bits = features();
+  const int64_t bits = matvec_features(kMatvecI4A8);
 #ifdef LLMINFER_X86
   if (bits & kAVX512VNNI)
-    rows = W.tiled ? rows_int4t_a8<int4t_a8_avx512vnni<2>, int4t_a8_avx512vnni<1>>
+    rows = W.tiled ? rows_int4t_a8<int4t_a8_avx512<2>, int4t_a8_avx512<1>>
                    : rows_int4_a8<int4_a8_rows_avx512vnni<4>, int4_a8_rows_avx512vnni<1>>;
   else if (bits & kAVXVNNI)
     rows = W.tiled ? rows_int4t_a8<int4t_a8_avxvnni<2>, int4t_a8_avxvnni<1>>
@@ -941,19 +1095,23 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y) {
 // y (M, N) = x (M, K) · Wᵀ, all float32 and contiguous; rows of W split over torch's threads
 void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
   const int64_t N = W.N, K = W.K;
-  const int64_t bits = features();
-  const bool avx2 = bits & kAVX2, avx512 = bits & kAVX512;
 #ifdef LLMINFER_X86
-  if (avx2 && M > kMatvecMaxRows) return gemm_avx2(x, M, W, y);
+  if (has_avx2() && M > kMatvecMaxRows) return gemm_blocked(x, M, W, y);
 #endif
+  const int64_t bits = matvec_features(matvec_kind(W));    // the loops measured fastest for this format here
+  const bool avx2 = bits & kAVX2, avx512 = bits & kAVX512;
   if (W.format == Weight::I4 && W.int8_activations && M <= kMatvecMaxRows) return linear_rows_a8(W, x, M, y);
   if (W.format == Weight::I4 && W.tiled) {
     const Int4TX sums = int4t_x(x, M, K, W.group);
     const uint8_t* wp = static_cast<const uint8_t*>(W.w);
     at::parallel_for(0, N / 8, kGrain / 8, [&](int64_t t0, int64_t t1) {
 #ifdef LLMINFER_X86
-      if (avx2) return rows_int4t_avx2(sums.xs.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y,
-                                       N, t0, t1);
+      if (avx512)
+        return rows_int4t<int4t_tiles_avx512<2>, int4t_tiles_avx512<1>>(sums.xs.data(), sums.xsum.data(), M, K, wp,
+                                                                         W.scale, W.offset, W.group, y, N, t0, t1);
+      if (avx2)
+        return rows_int4t<int4t_tiles_avx2<2>, int4t_tiles_avx2<1>>(sums.xs.data(), sums.xsum.data(), M, K, wp,
+                                                                     W.scale, W.offset, W.group, y, N, t0, t1);
 #endif
       rows_int4t_portable(x, sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, t0, t1);
     });
@@ -1111,12 +1269,20 @@ __attribute__((target(LLMINFER_AVX512))) uint64_t read_avx512(const uint8_t* p, 
 }
 #endif
 
-int64_t stream_read(const at::Tensor& data) {
+int64_t stream_read(const at::Tensor& data, int64_t width) {
   TORCH_CHECK(data.device().is_cpu() && data.is_contiguous(), "stream_read: data must be a contiguous CPU tensor");
+  TORCH_CHECK(width == 0 || width == 8 || width == 32 || width == 64, "stream_read: width ", width,
+              " must be 64, 32 or 8 bytes, or 0 for the widest loads in use");
   const uint8_t* base = static_cast<const uint8_t*>(data.data_ptr());
   const int64_t n = data.numel() * data.element_size();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(base) % 64 == 0, "stream_read: data must start on a 64-byte boundary");
-  const int64_t bits = features(), slice = 1 << 20;                 // 1 MiB a task
+  const int64_t slice = 1 << 20;                                    // 1 MiB a task
+  int64_t bits = features();
+  TORCH_CHECK(width != 64 || (bits & kAVX512), "stream_read: 64-byte loads need AVX-512, which this process does not "
+              "run");
+  TORCH_CHECK(width != 32 || (bits & kAVX2), "stream_read: 32-byte loads need AVX2, which this process does not run");
+  if (width == 32) bits &= kAVX2;
+  if (width == 8) bits = 0;
   const int64_t slices = (n + slice - 1) / slice;
   std::vector<uint64_t> sums(slices, 0);
   at::parallel_for(0, slices, 1, [&](int64_t s0, int64_t s1) {

@@ -26,11 +26,18 @@ TORCH_LIBRARY(llminfer, m) {
   m.def("decode_layers_paged(Tensor x, Tensor[] tensors, int[] layout, float[] eps, Tensor cos, Tensor sin, "
         "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor positions, Tensor token_seq, Tensor block_tables, "
         "int n_heads, float scale) -> Tensor");
-  m.def("stream_read(Tensor data) -> int", &stream_read);
+  m.def("stream_read(Tensor data, int width=0) -> int", &stream_read);
   m.def("matvec_max_rows() -> int", []() -> int64_t { return kMatvecMaxRows; });
   // the instruction sets in use (bits of Feature); set_cpu_features returns the bits the CPU lacks (0: set)
   m.def("cpu_features() -> int", []() -> int64_t { return features(); });
   m.def("set_cpu_features(int bits) -> int", [](int64_t bits) -> int64_t { return set_features(bits); });
+  // the bits the matrix-vector loops of one weight format run (MatvecKind: 0 float32, 1 bfloat16, 2 int8, 3 int4,
+  // 4 int4 with int8 activations); set_matvec_features returns the bits the process lacks (0: set)
+  m.def("matvec_features(int kind) -> int", [](int64_t kind) -> int64_t {
+    TORCH_CHECK(kind >= 0 && kind < kMatvecKinds, "matvec_features: kind ", kind, " is not one of 0..", kMatvecKinds - 1);
+    return matvec_features(kind);
+  });
+  m.def("set_matvec_features(int kind, int bits) -> int", &set_matvec_features);
 }
 
 TORCH_LIBRARY_IMPL(llminfer, CPU, m) {
