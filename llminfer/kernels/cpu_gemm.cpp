@@ -144,21 +144,23 @@ __attribute__((target("avx2,fma"))) void widen_rows(const Weight& W, int64_t n, 
 //   float32  6 broadcasts of W and 12 FMAs a step of one input, W widened to float32 as for AVX2
 //   bfloat16 (AVX512-BF16) one vdpbf16ps multiplies a pair of inputs into 16 tokens: W's bfloat16 rows read in
 //            place (each 32-bit word a pair of inputs, broadcast), x packed as bfloat16 pairs (16 tokens' pairs a
-//            register), products summed in float32. x rounded to bfloat16: exact when it came as bfloat16.
+//            register), products summed in float32; taken only where x is bfloat16 already (a bfloat16 model's
+//            activations), so the numbers are the widening path's up to the order of the sums.
 #define LLMINFER_GEMM_AVX512 "avx2,fma,avx512f,avx512bw,avx512vl"
 
 // y (rows <= 32 tokens, 6 outputs, rows `ldy` apart) (+)= the 12 accumulators (a: tokens 0..15, b: 16..31)
-__attribute__((target(LLMINFER_GEMM_AVX512))) inline void store_tile_6x32(const __m512 (&a)[6], const __m512 (&b)[6],
-                                                                         float* y, int64_t ldy, int64_t rows,
-                                                                         bool accumulate) {
-  alignas(64) float part[6][32];
-  for (int i = 0; i < 6; ++i) {
+template <int R>
+__attribute__((target(LLMINFER_GEMM_AVX512))) inline void store_tile_x32(const __m512 (&a)[R], const __m512 (&b)[R],
+                                                                        float* y, int64_t ldy, int64_t rows,
+                                                                        bool accumulate) {
+  alignas(64) float part[R][32];
+  for (int i = 0; i < R; ++i) {
     _mm512_store_ps(part[i], a[i]);
     _mm512_store_ps(part[i] + 16, b[i]);
   }
   for (int64_t j = 0; j < rows; ++j) {
     float* dst = y + j * ldy;
-    for (int i = 0; i < 6; ++i) dst[i] = (accumulate ? dst[i] : 0.f) + part[i][j];
+    for (int i = 0; i < R; ++i) dst[i] = (accumulate ? dst[i] : 0.f) + part[i][j];
   }
 }
 
@@ -179,52 +181,53 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) void gemm_tile_6x32_avx512(const f
       b[i] = _mm512_fmadd_ps(s, x1, b[i]);
     }
   }
-  store_tile_6x32(a, b, y, ldy, rows, accumulate);
+  store_tile_x32<6>(a, b, y, ldy, rows, accumulate);
 }
 
-// w: 6 bfloat16 rows `ldw` elements apart; xp: kc / 2 steps of 32 tokens' input pairs (64 bfloat16 a half)
-__attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) void gemm_tile_6x32_bf16dp(
+// w: R bfloat16 rows `ldw` elements apart; xp: kc / 2 steps of 32 tokens' input pairs (64 bfloat16 a step). 12 rows:
+// 24 accumulators, so each pair of x registers loaded serves 24 vdpbf16ps
+template <int R>
+__attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) void gemm_tile_x32_bf16dp(
     const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t kc, float* y, int64_t ldy, int64_t rows,
     bool accumulate) {
-  __m512 a[6], b[6];
-  for (int i = 0; i < 6; ++i) a[i] = b[i] = _mm512_setzero_ps();
-  const uint16_t* r[6] = {w, w + ldw, w + 2 * ldw, w + 3 * ldw, w + 4 * ldw, w + 5 * ldw};
-#pragma GCC unroll 2
+  __m512 a[R], b[R];
+#pragma GCC unroll 12
+  for (int i = 0; i < R; ++i) a[i] = b[i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kc; k += 2) {
     const __m512bh x0 = (__m512bh)_mm512_load_si512(xp + k * 32), x1 = (__m512bh)_mm512_load_si512(xp + k * 32 + 32);
-#pragma GCC unroll 6
-    for (int i = 0; i < 6; ++i) {
+#pragma GCC unroll 12
+    for (int i = 0; i < R; ++i) {
       int32_t pair;
-      std::memcpy(&pair, r[i] + k, 4);
+      std::memcpy(&pair, w + i * ldw + k, 4);
       const __m512bh s = (__m512bh)_mm512_set1_epi32(pair);
       a[i] = _mm512_dpbf16_ps(a[i], s, x0);
       b[i] = _mm512_dpbf16_ps(b[i], s, x1);
     }
   }
-  store_tile_6x32(a, b, y, ldy, rows, accumulate);
+  store_tile_x32<R>(a, b, y, ldy, rows, accumulate);
 }
 
 // The three tile kernels, as the driver below takes them: tokens a tile, the element type of packed x and of the
 // rows of W the tile reads (P inputs a packed step: 1 for float32, 2 for bfloat16 pairs)
 struct TileAVX2 {
   using T = float;
-  static constexpr int64_t kTokens = 16, kPair = 1;
+  static constexpr int64_t kTokens = 16, kPair = 1, kRows = 6;
   static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc) {
     gemm_tile_6x16(w, ldw, xp, kc, y, ldy, rows, acc);
   }
 };
 struct TileAVX512 {
   using T = float;
-  static constexpr int64_t kTokens = 32, kPair = 1;
+  static constexpr int64_t kTokens = 32, kPair = 1, kRows = 6;
   static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc) {
     gemm_tile_6x32_avx512(w, ldw, xp, kc, y, ldy, rows, acc);
   }
 };
 struct TileBF16DP {
   using T = uint16_t;
-  static constexpr int64_t kTokens = 32, kPair = 2;
+  static constexpr int64_t kTokens = 32, kPair = 2, kRows = 12;
   static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc) {
-    gemm_tile_6x32_bf16dp(w, ldw, xp, kc, y, ldy, rows, acc);
+    gemm_tile_x32_bf16dp<12>(w, ldw, xp, kc, y, ldy, rows, acc);
   }
 };
 
@@ -246,7 +249,7 @@ struct AlignedBuffer {
 template <class Tile>
 void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
   using T = typename Tile::T;
-  constexpr int64_t TT = Tile::kTokens, P = Tile::kPair;
+  constexpr int64_t TT = Tile::kTokens, P = Tile::kPair, RW = Tile::kRows;
   constexpr bool kBF16 = std::is_same_v<T, uint16_t>;
   const int64_t N = W.N, K = W.K;
   const int64_t tiles = (M + TT - 1) / TT;
@@ -267,17 +270,17 @@ void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
     }
   });
   const bool in_place = kBF16 ? W.format == Weight::BF16 : W.format == Weight::F32;
-  const int64_t blocks = (N + kGemmRowsW - 1) / kGemmRowsW;        // the last may hold fewer than 6 rows
+  const int64_t blocks = (N + RW - 1) / RW;        // the last may hold fewer than RW rows
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    AlignedBuffer<T> wide(static_cast<size_t>(kGemmRowsW * std::min(K, kGemmChunk)));
-    alignas(64) float part[32 * kGemmRowsW];
+    AlignedBuffer<T> wide(static_cast<size_t>(RW * std::min(K, kGemmChunk)));
+    alignas(64) float part[32 * RW];
     for (int64_t k0 = 0; k0 < K; k0 += kGemmChunk) {
       const int64_t kc = std::min<int64_t>(kGemmChunk, K - k0);
       for (int64_t b = b0; b < b1; ++b) {
-        const int64_t n = b * kGemmRowsW, r = std::min<int64_t>(kGemmRowsW, N - n);
+        const int64_t n = b * RW, r = std::min<int64_t>(RW, N - n);
         const T* rows_of_w = wide.data;
         int64_t ldw = kc;
-        if (in_place && r == kGemmRowsW) {
+        if (in_place && r == RW) {
           rows_of_w = static_cast<const T*>(W.w) + n * K + k0;
           ldw = K;
         } else {
@@ -287,19 +290,19 @@ void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
           } else {
             widen_rows(W, n, r, k0, kc, wide.data);
           }
-          std::fill(wide.data + r * kc, wide.data + kGemmRowsW * kc, T(0));
+          std::fill(wide.data + r * kc, wide.data + RW * kc, T(0));
         }
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t rows = std::min<int64_t>(TT, M - t * TT);
           const T* xt = xp + (t * K + k0) * TT;
           float* yt = y + t * TT * N + n;
-          if (r == kGemmRowsW) {
+          if (r == RW) {
             Tile::tile(rows_of_w, ldw, xt, kc, yt, N, rows, k0 > 0);
           } else {                                // the last rows of W: through a small buffer
-            Tile::tile(rows_of_w, ldw, xt, kc, part, kGemmRowsW, rows, false);
+            Tile::tile(rows_of_w, ldw, xt, kc, part, RW, rows, false);
             for (int64_t j = 0; j < rows; ++j)
               for (int64_t i = 0; i < r; ++i)
-                yt[j * N + i] = (k0 > 0 ? yt[j * N + i] : 0.f) + part[j * kGemmRowsW + i];
+                yt[j * N + i] = (k0 > 0 ? yt[j * N + i] : 0.f) + part[j * RW + i];
           }
         }
       }
@@ -308,10 +311,11 @@ void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
 }
 
 // y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, W in any format: the widest tile this process runs
-// (bfloat16 weights by vdpbf16ps where AVX512-BF16 runs and K is even)
+// (bfloat16 weights by vdpbf16ps where AVX512-BF16 runs, K is even and x is bfloat16 already)
 void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
   const int64_t bits = features();
-  if (W.format == Weight::BF16 && (bits & kAVX512BF16) && W.K % 2 == 0) return gemm_blocked<TileBF16DP>(x, M, W, y);
+  if (W.format == Weight::BF16 && (bits & kAVX512BF16) && W.K % 2 == 0 && bfloat16_exact(x, M * W.K))
+    return gemm_blocked<TileBF16DP>(x, M, W, y);
   if (bits & kAVX512) return gemm_blocked<TileAVX512>(x, M, W, y);
   gemm_blocked<TileAVX2>(x, M, W, y);
 }

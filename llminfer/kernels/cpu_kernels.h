@@ -51,6 +51,19 @@ inline float weight_at(const void* w, int64_t i) {
   }
 }
 
+// Whether every one of n floats is a bfloat16 value (its low 16 bits zero): then rounding x to bfloat16, as the
+// vdpbf16ps loops do, changes nothing. A bfloat16 model's activations are; float32 ones mostly are not, and take
+// the loops that widen the weights instead, so no path rounds x behind the caller's back.
+inline bool bfloat16_exact(const float* x, int64_t n) {
+  uint32_t low = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, 4);
+    low |= bits & 0xFFFFu;
+  }
+  return low == 0;
+}
+
 template <WKind kind>
 constexpr int64_t wbytes() { return kind == WKind::F32 ? 4 : kind == WKind::BF16 ? 2 : 1; }
 

@@ -19,7 +19,7 @@
 //                register); W4A8 by maddubs + madd
 //   AVX-512      16 floats a register (float32, bfloat16, int8, int4)
 //   VNNI         W4A8 by one vpdpbusd (AVX-VNNI, or AVX512-VNNI on 256-bit registers)
-//   AVX512-BF16  bfloat16 weights by vdpbf16ps (x rounded to bfloat16 pairs)
+//   AVX512-BF16  bfloat16 weights by vdpbf16ps, where x is bfloat16 already (a bfloat16 model's activations)
 
 #include "cpu_kernels.h"
 
@@ -843,9 +843,8 @@ __attribute__((target(LLMINFER_AVX512))) void rows_avx512(const float* x, int64_
     }
 }
 
-// bfloat16 weights by vdpbf16ps: xb is x rounded to bfloat16 (round to nearest even), 32 inputs a step in
-// pairs; the products are summed in float32. x's rounding changes the numbers (in the last bits of a bfloat16
-// model's own rounding).
+// bfloat16 weights by vdpbf16ps: xb is x as bfloat16, 32 inputs a step in pairs; the products are summed in
+// float32. Taken only where x is bfloat16 already (`bfloat16_exact`), so rounding it changes nothing.
 template <int R>
 __attribute__((target(LLMINFER_AVX512 ",avx512bf16"))) void dot_rows_bf16dp(const uint16_t* xb, int64_t K,
                                                                              const uint16_t* w, int64_t n,
@@ -1134,11 +1133,13 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
     return;
   }
   const bool grouped = W.format == Weight::I8 && W.group != K;
+  // vdpbf16ps rounds x to bfloat16: only where that changes nothing (x is bfloat16 already)
+  const bool x_bf16 = W.format == Weight::BF16 && (bits & kAVX512BF16) && bfloat16_exact(x, M * K);
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
 #ifdef LLMINFER_X86
     if (grouped && avx2)
       return rows_int8g_avx2(x, M, K, static_cast<const int8_t*>(W.w), W.scale, W.group, y, N, n0, n1);
-    if (!grouped && W.format == Weight::BF16 && (bits & kAVX512BF16)) {
+    if (!grouped && W.format == Weight::BF16 && (bits & kAVX512BF16) && x_bf16) {
       std::vector<uint16_t> xb(M * K);                     // x rounded to bfloat16 (round to nearest even)
       for (int64_t i = 0; i < M * K; ++i) xb[i] = c10::BFloat16(x[i]).x;
       return rows_bf16dp(xb.data(), M, K, static_cast<const uint16_t*>(W.w), y, N, n0, n1);
