@@ -733,24 +733,20 @@ __attribute__((target(LLMINFER_AVX512_TILES ",avx512vnni"))) void int4t_a8_avx51
   for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(total[t], off[t]));
 }
 
-template <void (*Tiles2)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const float*,
-                         const float*, int64_t, int64_t, float*),
-          void (*Tiles1)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const float*,
-                         const float*, int64_t, int64_t, float*)>
+// tiles [t0, t1) of y (M, N) for W4A8, one tile at a time: its loop is short enough that two tiles' streams at
+// once (as the float loops read them) slowed it from memory, to below one tile's pace, on a Zen 4
+template <void (*Tile)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const float*,
+                       const float*, int64_t, int64_t, float*)>
 void rows_int4t_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
                    const float* scale, const float* offset, int64_t group, float* y, int64_t N, int64_t t0,
                    int64_t t1) {
   const int64_t G = K / group, B = K / 32;
-  float out[32];
-  for (int64_t t = t0; t < t1;) {
-    const int T = t + 2 <= t1 ? 2 : 1;
+  float out[8];
+  for (int64_t t = t0; t < t1; ++t)
     for (int64_t m = 0; m < M; ++m) {
-      if (T == 2) Tiles2(xq + m * K, dx + m * B, xsum + m * G, K, w, scale, offset, group, t, out);
-      else Tiles1(xq + m * K, dx + m * B, xsum + m * G, K, w, scale, offset, group, t, out);
-      std::memcpy(y + m * N + t * 8, out, 8 * T * sizeof(float));
+      Tile(xq + m * K, dx + m * B, xsum + m * G, K, w, scale, offset, group, t, out);
+      std::memcpy(y + m * N + t * 8, out, 8 * sizeof(float));
     }
-    t += T;
-  }
 }
 #endif
 
@@ -1075,13 +1071,13 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y) {
   const int64_t bits = matvec_features(kMatvecI4A8);
 #ifdef LLMINFER_X86
   if (bits & kAVX512VNNI)
-    rows = W.tiled ? rows_int4t_a8<int4t_a8_avx512<2>, int4t_a8_avx512<1>>
+    rows = W.tiled ? rows_int4t_a8<int4t_a8_avx512<1>>
                    : rows_int4_a8<int4_a8_rows_avx512vnni<4>, int4_a8_rows_avx512vnni<1>>;
   else if (bits & kAVXVNNI)
-    rows = W.tiled ? rows_int4t_a8<int4t_a8_avxvnni<2>, int4t_a8_avxvnni<1>>
+    rows = W.tiled ? rows_int4t_a8<int4t_a8_avxvnni<1>>
                    : rows_int4_a8<int4_a8_rows_avxvnni<4>, int4_a8_rows_avxvnni<1>>;
   else if (bits & kAVX2)
-    rows = W.tiled ? rows_int4t_a8<int4t_a8_avx2<2>, int4t_a8_avx2<1>>
+    rows = W.tiled ? rows_int4t_a8<int4t_a8_avx2<1>>
                    : rows_int4_a8<int4_a8_rows_avx2<4>, int4_a8_rows_avx2<1>>;
 #endif
   const int64_t unit = W.tiled ? 8 : 1;                    // the loops take tiles of 8 rows, or rows
