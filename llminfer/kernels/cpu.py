@@ -13,7 +13,9 @@ Which loops run is chosen once per process, when the kernels load (`choose_isa`)
 CPU-capabilities reader (`llminfer.device.cpu_capabilities`): the highest level of `KERNEL_LEVELS` the CPU has.
 `LLMINFER_ISA=portable|avx2|avx_vnni|avx512|avx512_vnni|avx512_bf16` forces a level at or below that (a level
 runs its own instructions and those of every lower level the CPU has); one above it is refused with an error
-naming the flags the CPU lacks. `isa()` says which level runs, `isa_features()` which instruction sets.
+naming the flags the CPU lacks. `isa()` says which level runs, `isa_features()` which instruction sets. Within the
+level, each weight format's decode loops are chosen by a timing when the kernels load (`matvec_choices()`): the
+widest loops are not the fastest on every CPU.
 
 The source is compiled the first time it is needed (about 15 s with a C++ compiler; torch's extension
 builder) and kept in `LLMINFER_KERNEL_CACHE` (default `~/.cache/llminfer/kernels`). Without a compiler
@@ -34,8 +36,9 @@ tables, for an engine step of several sequences (`llminfer.engine`, chapter 06).
 fake implementations, so `torch.compile` traces through them.
 
 A prefill (many rows of x) runs through the same ops: from 16 rows on, products take a blocked kernel
-(tiles of 6 weight rows by 16 tokens in registers, x repacked once per product, bfloat16 and quantized rows
-widened to float32 a block of 6 at a time) that beats torch's matmul at a prefill's shapes on AVX2 machines
+(tiles of 6 weight rows by 16 tokens in registers, 32 with AVX-512, x repacked once per product, bfloat16 and
+quantized rows widened to float32 a block of 6 at a time; with AVX512-BF16, bfloat16 rows read as stored by
+`vdpbf16ps` in tiles of 12 rows) or torch's matmul, whichever a timing at first use finds faster
 (`blocked_prefill()`).
 """
 from __future__ import annotations
