@@ -73,7 +73,7 @@ constexpr int64_t wbytes() { return kind == WKind::F32 ? 4 : kind == WKind::BF16
 enum Feature : int64_t {
   kAVX2 = 1,          // AVX2 + FMA: 8-lane float loops, maddubs/madd integer dot products
   kAVX512 = 2,        // AVX-512 F/BW/VL: 16-lane float loops
-  kAVX512VNNI = 4,    // vpdpbusd on 256-bit registers (AVX512-VNNI + VL): int8 dot products in one instruction
+  kAVX512VNNI = 4,    // vpdpbusd (AVX512-VNNI + VL; 512-bit for int4 tiles): int8 dot products in one instruction
   kAVX512BF16 = 8,    // vdpbf16ps: bfloat16 pairs multiplied and added into float32
   kAVXVNNI = 16,      // AVX-VNNI: vpdpbusd with the VEX encoding (CPUs without AVX-512 have it too)
 };

@@ -12,13 +12,14 @@
 // With many rows of x, `linear_rows` hands the product to the blocked kernel (cpu_gemm.cpp).
 //
 // Each loop exists for several instruction sets, each compiled with its own target attribute (the file is
-// built without -march, so it loads on any x86 CPU). Which one runs is chosen once per process
-// (`features()`, set by llminfer/kernels/cpu.py from the CPU's flags or LLMINFER_ISA):
+// built without -march, so it loads on any x86 CPU). Which ones may run is set once per process (`features()`,
+// by llminfer/kernels/cpu.py from the CPU's flags or LLMINFER_ISA); which of them a weight format's decode loops
+// use is timed at load (`matvec_features(kind)`), since the widest is not the fastest on every CPU:
 //   portable     plain loops (the compiler vectorises them), on any CPU
 //   AVX2 + FMA   8 floats a register; int4 codes widened 8 at a time (tiles: isolated in place, 8 rows a
 //                register); W4A8 by maddubs + madd
 //   AVX-512      16 floats a register (float32, bfloat16, int8, int4)
-//   VNNI         W4A8 by one vpdpbusd (AVX-VNNI, or AVX512-VNNI on 256-bit registers)
+//   VNNI         W4A8 by one vpdpbusd (AVX-VNNI; AVX512-VNNI on 512-bit registers for tiles, 256-bit for rows)
 //   AVX512-BF16  bfloat16 weights by vdpbf16ps, where x is bfloat16 already (a bfloat16 model's activations)
 
 #include "cpu_kernels.h"
