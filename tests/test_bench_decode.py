@@ -34,8 +34,12 @@ def test_a_short_run_writes_its_report(tmp_path, capsys):
     assert report["kernels"]["isa"] == cpu.isa()
     prefill = report["prefill"]["by_precision"]
     assert set(prefill) == {"fp32", "int8"}
+    rates = report["prefill"]["matmul_flop_per_s_alongside"]
+    assert set(rates) == {"float32"} and rates["float32"] == report["prefill"]["sgemm_flop_per_s_alongside"] > 0
     for entry in prefill.values():
         assert entry["measured_path"] in ("blocked", "torch")
+        assert entry["mfu_against_flop_per_s"] == rates["float32"]        # no bf16 here: sgemm for every format
+        assert entry["chosen_mfu"] == pytest.approx(report["prefill"]["flops"] / entry["chosen_s"] / rates["float32"])
         assert all(entry[f"{path}_s"] > 0 for path in ("chosen", "blocked", "torch", "plain"))
     rows = report["contenders"]
     assert {"llminfer fast fp32", "llminfer fast int8", "llminfer eager fp32"} <= set(rows)
@@ -70,7 +74,9 @@ def test_help_shows_the_whole_description(capsys):
         decode.main(["--help"])
     out = capsys.readouterr().out
     # the whole docstring, its last sentence included (a first line cut mid-sentence was all it showed)
-    assert "measured bandwidth, in one interleaved run." in out and "against\nbytes per token." in out
+    lines = decode.__doc__.strip().splitlines()
+    assert lines[1].startswith("measured bandwidth, in one interleaved run.")
+    assert all(line in out for line in lines[:2] + lines[-2:])
 
 
 def test_a_contender_above_the_ceiling_stops_the_benchmark_and_records_nothing(tmp_path, monkeypatch, capsys):

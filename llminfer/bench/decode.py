@@ -20,9 +20,10 @@ ceiling is wrong: the benchmark says so and stops.
 
 The report names the kernels' instruction-set level (`kernels.cpu.isa()`). Prefill of the prompt runs, per
 precision, on the path measured at first use (`kernels.cpu.prefill_path`), on both paths forced (the blocked
-kernel, torch's matmul), and on the plain model (no fast path), against a float32 matmul (sgemm) probe sampled
-alongside (MFU). Results: the terminal, data/benchmarks/decode-<machine>.json and a PNG of tokens/s against
-bytes per token.
+kernel, torch's matmul), and on the plain model (no fast path), against the best matmul rate for the precision
+sampled alongside (MFU: float32 sgemm, and for bf16 the better of it and a bfloat16 matmul); beside llama.cpp, the
+prefill is compared by time to the first token. Results: the terminal, data/benchmarks/decode-<machine>.json and a
+PNG of tokens/s against bytes per token.
 """
 from __future__ import annotations
 
@@ -202,7 +203,9 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     matvec = timing.matvec_probe("cpu", torch.float32, probe_bytes)
     read = timing.read_probe("cpu", torch.float32, probe_bytes, huge_pages=True)   # where the weights are too
     native_reads = native_read_probes(max(probe_bytes, 4 * last_level_cache_bytes()))
-    matmul = timing.matmul_probe("cpu", torch.float32)
+    matmuls = {"float32": timing.matmul_probe("cpu", torch.float32)}       # the best matmul rate of each dtype
+    if "bf16" in args.precisions:
+        matmuls["bfloat16"] = timing.matmul_probe("cpu", torch.bfloat16)
     _log("warm-up")
     tokens = {}
     for label, runner in contenders.items():
@@ -226,7 +229,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     native_rates = [probe.rate_of(samples) for probe, samples in zip(native_reads, native_alongside)]
     native_rate = max(native_rates, default=None)
     bandwidth = max(matvec_rate, read_rate, native_rate or 0.0)
-    prefill, sgemm_times = _prefill_table(args, base, ids, info, quant_dtype, matmul)
+    prefill, matmul_times = _prefill_table(args, base, ids, info, quant_dtype, matmuls)
     rows = {}
     for label, found in results.items():
         meta = info[label]
@@ -282,12 +285,18 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     }
     if prefill:
         flops = costs.prefill_flops(cfg, args.prompt_len)
-        sgemm = matmul.rate_of(sgemm_times)
-        for entry in prefill.values():
+        rates = {dtype: probe.rate_of(matmul_times[dtype]) for dtype, probe in matmuls.items()}
+        sgemm = rates["float32"]
+        for name, entry in prefill.items():
+            # MFU against the best matmul rate measured alongside for the precision's arithmetic: bfloat16 weights
+            # can be multiplied in bfloat16 (torch's matmul, or vdpbf16ps), every other format in float32
+            best = max(sgemm, rates.get("bfloat16", 0.0)) if name == "bf16" else sgemm
+            entry["mfu_against_flop_per_s"] = best
             for path in ("chosen", "blocked", "torch", "plain"):
                 if entry.get(f"{path}_s"):
-                    entry[f"{path}_mfu"] = flops / entry[f"{path}_s"] / sgemm
-        report["prefill"] = {"prompt_len": args.prompt_len, "sgemm_flop_per_s_alongside": sgemm, "flops": flops,
+                    entry[f"{path}_mfu"] = flops / entry[f"{path}_s"] / best
+        report["prefill"] = {"prompt_len": args.prompt_len, "sgemm_flop_per_s_alongside": sgemm,
+                             "matmul_flop_per_s_alongside": rates, "flops": flops,
                              "by_precision": prefill, "choices": native_cpu.prefill_choices()}
     over = {label: row["bytes_per_token"] * row["tokens_per_s"] for label, row in rows.items() if row["mbu"] > 1.0}
     if over:
@@ -329,10 +338,10 @@ def native_read_probes(nbytes: int) -> list[timing.CeilingProbe]:
                                 f"{torch.get_num_threads()} thread(s)", "cpu") for width in widths]
 
 
-def _prefill_table(args, base, ids, info, quant_dtype, matmul) -> tuple[dict, list[float]]:
+def _prefill_table(args, base, ids, info, quant_dtype, matmuls) -> tuple[dict, dict[str, list[float]]]:
     """Per precision, median seconds of a prompt's prefill: the fast path as chosen here, forced onto each path,
-    and the plain model; with sgemm samples taken between them."""
-    table, sgemm_times = {}, []
+    and the plain model; with samples of each matmul probe (by dtype) taken between them."""
+    table, matmul_times = {}, {dtype: [] for dtype in matmuls}
     repeats = max(3, args.repeats)
 
     def median_of(fn) -> float:
@@ -340,7 +349,8 @@ def _prefill_table(args, base, ids, info, quant_dtype, matmul) -> tuple[dict, li
         times = []
         for _ in range(repeats):
             times += timing.time_fn(fn, "cpu", 0, 1).times_s
-            sgemm_times.extend(matmul.sample(1))
+            for dtype, probe in matmuls.items():
+                matmul_times[dtype].extend(probe.sample(1))
         return statistics.median(times)
 
     for name in args.precisions:
@@ -362,7 +372,7 @@ def _prefill_table(args, base, ids, info, quant_dtype, matmul) -> tuple[dict, li
             del plain
         entry["chosen_over_plain"] = entry["plain_s"] / entry["chosen_s"]
         table[name] = entry
-    return table, sgemm_times
+    return table, matmul_times
 
 
 def _slug(device: str, flags: list[str]) -> str:
@@ -420,9 +430,10 @@ def table(report: dict) -> str:
             lines.append(f"{name:<40}{value:>6.2f}x")
     if "prefill" in report and "by_precision" in report["prefill"]:
         p = report["prefill"]
-        sgemm = p["sgemm_flop_per_s_alongside"] / 1e9
-        lines.append(f"prefill of {p['prompt_len']} tokens, ms (MFU of sgemm {sgemm:.0f} GFLOP/s); 'chosen' takes "
-                     "the path measured at first use")
+        rates = p.get("matmul_flop_per_s_alongside", {"float32": p["sgemm_flop_per_s_alongside"]})
+        lines.append(f"prefill of {p['prompt_len']} tokens, ms (MFU against the best matmul rate alongside for the "
+                     "precision: " + ", ".join(f"{dtype} {rate / 1e9:.0f} GFLOP/s" for dtype, rate in rates.items())
+                     + "); 'chosen' takes the path measured at first use")
         lines.append(f"{'precision':<10}{'measured':>10}{'chosen':>12}{'blocked':>12}{'torch':>12}{'plain':>12}"
                      f"{'plain/chosen':>14}")
         for name, e in p["by_precision"].items():

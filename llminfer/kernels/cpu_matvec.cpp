@@ -605,7 +605,8 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const flo
     for (int t = 0; t < T; ++t) {
       const int64_t at = ((tile + t) * G + g) * 8;
       const __m512 scales = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(scale + at))));
-      total[t] = _mm512_fmadd_ps(_mm512_add_ps(_mm512_add_ps(a[t], b[t]), _mm512_add_ps(c[t], d[t])), scales, total[t]);   // the 8 rows' scales, both halves
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[t], b[t]), _mm512_add_ps(c[t], d[t]));
+      total[t] = _mm512_fmadd_ps(sum, scales, total[t]);                 // the 8 rows' scales, both halves
       off[t] = _mm256_fmadd_ps(_mm256_loadu_ps(offset + at), xg, off[t]);
     }
   }

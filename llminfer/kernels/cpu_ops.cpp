@@ -34,7 +34,8 @@ TORCH_LIBRARY(llminfer, m) {
   // the bits the matrix-vector loops of one weight format run (MatvecKind: 0 float32, 1 bfloat16, 2 int8, 3 int4,
   // 4 int4 with int8 activations); set_matvec_features returns the bits the process lacks (0: set)
   m.def("matvec_features(int kind) -> int", [](int64_t kind) -> int64_t {
-    TORCH_CHECK(kind >= 0 && kind < kMatvecKinds, "matvec_features: kind ", kind, " is not one of 0..", kMatvecKinds - 1);
+    TORCH_CHECK(kind >= 0 && kind < kMatvecKinds, "matvec_features: kind ", kind, " is not one of 0..",
+                kMatvecKinds - 1);
     return matvec_features(kind);
   });
   m.def("set_matvec_features(int kind, int bits) -> int", &set_matvec_features);
