@@ -361,6 +361,9 @@ def test_each_format_runs_the_decode_loops_measured_fastest_and_a_forced_level_r
         assert sorted(key.rsplit("|", 1)[1] for key in kept) == sorted(several)
         cpu._choose_matvec(unforced)                        # read back from disk: nothing measured again
         assert calls == several
+        cpu._choose_matvec(unforced, fresh=True)            # measured again (what remeasure_matvec does)
+        assert calls == several + several
+        calls[len(several):] = []
         cpu._choose_matvec(forced)                          # LLMINFER_ISA: every format on the level's own loops
         assert calls == several
         for name, kind in kinds.items():

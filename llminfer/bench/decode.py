@@ -18,7 +18,8 @@ thread streams a working set several times the last-level cache from 2 MiB pages
 kernels use (`kernels.cpu.stream_read`). A contender that streams faster than the best probe means the
 ceiling is wrong: the benchmark says so and stops.
 
-The report names the kernels' instruction-set level (`kernels.cpu.isa()`). Prefill of the prompt runs, per
+The report names the kernels' instruction-set level (`kernels.cpu.isa()`) and, per weight format, which decode
+loops ran, timed again after the warm-up (`kernels.cpu.remeasure_matvec`). Prefill of the prompt runs, per
 precision, on the path measured at first use (`kernels.cpu.prefill_path`), on both paths forced (the blocked
 kernel, torch's matmul), and on the plain model (no fast path), against the best matmul rate for the precision
 sampled alongside (MFU: float32 sgemm, and for bf16 the better of it and a bfloat16 matmul); beside llama.cpp, the
@@ -210,6 +211,9 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     tokens = {}
     for label, runner in contenders.items():
         tokens[label] = runner().token_ids
+    # each format's decode loops, timed again now rather than at load, under the conditions of the rounds
+    choices = native_cpu.remeasure_matvec() if native_cpu.available() else {}
+    _log("decode loops: " + ", ".join(f"{name} {entry['level']}" for name, entry in choices.items()))
     matvec.sample(2)
     read.sample(2)
     for probe in native_reads:

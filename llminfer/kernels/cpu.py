@@ -64,7 +64,7 @@ __all__ = ["available", "why_unavailable", "load", "isa", "isa_features", "choos
            "force_prefill", "rows_bucket", "stream_read", "PREFILL_PATHS", "PREFILL_ENV",
            "MAX_TOKENS", "blocked_prefill", "tile_int4", "untile_int4", "cpu_flags", "bfloat16_in_hardware",
            "MATVEC_CANDIDATES", "MATVEC_PROBE_BYTES", "choose_fastest", "matvec_candidates", "measure_matvec",
-           "matvec_choices",
+           "matvec_choices", "remeasure_matvec",
            "SOURCES", "HEADERS",
            "cache_dir"]
 
@@ -366,8 +366,9 @@ def measure_matvec(name: str, levels: tuple[str, ...], repeats: int = 5) -> dict
     return timings
 
 
-def _choose_matvec(choice: IsaChoice) -> None:
-    """Sets each format's matrix-vector loops: measured (or read from the kept answers), or the forced level's."""
+def _choose_matvec(choice: IsaChoice, fresh: bool = False) -> None:
+    """Sets each format's matrix-vector loops: measured (or read from the kept answers unless `fresh`), or the forced
+    level's."""
     _matvec["choices"] = {}
     path = None if _state.get("build") is None else Path(_state["build"]) / "matvec_choices.json"
     kept = {}
@@ -388,7 +389,7 @@ def _choose_matvec(choice: IsaChoice) -> None:
             _matvec["choices"][name] = {"level": levels[-1], "measured": False}
             continue
         key = f"{cpu_capabilities().model}|{choice.level}|{torch.get_num_threads()} threads|{name}"
-        if key not in kept or kept[key].get("level") not in levels:
+        if fresh or key not in kept or kept[key].get("level") not in levels:
             timings = measure_matvec(name, levels)
             kept[key] = {"level": choose_fastest(timings),
                          "median_s": {level: statistics.median(t) for level, t in timings.items()}}
@@ -400,6 +401,16 @@ def _choose_matvec(choice: IsaChoice) -> None:
             path.write_text(json.dumps(kept, indent=1, sort_keys=True))
         except OSError:
             pass
+
+
+def remeasure_matvec() -> dict[str, dict]:
+    """Times each format's candidate decode loops again now (a benchmark does, so that its choice is made under the
+    same conditions as its rounds, not at load), sets and keeps the winners; returns `matvec_choices()`. With
+    LLMINFER_ISA set, nothing is measured. Appendix A1."""
+    _require()
+    with _lock:
+        _choose_matvec(_state["isa"], fresh=True)
+    return matvec_choices()
 
 
 def matvec_choices() -> dict[str, dict]:
