@@ -253,6 +253,7 @@ def test_the_prefill_choice_is_the_faster_median_and_ties_keep_torch():
 
 
 def test_the_prefill_choice_is_measured_once_and_cached(monkeypatch, tmp_path):
+    assert cpu.available(), cpu.why_unavailable()          # loaded first: loading sets the build folder patched below
     calls = []
 
     def fake_measure(dtype, rows, repeats=5):
@@ -285,6 +286,8 @@ def test_the_prefill_choice_is_measured_once_and_cached(monkeypatch, tmp_path):
 def test_a_quantized_stack_takes_the_prefill_path_measured_for_its_own_weights(monkeypatch, tmp_path):
     """The one-call prefill of an int4 stack follows the choice for uint8 weights, not float32's (its activations)."""
     from llminfer import fast, load_random
+
+    assert cpu.available(), cpu.why_unavailable()          # loaded first: loading sets the build folder patched below
     from llminfer.config import ModelConfig
 
     def fake_measure(dtype, rows, repeats=5):              # float32: torch's matmul; int4 (uint8): the blocked kernel
