@@ -274,6 +274,36 @@ def bfloat16_in_hardware() -> bool:
     return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
+def _kept_file(name: str) -> Path | None:
+    """Where answers measured on this machine are kept: beside the kernel build (None before it exists)."""
+    build = _state.get("build")
+    return None if build is None else Path(build) / name
+
+
+def _read_kept(path: Path | None) -> dict:
+    """The answers kept in `path` ({} where there are none, or they cannot be read)."""
+    try:
+        return json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_kept(path: Path | None, answers: dict) -> None:
+    """Keeps `answers` in `path`, where it can be written (a read-only cache just measures again next time)."""
+    if path is not None:
+        try:
+            path.write_text(json.dumps(answers, indent=1, sort_keys=True))
+        except OSError:
+            pass
+
+
+def _machine_key(level: str) -> str:
+    """The start of a measured answer's key: the CPU, the kernels' level and torch's thread count."""
+    from ..device import cpu_capabilities
+
+    return f"{cpu_capabilities().model}|{level}|{torch.get_num_threads()} threads"
+
+
 # The decode loops' choice. Each weight format's matrix-vector loops exist at several levels, and the widest is not
 # always the fastest: on a Zen 4 (512-bit operations run as two 256-bit halves) the AVX2 loops stream float32 and
 # bfloat16 weights faster than the AVX-512 ones. So when the kernels load, each format's candidate loops (those of
@@ -370,15 +400,8 @@ def _choose_matvec(choice: IsaChoice, fresh: bool = False) -> None:
     """Sets each format's matrix-vector loops: measured (or read from the kept answers unless `fresh`), or the forced
     level's."""
     _matvec["choices"] = {}
-    path = None if _state.get("build") is None else Path(_state["build"]) / "matvec_choices.json"
-    kept = {}
-    if not choice.forced and path is not None and path.is_file():
-        try:
-            kept = json.loads(path.read_text())
-        except (OSError, ValueError):
-            kept = {}
-    from ..device import cpu_capabilities
-
+    path = _kept_file("matvec_choices.json")
+    kept = {} if choice.forced else _read_kept(path)
     changed = False
     for name, (kind, _) in MATVEC_CANDIDATES.items():
         torch.ops.llminfer.set_matvec_features(kind, -1)            # the process's own loops, unless measured
@@ -388,7 +411,7 @@ def _choose_matvec(choice: IsaChoice, fresh: bool = False) -> None:
         if choice.forced or len(levels) == 1:
             _matvec["choices"][name] = {"level": levels[-1], "measured": False}
             continue
-        key = f"{cpu_capabilities().model}|{choice.level}|{torch.get_num_threads()} threads|{name}"
+        key = f"{_machine_key(choice.level)}|{name}"
         if fresh or key not in kept or kept[key].get("level") not in levels:
             timings = measure_matvec(name, levels)
             kept[key] = {"level": choose_fastest(timings),
@@ -396,11 +419,8 @@ def _choose_matvec(choice: IsaChoice, fresh: bool = False) -> None:
             changed = True
         torch.ops.llminfer.set_matvec_features(kind, _level_bits(kept[key]["level"], choice))
         _matvec["choices"][name] = dict(kept[key], measured=True)
-    if changed and path is not None:
-        try:
-            path.write_text(json.dumps(kept, indent=1, sort_keys=True))
-        except OSError:
-            pass
+    if changed:
+        _write_kept(path, kept)
 
 
 def remeasure_matvec() -> dict[str, dict]:
@@ -496,16 +516,8 @@ def measure_prefill(dtype: torch.dtype, rows: int, repeats: int = 5) -> dict[str
     return timings
 
 
-def _choices_file() -> Path | None:
-    build = _state.get("build")
-    return None if build is None else Path(build) / "prefill_choices.json"
-
-
 def _choice_key(dtype: torch.dtype, rows: int) -> str:
-    from ..device import cpu_capabilities
-
-    name = str(dtype).removeprefix("torch.")
-    return f"{cpu_capabilities().model}|{isa()}|{torch.get_num_threads()} threads|{name}|{rows}"
+    return f"{_machine_key(isa())}|{str(dtype).removeprefix('torch.')}|{rows}"
 
 
 def prefill_path(weight_dtype: torch.dtype = torch.float32, rows: int = 128) -> str:
@@ -523,22 +535,15 @@ def prefill_path(weight_dtype: torch.dtype = torch.float32, rows: int = 128) -> 
     choices = _prefill["choices"]
     if key not in choices:
         with _lock:
-            path = _choices_file()
-            if not _prefill["loaded_from_disk"] and path is not None and path.is_file():
-                try:
-                    choices.update({k: v for k, v in json.loads(path.read_text()).items() if k not in choices})
-                except (OSError, ValueError):
-                    pass
+            path = _kept_file("prefill_choices.json")
+            if not _prefill["loaded_from_disk"]:
+                choices.update({k: v for k, v in _read_kept(path).items() if k not in choices})
                 _prefill["loaded_from_disk"] = True
             if key not in choices:
                 timings = measure_prefill(weight_dtype, rows_bucket(rows))
                 choices[key] = {"path": choose_prefill(timings),
                                 "median_s": {p: statistics.median(t) for p, t in timings.items()}}
-                if path is not None:
-                    try:
-                        path.write_text(json.dumps(choices, indent=1, sort_keys=True))
-                    except OSError:
-                        pass
+                _write_kept(path, choices)
     return choices[key]["path"]
 
 
