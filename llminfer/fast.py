@@ -163,13 +163,14 @@ def _native_parts(linear: nn.Module, dtype: torch.dtype) -> list[torch.Tensor] |
     if isinstance(linear, NativeLinear):
         weight = linear.weight
         return [weight] if weight.dtype == dtype and weight.is_contiguous() else None
-    if isinstance(linear, QuantizedLinear) and linear.kernel == "native" and linear.kernel_scale.dtype == torch.float32:
+    if isinstance(linear, QuantizedLinear) and linear.kernel == "native" and \
+            linear.kernel_scale.dtype == linear._kernel_terms_dtype():
         parts = [linear.qweight, linear.kernel_scale]
         if linear.bits == 8:
             return parts
-        # W4A8: a fourth, one-element tensor marks int8 activations for the native layer calls
-        return parts + [linear.kernel_offset] + ([linear.kernel_offset.reshape(-1)[:1]] if linear.activations == "int8"
-                                                 else [])
+        # W4A8: a fourth, one-element tensor (the layer's own, so a compiled step holds it as a constant rather than
+        # slicing one out every step) marks int8 activations for the native layer calls
+        return parts + [linear.kernel_offset] + ([linear.a8_marker] if linear.activations == "int8" else [])
     return None
 
 

@@ -12,6 +12,7 @@ import torch.nn as nn
 import llminfer
 from llminfer import quant
 from llminfer.quant import QuantizedLinear, quantize, quantize_tensor
+from llminfer.quant.weights import dequantize
 from llminfer.quant import accuracy
 from llminfer.quant import linear as quant_linear
 from llminfer.quant.weights import dequantize
@@ -86,8 +87,48 @@ def test_layer_bytes_follow_the_bits():
     linear = nn.Linear(256, 64, bias=False)
     sizes = {bits: QuantizedLinear.from_linear(linear, bits, None if bits == 8 else 32).nbytes for bits in (8, 4, 2)}
     assert sizes[8] == 64 * 256 + 64 * 4
-    assert sizes[4] == 64 * 256 // 2 + 64 * 8 * 2 * 4
+    native = QuantizedLinear.from_linear(linear, 4, 32).kernel == "native"
+    # int4 on the native kernel reads its terms as float16 (2 bytes), elsewhere in the model's dtype (float32)
+    assert sizes[4] == 64 * 256 // 2 + 64 * 8 * 2 * (2 if native else 4)
     assert sizes[2] == 64 * 256 // 4 + 64 * 8 * 2 * 4
+
+
+def test_int4_terms_are_float16_values_and_the_kernel_keeps_them_in_two_bytes():
+    """quantize rounds int4's scales and minimums to float16 values before choosing codes (as GGUF's Q4_1 stores
+    them); the native kernel then keeps them as float16, and its product equals the layer's own weight."""
+    torch.manual_seed(3)
+    linear = nn.Linear(256, 64, bias=False)
+    qt = quantize_tensor(linear.weight, 4, "group", 32, terms_dtype=torch.float16)
+    assert torch.equal(qt.scales.half().float(), qt.scales) and torch.equal(qt.offsets.half().float(), qt.offsets)
+    # the codes are chosen against the rounded terms: every weight within half a step (plus the minimum's rounding)
+    error = (dequantize(qt) - linear.weight).abs().reshape(64, 8, 32).amax(-1)
+    assert (error <= qt.scales / 2 + (qt.offsets - linear.weight.reshape(64, 8, 32).amin(-1)).abs() + 1e-7).all()
+    layer = QuantizedLinear.from_linear(linear, 4, 32)
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        reference = x @ layer.dequantized_weight(torch.float32).T
+        torch.testing.assert_close(layer(x), reference, atol=1e-4, rtol=1e-4)
+    if layer.kernel == "native":
+        assert layer.qweight.dim() == 3 and layer.kernel_scale.dtype == torch.float16
+        assert layer.kernel_offset.dtype == torch.float16
+        assert torch.equal(layer.codes(), qt.codes)
+
+
+def test_int4_terms_that_are_not_float16_values_stay_float32_in_the_kernel():
+    """A layer built from terms float16 cannot hold (from a checkpoint of another quantizer) keeps them in
+    float32, tiled all the same, and gives the same numbers as its own weight."""
+    torch.manual_seed(4)
+    codes = torch.randint(0, 16, (64, 128), dtype=torch.uint8)
+    scales, zeros = torch.rand(64, 4) / 7, torch.randn(64, 4) / 3          # not float16 values
+    layer = QuantizedLinear(128, 64, 4, 32, codes, scales, zeros)
+    x = torch.randn(2, 128)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), x @ layer.dequantized_weight(torch.float32).T, atol=1e-4, rtol=1e-4)
+    if layer.kernel == "native":
+        assert layer.qweight.dim() == 3 and layer.kernel_scale.dtype == torch.float32
+    tiny = quantize_tensor(torch.full((1, 32), 1e-9) + torch.arange(32.0) * 1e-12, 4, "group", 32,
+                           terms_dtype=torch.float16)
+    assert tiny.scales.item() != 0 and tiny.offsets.item() == pytest.approx(1e-9)   # below float16: kept
 
 
 # --- the module transform ---------------------------------------------------------------------------------

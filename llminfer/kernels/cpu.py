@@ -88,7 +88,7 @@ ISA_ENV = "LLMINFER_ISA"
 # own. AMX has no loops here: an AMX CPU runs the avx512_bf16 level.
 KERNEL_LEVELS: dict[str, tuple[int, frozenset[str]]] = {
     "portable": (0, frozenset()),
-    "avx2": (1, frozenset()),                                           # 8-lane float loops, maddubs W4A8
+    "avx2": (1, frozenset({"f16c"})),                                   # 8-lane float loops, maddubs W4A8
     "avx_vnni": (16, frozenset()),                                      # W4A8 by vpdpbusd (VEX)
     "avx512": (2, frozenset({"avx512bw", "avx512vl"})),                 # 16-lane float loops
     "avx512_vnni": (4, frozenset({"avx512bw", "avx512vl"})),            # W4A8 by vpdpbusd (EVEX)
@@ -351,7 +351,7 @@ def _matvec_probe(name: str) -> tuple[list, str, torch.Tensor]:
 
     generator = torch.Generator().manual_seed(0)
     K = PREFILL_PROBE_SHAPE[1]
-    per_row = {"float32": 4 * K, "bfloat16": 2 * K, "int8": K + 4}.get(name, K // 2 + 8 * (K // 32))
+    per_row = {"float32": 4 * K, "bfloat16": 2 * K, "int8": K + 4}.get(name, K // 2 + 4 * (K // 32))
     N = max(8, MATVEC_PROBE_BYTES // per_row // 8 * 8)
 
     def placed(t: torch.Tensor) -> torch.Tensor:                  # on 2 MiB pages, as the fast path keeps weights
@@ -366,7 +366,8 @@ def _matvec_probe(name: str) -> tuple[list, str, torch.Tensor]:
         return [placed(torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator)),
                 torch.rand(N, generator=generator)], "float", x
     nibbles = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=generator)
-    scale, offset = torch.rand(N, K // 32, generator=generator), torch.rand(N, K // 32, generator=generator)
+    # float16 terms, as the quantized layers keep them
+    scale, offset = (torch.rand(N, K // 32, generator=generator).half() for _ in range(2))
     return [*(placed(t) for t in tile_int4(nibbles, scale, offset)), 32], "int8" if name == "int4a8" else "float", x
 
 
@@ -581,7 +582,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     float32 and bfloat16 weights (N, K); int8 codes (N, K) with `scale` (N,) or (N, K/group) (GGUF's Q8_0:
     groups of 32); int4 nibbles (N, K/2) uint8 with `scale` and `offset` (N, K/group) float32, where
     w = q·scale + offset, or the same in tiles of 8 rows (`tile_int4`: codes (N/8, K/8, 32), scale and offset
-    (N/8, K/group, 8)), the layout the fastest int4 loops read. activations="int8" (int4 only, W4A8) rounds x
+    (N/8, K/group, 8), float32 or float16), the layout the fastest int4 loops read. activations="int8" (int4 only, W4A8) rounds x
     to int8 per block of 32 inputs and multiplies in integers: faster, and it changes the numbers.
     """
     _require()
@@ -606,8 +607,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
 def tile_int4(nibbles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row-major int4 (nibbles (N, K/2), scale and offset (N, G)) in tiles of 8 rows: codes (N/8, K/8, 32), where
-    tile t, chunk c holds rows 8t..8t+7's 4 bytes for inputs 8c..8c+7 side by side, and scale, offset (N/8, G, 8).
-    Chapter 08."""
+    tile t, chunk c holds rows 8t..8t+7's 4 bytes for inputs 8c..8c+7 side by side, and scale, offset (N/8, G, 8)
+    in their own dtype (float32, or float16: 2 bytes a term, as GGUF's Q4_0 and Q4_1 keep theirs). Chapter 08."""
     n, half = nibbles.shape
     if n % 8 or half % 4:
         raise ValueError(f"tiles of 8 rows need N a multiple of 8 and K a multiple of 8, got a ({n} x {half * 2}) "

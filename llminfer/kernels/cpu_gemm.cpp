@@ -81,7 +81,7 @@ __attribute__((target("avx2,fma"))) void gemm_tile_6x16(const float* w, int64_t 
 
 // rows n .. n + r - 1 (r <= 6) of W, inputs [k0, k0 + kc), as float32 into out (row i at out + i·kc); int4
 // chunks start and end on a multiple of 32 inputs (a group is a multiple of 32)
-__attribute__((target("avx2,fma"))) void widen_rows(const Weight& W, int64_t n, int64_t r, int64_t k0, int64_t kc,
+__attribute__((target("avx2,fma,f16c"))) void widen_rows(const Weight& W, int64_t n, int64_t r, int64_t k0, int64_t kc,
                                                      float* out) {
   const int64_t K = W.K;
   for (int64_t i = 0; i < r; ++i) {
@@ -115,8 +115,9 @@ __attribute__((target("avx2,fma"))) void widen_rows(const Weight& W, int64_t n, 
         int32_t word;
         std::memcpy(&word, src + at * 4, 4);
         const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), low);
-        _mm256_storeu_ps(o + k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(W.scale[s_at]),
-                                                _mm256_set1_ps(W.offset[s_at])));
+        _mm256_storeu_ps(o + k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q),
+                                                _mm256_set1_ps(term_at(W.terms.scale, W.terms.half, s_at)),
+                                                _mm256_set1_ps(term_at(W.terms.offset, W.terms.half, s_at))));
       }
     } else {                                      // int4: byte j holds input 2j (low nibble) and 2j + 1
       const int64_t G = K / W.group;

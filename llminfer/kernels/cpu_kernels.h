@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
@@ -135,6 +136,28 @@ __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
 }
 #endif
 
+// The scale and offset of each group of an int4 weight in tiles: float32, or float16 (2 bytes each, as GGUF's
+// Q4_0 and Q4_1 store theirs: the quantized layers keep them so when the values are float16 ones, which cuts a
+// group of 32 weights from 24 bytes to 20)
+struct Terms {
+  const void* scale = nullptr;
+  const void* offset = nullptr;
+  bool half = false;
+};
+
+inline float half_bits_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+// entry i of a scale or offset table
+inline float term_at(const void* p, bool half, int64_t i) {
+  return half ? half_bits_to_float(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+#ifdef LLMINFER_X86
+// entries i..i+7 (one vcvtph2ps for float16: F16C, which every AVX2 CPU has and the avx2 level requires)
+__attribute__((target("avx2,fma,f16c"))) inline __m256 terms8(const void* p, bool half, int64_t i) {
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
+              : _mm256_loadu_ps(static_cast<const float*>(p) + i);
+}
+#endif
+
 // one weight matrix in any of the four formats
 struct Weight {
   enum Format { F32, BF16, I8, I4 } format;
@@ -144,6 +167,7 @@ struct Weight {
   int64_t N = 0, K = 0, group = 0;
   bool int8_activations = false;   // int4 only: x rounded to int8 per block of 32, integer dot products (W4A8)
   bool tiled = false;              // int4 only: codes (N/8, K/8, 32) and scale, offset (N/8, G, 8), tiles of 8 rows
+  Terms terms;                     // tiled int4: its scale and offset, float32 or float16
 };
 
 // a weight from its tensors, checked (`op` names the caller in errors)

@@ -35,7 +35,8 @@ std::atomic<int64_t> g_features{-1};
 int64_t cpu_supported() {
   int64_t bits = 0;
 #ifdef LLMINFER_X86
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) bits |= kAVX2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    bits |= kAVX2;
   if ((bits & kAVX2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl"))
     bits |= kAVX512;
@@ -460,9 +461,8 @@ inline int tiled_code(const uint8_t* w, int64_t K, int64_t n, int64_t k) {
 }
 
 // tiles [t0, t1) of y (M, N), plain loops
-void rows_int4t_portable(const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
-                         const float* scale, const float* offset, int64_t group, float* y, int64_t N, int64_t t0,
-                         int64_t t1) {
+void rows_int4t_portable(const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w, Terms terms,
+                         int64_t group, float* y, int64_t N, int64_t t0, int64_t t1) {
   const int64_t G = K / group;
   for (int64_t n = t0 * 8; n < t1 * 8; ++n)
     for (int64_t m = 0; m < M; ++m) {
@@ -472,7 +472,7 @@ void rows_int4t_portable(const float* x, const float* xsum, int64_t M, int64_t K
         for (int64_t k = g * group; k < (g + 1) * group; ++k)
           sum += static_cast<float>(tiled_code(w, K, n, k)) * x[m * K + k];
         const int64_t at = ((n / 8) * G + g) * 8 + n % 8;
-        total += sum * scale[at] + offset[at] * xsum[m * G + g];
+        total += sum * term_at(terms.scale, terms.half, at) + term_at(terms.offset, terms.half, at) * xsum[m * G + g];
       }
       y[m * N + n] = total;
     }
@@ -481,10 +481,12 @@ void rows_int4t_portable(const float* x, const float* xsum, int64_t M, int64_t K
 #ifdef LLMINFER_X86
 // T tiles (8T rows) for one row of x: out[8t + j] for row 8(tile + t) + j
 template <int T>
-__attribute__((target("avx2,fma"))) void int4t_tiles_avx2(const float* xs, const float* xsum, int64_t K,
-                                                          const uint8_t* w, const float* scale,
-                                                          const float* offset, int64_t group, int64_t tile,
-                                                          float* out) {
+__attribute__((target("avx2,fma,f16c"))) void int4t_tiles_avx2(const float* xs, const float* xsum, int64_t K,
+                                                               const uint8_t* w, Terms terms, int64_t group,
+                                                               int64_t tile, float* out) {
+  const int64_t term_bytes = terms.half ? 2 : 4;
+  const char* scale = static_cast<const char*>(terms.scale);
+  const char* offset = static_cast<const char*>(terms.offset);
   const int64_t G = K / group;
   const __m256i mask[7] = {_mm256_set1_epi32(0xF), _mm256_set1_epi32(0xF0), _mm256_set1_epi32(0xF00),
                            _mm256_set1_epi32(0xF000), _mm256_set1_epi32(0xF0000), _mm256_set1_epi32(0xF00000),
@@ -498,8 +500,8 @@ __attribute__((target("avx2,fma"))) void int4t_tiles_avx2(const float* xs, const
     __m256 a[T], b[T], c[T], d[T];                          // four chains a tile: codes i % 4
     for (int t = 0; t < T; ++t) a[t] = b[t] = c[t] = d[t] = _mm256_setzero_ps();
     for (int t = 0; t < T; ++t) {                        // the next T tiles' scales and offsets
-      _mm_prefetch(reinterpret_cast<const char*>(scale + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(offset + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);
+      _mm_prefetch(scale + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);
+      _mm_prefetch(offset + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);
     }
     for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
       if (k % 16 == 0)                                    // the next T tiles' codes, a line every 16 inputs
@@ -523,26 +525,25 @@ __attribute__((target("avx2,fma"))) void int4t_tiles_avx2(const float* xs, const
     for (int t = 0; t < T; ++t) {
       const int64_t at = ((tile + t) * G + g) * 8;
       total[t] = _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(a[t], b[t]), _mm256_add_ps(c[t], d[t])),
-                                 _mm256_loadu_ps(scale + at), total[t]);
-      off[t] = _mm256_fmadd_ps(_mm256_loadu_ps(offset + at), xg, off[t]);
+                                 terms8(terms.scale, terms.half, at), total[t]);
+      off[t] = _mm256_fmadd_ps(terms8(terms.offset, terms.half, at), xg, off[t]);
     }
   }
   for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(total[t], off[t]));
 }
 
 // tiles [t0, t1) of y (M, N) for float x, two tiles at a time (`Tiles2`), a last odd one alone (`Tiles1`)
-using Int4TTiles = void (*)(const float*, const float*, int64_t, const uint8_t*, const float*, const float*, int64_t,
-                            int64_t, float*);
+using Int4TTiles = void (*)(const float*, const float*, int64_t, const uint8_t*, Terms, int64_t, int64_t, float*);
 template <Int4TTiles Tiles2, Int4TTiles Tiles1>
-void rows_int4t(const float* xs, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
-                const float* offset, int64_t group, float* y, int64_t N, int64_t t0, int64_t t1) {
+void rows_int4t(const float* xs, const float* xsum, int64_t M, int64_t K, const uint8_t* w, Terms terms,
+                int64_t group, float* y, int64_t N, int64_t t0, int64_t t1) {
   const int64_t G = K / group;
   float out[32];
   for (int64_t t = t0; t < t1;) {
     const int T = t + 2 <= t1 ? 2 : 1;
     for (int64_t m = 0; m < M; ++m) {
-      if (T == 2) Tiles2(xs + m * K, xsum + m * G, K, w, scale, offset, group, t, out);
-      else Tiles1(xs + m * K, xsum + m * G, K, w, scale, offset, group, t, out);
+      if (T == 2) Tiles2(xs + m * K, xsum + m * G, K, w, terms, group, t, out);
+      else Tiles1(xs + m * K, xsum + m * G, K, w, terms, group, t, out);
       std::memcpy(y + m * N + t * 8, out, 8 * T * sizeof(float));
     }
     t += T;
@@ -553,16 +554,18 @@ void rows_int4t(const float* xs, const float* xsum, int64_t M, int64_t K, const 
 // for the first 8 inputs, lanes 8-15 for the next 8). Code i of each half is isolated in place and converted as
 // on AVX2, against x whose lanes 0-7 hold input 8c+i and lanes 8-15 input 8c+8+i (one vpermps of the 16 inputs,
 // shared by the tiles). The two halves are summed at the end: twice the work per instruction of the AVX2 loop.
-#define LLMINFER_AVX512_TILES "avx2,fma,avx512f,avx512bw,avx512vl"
+#define LLMINFER_AVX512_TILES "avx2,fma,f16c,avx512f,avx512bw,avx512vl"
 __attribute__((target(LLMINFER_AVX512_TILES))) inline __m256 halves_sum(__m512 v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
 template <int T>
 __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const float* xs, const float* xsum, int64_t K,
-                                                                       const uint8_t* w, const float* scale,
-                                                                       const float* offset, int64_t group,
+                                                                       const uint8_t* w, Terms terms, int64_t group,
                                                                        int64_t tile, float* out) {
+  const int64_t term_bytes = terms.half ? 2 : 4;
+  const char* scale = static_cast<const char*>(terms.scale);
+  const char* offset = static_cast<const char*>(terms.offset);
   const int64_t G = K / group;
   __m512i mask[7], pick[8];
   for (int i = 0; i < 8; ++i) {
@@ -579,8 +582,8 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const flo
     __m512 a[T], b[T], c[T], d[T];                          // four chains a tile: codes i % 4
     for (int t = 0; t < T; ++t) a[t] = b[t] = c[t] = d[t] = _mm512_setzero_ps();
     for (int t = 0; t < T; ++t) {
-      _mm_prefetch(reinterpret_cast<const char*>(scale + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(offset + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);
+      _mm_prefetch(scale + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);
+      _mm_prefetch(offset + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);
     }
     for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
       __m512i v[T];
@@ -604,10 +607,10 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const flo
     const __m256 xg = _mm256_broadcast_ss(xsum + g);
     for (int t = 0; t < T; ++t) {
       const int64_t at = ((tile + t) * G + g) * 8;
-      const __m512 scales = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(scale + at))));
+      const __m512 scales = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(terms8(terms.scale, terms.half, at))));
       const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[t], b[t]), _mm512_add_ps(c[t], d[t]));
       total[t] = _mm512_fmadd_ps(sum, scales, total[t]);                 // the 8 rows' scales, both halves
-      off[t] = _mm256_fmadd_ps(_mm256_loadu_ps(offset + at), xg, off[t]);
+      off[t] = _mm256_fmadd_ps(terms8(terms.offset, terms.half, at), xg, off[t]);
     }
   }
   for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(halves_sum(total[t]), off[t]));
@@ -622,9 +625,11 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const flo
 #define LLMINFER_INT4T_A8(NAME, TARGET, INIT, DOT, FINISH)                                                      \
   template <int T>                                                                                             \
   __attribute__((target(TARGET))) void NAME(const int8_t* xq, const float* dx, const float* xsum, int64_t K,   \
-                                            const uint8_t* w, const float* scale, const float* offset,         \
-                                            int64_t group, int64_t tile, float* out) {                         \
-    const int64_t G = K / group;                                                                               \
+                                            const uint8_t* w, Terms terms, int64_t group, int64_t tile,        \
+                                            float* out) {                                                      \
+    const int64_t G = K / group, term_bytes = terms.half ? 2 : 4;                                              \
+    const char* scale = static_cast<const char*>(terms.scale);                                                 \
+    const char* offset = static_cast<const char*>(terms.offset);                                               \
     const __m256i low = _mm256_set1_epi8(0x0F);                                                                \
     const __m256i ones = _mm256_set1_epi16(1);                                                                 \
     (void)ones;                                                                                                \
@@ -637,8 +642,8 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const flo
       __m256 acc[T];                                                                                           \
       for (int t = 0; t < T; ++t) {                                                                            \
         acc[t] = _mm256_setzero_ps();                                                                          \
-        _mm_prefetch(reinterpret_cast<const char*>(scale + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);        \
-        _mm_prefetch(reinterpret_cast<const char*>(offset + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);       \
+        _mm_prefetch(scale + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);                          \
+        _mm_prefetch(offset + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);                         \
       }                                                                                                        \
       for (int64_t b = g * group; b < (g + 1) * group; b += 32) {                                              \
         __m256i sum[T];                                                                                        \
@@ -663,8 +668,8 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const flo
       const __m256 xg = _mm256_broadcast_ss(xsum + g);                                                         \
       for (int t = 0; t < T; ++t) {                                                                            \
         const int64_t at = ((tile + t) * G + g) * 8;                                                           \
-        total[t] = _mm256_fmadd_ps(acc[t], _mm256_loadu_ps(scale + at), total[t]);                             \
-        off[t] = _mm256_fmadd_ps(_mm256_loadu_ps(offset + at), xg, off[t]);                                    \
+        total[t] = _mm256_fmadd_ps(acc[t], terms8(terms.scale, terms.half, at), total[t]);                     \
+        off[t] = _mm256_fmadd_ps(terms8(terms.offset, terms.half, at), xg, off[t]);                            \
       }                                                                                                        \
     }                                                                                                          \
     for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(total[t], off[t]));               \
@@ -675,8 +680,8 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const flo
 #define LLMINFER_MADDUBS(S, Q, X) _mm256_add_epi16(S, _mm256_maddubs_epi16(Q, X))
 #define LLMINFER_PAIRS(S) _mm256_madd_epi16(S, ones)
 #define LLMINFER_AS_IS(S) (S)
-LLMINFER_INT4T_A8(int4t_a8_avx2, "avx2,fma", , LLMINFER_MADDUBS, LLMINFER_PAIRS)
-LLMINFER_INT4T_A8(int4t_a8_avxvnni, "avx2,fma,avxvnni", , _mm256_dpbusd_avx_epi32, LLMINFER_AS_IS)
+LLMINFER_INT4T_A8(int4t_a8_avx2, "avx2,fma,f16c", , LLMINFER_MADDUBS, LLMINFER_PAIRS)
+LLMINFER_INT4T_A8(int4t_a8_avxvnni, "avx2,fma,f16c,avxvnni", , _mm256_dpbusd_avx_epi32, LLMINFER_AS_IS)
 #undef LLMINFER_MADDUBS
 #undef LLMINFER_PAIRS
 #undef LLMINFER_AS_IS
@@ -688,9 +693,11 @@ LLMINFER_INT4T_A8(int4t_a8_avxvnni, "avx2,fma,avxvnni", , _mm256_dpbusd_avx_epi3
 // the halves are summed once per block, before the conversion.
 template <int T>
 __attribute__((target(LLMINFER_AVX512_TILES ",avx512vnni"))) void int4t_a8_avx512(
-    const int8_t* xq, const float* dx, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
-    const float* offset, int64_t group, int64_t tile, float* out) {
-  const int64_t G = K / group;
+    const int8_t* xq, const float* dx, const float* xsum, int64_t K, const uint8_t* w, Terms terms, int64_t group,
+    int64_t tile, float* out) {
+  const int64_t G = K / group, term_bytes = terms.half ? 2 : 4;
+  const char* scale = static_cast<const char*>(terms.scale);
+  const char* offset = static_cast<const char*>(terms.offset);
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i pick_even = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
   const __m512i pick_odd = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
@@ -703,8 +710,8 @@ __attribute__((target(LLMINFER_AVX512_TILES ",avx512vnni"))) void int4t_a8_avx51
     __m256 acc[T];
     for (int t = 0; t < T; ++t) {
       acc[t] = _mm256_setzero_ps();
-      _mm_prefetch(reinterpret_cast<const char*>(scale + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(offset + ((tile + T + t) * G + g) * 8), _MM_HINT_T0);
+      _mm_prefetch(scale + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);
+      _mm_prefetch(offset + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);
     }
     for (int64_t b = g * group; b < (g + 1) * group; b += 32) {
       __m512i sum[T];
@@ -728,8 +735,8 @@ __attribute__((target(LLMINFER_AVX512_TILES ",avx512vnni"))) void int4t_a8_avx51
     const __m256 xg = _mm256_broadcast_ss(xsum + g);
     for (int t = 0; t < T; ++t) {
       const int64_t at = ((tile + t) * G + g) * 8;
-      total[t] = _mm256_fmadd_ps(acc[t], _mm256_loadu_ps(scale + at), total[t]);
-      off[t] = _mm256_fmadd_ps(_mm256_loadu_ps(offset + at), xg, off[t]);
+      total[t] = _mm256_fmadd_ps(acc[t], terms8(terms.scale, terms.half, at), total[t]);
+      off[t] = _mm256_fmadd_ps(terms8(terms.offset, terms.half, at), xg, off[t]);
     }
   }
   for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(total[t], off[t]));
@@ -737,16 +744,15 @@ __attribute__((target(LLMINFER_AVX512_TILES ",avx512vnni"))) void int4t_a8_avx51
 
 // tiles [t0, t1) of y (M, N) for W4A8, one tile at a time: its loop is short enough that two tiles' streams at
 // once (as the float loops read them) slowed it from memory, to below one tile's pace, on a Zen 4
-template <void (*Tile)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const float*,
-                       const float*, int64_t, int64_t, float*)>
+template <void (*Tile)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, Terms, int64_t, int64_t,
+                       float*)>
 void rows_int4t_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
-                   const float* scale, const float* offset, int64_t group, float* y, int64_t N, int64_t t0,
-                   int64_t t1) {
+                   Terms terms, int64_t group, float* y, int64_t N, int64_t t0, int64_t t1) {
   const int64_t G = K / group, B = K / 32;
   float out[8];
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t m = 0; m < M; ++m) {
-      Tile(xq + m * K, dx + m * B, xsum + m * G, K, w, scale, offset, group, t, out);
+      Tile(xq + m * K, dx + m * B, xsum + m * G, K, w, terms, group, t, out);
       std::memcpy(y + m * N + t * 8, out, 8 * sizeof(float));
     }
 }
@@ -754,8 +760,8 @@ void rows_int4t_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t
 
 // W4A8 on the tiled layout, plain loops (xq in the chunk order above)
 void rows_int4t_a8_portable(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K,
-                            const uint8_t* w, const float* scale, const float* offset, int64_t group, float* y,
-                            int64_t N, int64_t t0, int64_t t1) {
+                            const uint8_t* w, Terms terms, int64_t group, float* y, int64_t N, int64_t t0,
+                            int64_t t1) {
   const int64_t G = K / group, B = K / 32;
   for (int64_t n = t0 * 8; n < t1 * 8; ++n)
     for (int64_t m = 0; m < M; ++m) {
@@ -771,7 +777,7 @@ void rows_int4t_a8_portable(const int8_t* xq, const float* dx, const float* xsum
           acc += static_cast<float>(dot) * dx[m * B + b / 32];
         }
         const int64_t at = ((n / 8) * G + g) * 8 + n % 8;
-        total += acc * scale[at] + offset[at] * xsum[m * G + g];
+        total += acc * term_at(terms.scale, terms.half, at) + term_at(terms.offset, terms.half, at) * xsum[m * G + g];
       }
       y[m * N + n] = total;
     }
@@ -979,15 +985,22 @@ Weight int4_weight(const at::Tensor& w, const at::Tensor& scale, const at::Tenso
   const int64_t N = tiled ? w.size(0) * 8 : w.size(0), K = tiled ? w.size(1) * 8 : w.size(1) * 2;
   TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, op, ": group ", group,
               " must be a multiple of 32 that divides ", K);
+  // tiled codes take float32 or float16 terms (both the same), row-major ones float32
+  const bool half = tiled && scale.scalar_type() == at::kHalf;
   for (const at::Tensor* t : {&scale, &offset}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N * (K / group), op,
-                ": scale and offset must be contiguous float32 (", N, ", ", K / group, ")");
+    TORCH_CHECK((t->scalar_type() == at::kFloat || (tiled && t->scalar_type() == at::kHalf)) &&
+                t->scalar_type() == scale.scalar_type() && t->is_contiguous() && t->numel() == N * (K / group), op,
+                ": scale and offset must be contiguous (", N, ", ", K / group, "), both float32",
+                tiled ? " or both float16" : "", "; got ", scale.scalar_type(), " and ", offset.scalar_type());
     TORCH_CHECK(!tiled || (t->dim() == 3 && t->size(0) == N / 8 && t->size(2) == 8), op,
                 ": tiled codes take (", N / 8, ", ", K / group, ", 8) scales and offsets, got ", t->sizes());
   }
   Weight W{Weight::I4, w.data_ptr()};
-  W.scale = scale.data_ptr<float>();
-  W.offset = offset.data_ptr<float>();
+  if (!half) {
+    W.scale = scale.data_ptr<float>();
+    W.offset = offset.data_ptr<float>();
+  }
+  W.terms = Terms{scale.data_ptr(), offset.data_ptr(), half};
   W.N = N;
   W.K = K;
   W.group = group;
@@ -1069,23 +1082,28 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y) {
   // the loops for the layout (rows, or tiles of 8 rows) and the instruction set: VNNI, AVX2 or plain
   using Rows = void (*)(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, const float*,
                         const float*, int64_t, float*, int64_t, int64_t, int64_t);
-  Rows rows = W.tiled ? rows_int4t_a8_portable : rows_int4_a8_portable;
+  using Tiles = void (*)(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, Terms, int64_t,
+                         float*, int64_t, int64_t, int64_t);
+  Rows rows = rows_int4_a8_portable;
+  Tiles tiles = rows_int4t_a8_portable;
   const int64_t bits = matvec_features(kMatvecI4A8);
 #ifdef LLMINFER_X86
-  if (bits & kAVX512VNNI)
-    rows = W.tiled ? rows_int4t_a8<int4t_a8_avx512<1>>
-                   : rows_int4_a8<int4_a8_rows_avx512vnni<4>, int4_a8_rows_avx512vnni<1>>;
-  else if (bits & kAVXVNNI)
-    rows = W.tiled ? rows_int4t_a8<int4t_a8_avxvnni<1>>
-                   : rows_int4_a8<int4_a8_rows_avxvnni<4>, int4_a8_rows_avxvnni<1>>;
-  else if (bits & kAVX2)
-    rows = W.tiled ? rows_int4t_a8<int4t_a8_avx2<1>>
-                   : rows_int4_a8<int4_a8_rows_avx2<4>, int4_a8_rows_avx2<1>>;
+  if (bits & kAVX512VNNI) {
+    tiles = rows_int4t_a8<int4t_a8_avx512<1>>;
+    rows = rows_int4_a8<int4_a8_rows_avx512vnni<4>, int4_a8_rows_avx512vnni<1>>;
+  } else if (bits & kAVXVNNI) {
+    tiles = rows_int4t_a8<int4t_a8_avxvnni<1>>;
+    rows = rows_int4_a8<int4_a8_rows_avxvnni<4>, int4_a8_rows_avxvnni<1>>;
+  } else if (bits & kAVX2) {
+    tiles = rows_int4t_a8<int4t_a8_avx2<1>>;
+    rows = rows_int4_a8<int4_a8_rows_avx2<4>, int4_a8_rows_avx2<1>>;
+  }
 #endif
   const int64_t unit = W.tiled ? 8 : 1;                    // the loops take tiles of 8 rows, or rows
   const uint8_t* wp = static_cast<const uint8_t*>(W.w);
   at::parallel_for(0, N / unit, kGrain / unit, [&](int64_t a, int64_t b) {
-    rows(xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, a, b);
+    if (W.tiled) tiles(xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.terms, W.group, y, N, a, b);
+    else rows(xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, a, b);
   });
 }
 
@@ -1105,12 +1123,12 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
 #ifdef LLMINFER_X86
       if (avx512)
         return rows_int4t<int4t_tiles_avx512<2>, int4t_tiles_avx512<1>>(sums.xs.data(), sums.xsum.data(), M, K, wp,
-                                                                         W.scale, W.offset, W.group, y, N, t0, t1);
+                                                                         W.terms, W.group, y, N, t0, t1);
       if (avx2)
         return rows_int4t<int4t_tiles_avx2<2>, int4t_tiles_avx2<1>>(sums.xs.data(), sums.xsum.data(), M, K, wp,
-                                                                     W.scale, W.offset, W.group, y, N, t0, t1);
+                                                                     W.terms, W.group, y, N, t0, t1);
 #endif
-      rows_int4t_portable(x, sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, t0, t1);
+      rows_int4t_portable(x, sums.xsum.data(), M, K, wp, W.terms, W.group, y, N, t0, t1);
     });
     return;
   }

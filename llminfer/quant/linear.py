@@ -151,6 +151,21 @@ def _int4_pack_order(out_features: int, in_features: int, device) -> torch.Tenso
     return _PACK_ORDERS[key]
 
 
+def _half_terms(scale: torch.Tensor, offset: torch.Tensor, zeros: torch.Tensor | None, bits: int
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The native kernel's int4 terms (float32 scale and offset, w = q·scale + offset) as float16, where that
+    changes nothing: every scale a float16 value, and every offset one, or one that gives back the layer's own
+    zero point (zero = offset + 2^(b-1)·scale, as the layer rounds it). None otherwise (the terms stay float32)."""
+    s16, o16 = scale.half(), offset.half()
+    if not torch.equal(s16.float(), scale) or not torch.isfinite(o16).all():
+        return None
+    if not torch.equal(o16.float(), offset):
+        if zeros is None or zeros.dtype != torch.float32 or \
+                not torch.equal(o16.float() + 2 ** (bits - 1) * scale, zeros):
+            return None
+    return s16.contiguous(), o16.contiguous()
+
+
 class QuantizedLinear(nn.Module):
     """y = x · Wᵀ (+ bias) with W held as b-bit integer codes and float scales. Chapter 08.
 
@@ -219,10 +234,14 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("kernel_offset", None if bits == 8 else offsets.float().contiguous()
                                  if offsets is not None else
                                  (zeros.float() - 2 ** (bits - 1) * scale32).contiguous(), persistent=False)
+            if activations == "int8":                 # marks W4A8 in the native layer calls (llminfer.fast)
+                self.register_buffer("a8_marker", torch.ones(1), persistent=False)
             if bits == 4 and out_features % 8 == 0:
-                # int4 in tiles of 8 rows, the layout the fastest loops read (native_cpu.tile_int4)
+                # int4 in tiles of 8 rows, the layout the fastest loops read (native_cpu.tile_int4), with the
+                # terms in float16 where they are float16 values (as `quantize` makes them, and GGUF stores them)
+                terms = _half_terms(self.kernel_scale, self.kernel_offset, zeros, bits)
                 self.qweight, self.kernel_scale, self.kernel_offset = native_cpu.tile_int4(
-                    self.qweight, self.kernel_scale, self.kernel_offset)
+                    self.qweight, *(terms or (self.kernel_scale, self.kernel_offset)))
 
     # --- building ------------------------------------------------------------------------------------
 
@@ -233,7 +252,10 @@ class QuantizedLinear(nn.Module):
         """Quantizes an nn.Linear's weight (absmax for int8, min–max per group below). Chapter 08."""
         weight = linear.weight
         granularity = "channel" if group_size is None else "group"
-        qt = quantize_tensor(weight, bits, granularity, group_size)
+        # int4's scales and minimums are rounded to float16 values before the codes are chosen, as GGUF's Q4_1
+        # keeps them: the native kernel then reads 2 bytes a term instead of 4 (20 bytes a group of 32, not 24)
+        qt = quantize_tensor(weight, bits, granularity, group_size,
+                             terms_dtype=torch.float16 if bits == 4 else None)
         dtype = weight.dtype
         if bits == 8:
             zeros = None
@@ -332,6 +354,8 @@ class QuantizedLinear(nn.Module):
         """Bytes a forward reads: codes at `bits` per weight plus scales, zeros and bias."""
         n_groups = 1 if self.group_size is None else self.in_features // self.group_size
         element = torch.empty((), dtype=self.dtype).element_size()
+        if self.kernel == "native" and self.bits == 4:          # the terms as the kernel keeps them
+            element = self.kernel_scale.element_size()
         per_group = 1 if self.bits == 8 else 2
         bias = 0 if self.bias is None else self.bias.numel() * element
         return self.out_features * self.in_features * self.bits // 8 + \
@@ -345,9 +369,10 @@ class QuantizedLinear(nn.Module):
         few = x2.shape[0] <= KERNEL_MAX_TOKENS        # decode: the matrix-vector kernels
         native = self.kernel == "native" and x2.device.type == "cpu"
         if native and (few or native_cpu.blocked_prefill(self.qweight.dtype, x2.shape[0])):
-            offset = None if self.kernel_offset is None else self.kernel_offset.float()
-            # (.float(): a no-op unless the model was cast after quantizing, which casts these buffers too)
-            y = native_cpu.gemv(x2, self.qweight, self.kernel_scale.float(), offset, self.kernel_group,
+            # (.to(): a no-op unless the model was cast after quantizing, which casts these buffers too)
+            terms = self._kernel_terms_dtype()
+            offset = None if self.kernel_offset is None else self.kernel_offset.to(terms)
+            y = native_cpu.gemv(x2, self.qweight, self.kernel_scale.to(terms), offset, self.kernel_group,
                                 activations=self.activations if few else "float")
         elif self.kernel == "int8pack" and few:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)         # (tokens, N)
@@ -363,6 +388,10 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _kernel_terms_dtype(self) -> torch.dtype:
+        """float16 for int4 tiles whose terms the layer made float16, float32 otherwise (the native kernel's)."""
+        return torch.float16 if self.qweight.dim() == 3 and self.kernel_scale.dtype != torch.float32 else torch.float32
 
     def _dequantize_fallback(self, dtype: torch.dtype) -> torch.Tensor:
         return self.dequantized_weight(dtype)

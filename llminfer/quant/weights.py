@@ -72,12 +72,23 @@ class QuantizedTensor:
         return packed + 4 * extra
 
 
+def _rounded_to(values: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """values rounded to the nearest values of dtype (kept in their own dtype); where rounding would give 0 or
+    overflow (outside dtype's range), the value is kept."""
+    if dtype is None:
+        return values
+    rounded = values.to(dtype).to(values.dtype)
+    return torch.where(torch.isfinite(rounded) & ((rounded != 0) | (values == 0)), rounded, values)
+
+
 def quantize_tensor(weight: torch.Tensor, bits: int = 8, granularity: str = "channel", group_size: int | None = None,
-                    symmetric: bool | None = None) -> QuantizedTensor:
+                    symmetric: bool | None = None, terms_dtype: torch.dtype | None = None) -> QuantizedTensor:
     """Returns the b-bit codes of weight (rows, cols), rounded to the nearest step, and their scales. Chapter 08.
 
     granularity: 'tensor' (one scale), 'channel' (one per output row) or 'group' (one per group_size inputs).
     symmetric defaults to True for 8 bits (absmax) and False below (min–max with an offset).
+    terms_dtype (e.g. torch.float16, as GGUF stores them): scales and offsets are rounded to values of that dtype
+    before the codes are chosen, so the codes fit the terms as kept; a value outside its range stays as it is.
     """
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"quantize_tensor takes a 2-D (out_features, in_features) weight, got "
@@ -93,7 +104,7 @@ def quantize_tensor(weight: torch.Tensor, bits: int = 8, granularity: str = "cha
     lo, hi = qrange(bits, symmetric)
     if symmetric:
         absmax = blocks.abs().amax(-1) if granularity != "tensor" else w.abs().amax().expand(rows, 1)
-        scales = (absmax / hi).clamp(min=_TINY)                                  # (rows, n_blocks)
+        scales = _rounded_to((absmax / hi).clamp(min=_TINY), terms_dtype)        # (rows, n_blocks)
         codes = torch.round(blocks / scales[..., None]).clamp(lo, hi).to(torch.int8)
         offsets = None
     else:
@@ -101,8 +112,8 @@ def quantize_tensor(weight: torch.Tensor, bits: int = 8, granularity: str = "cha
             low, high = w.amin().expand(rows, 1), w.amax().expand(rows, 1)
         else:
             low, high = blocks.amin(-1), blocks.amax(-1)                         # (rows, n_blocks)
-        scales = ((high - low) / hi).clamp(min=_TINY)
-        offsets = low.clone()
+        scales = _rounded_to(((high - low) / hi).clamp(min=_TINY), terms_dtype)
+        offsets = _rounded_to(low.clone(), terms_dtype)
         codes = torch.round((blocks - offsets[..., None]) / scales[..., None]).clamp(lo, hi).to(torch.uint8)
     return QuantizedTensor(codes.reshape(rows, cols), scales.contiguous(), offsets, bits, block,
                            per_tensor=granularity == "tensor")
