@@ -99,6 +99,11 @@ def _cases(generator):
     tiled = cpu.tile_int4((codes40[:, 0::2] | (codes40[:, 1::2] << 4)).contiguous(), scale40, offset40)
     int4_tiled = (codes40.double().view(40, k // 32, 32) * scale40.double()[..., None]
                   + offset40.double()[..., None]).view(40, k)
+    # the same codes with float16 terms (as the quantized layers keep them): 2 bytes each, widened by vcvtph2ps
+    scale16, offset16 = scale40.half(), offset40.half()
+    tiled16 = cpu.tile_int4((codes40[:, 0::2] | (codes40[:, 1::2] << 4)).contiguous(), scale16, offset16)
+    int4_tiled16 = (codes40.double().view(40, k // 32, 32) * scale16.double()[..., None]
+                    + offset16.double()[..., None]).view(40, k)
     cases = {
         "f32": ((w,), w.double()),
         "bf16": ((w.bfloat16(),), w.bfloat16().double()),
@@ -106,6 +111,7 @@ def _cases(generator):
         "int8_g32": ((q, s_group), (q.double().view(n, k // 32, 32) * s_group.double()[..., None]).view(n, k)),
         "int4": ((nibbles, scale, offset, 64), int4),
         "int4_tiled": ((*tiled, 32), int4_tiled),
+        "int4_tiled16": ((*tiled16, 32), int4_tiled16),
     }
     return x, cases
 
@@ -121,7 +127,7 @@ _RUN_LEVEL = textwrap.dedent("""
         xr = x.repeat(7, 1)[:rows]
         for name, (args, _) in cases.items():
             out[f"{name}/{rows}"] = cpu.gemv(xr, *args).tolist()
-        for name in ("int4", "int4_tiled"):
+        for name in ("int4", "int4_tiled", "int4_tiled16"):
             out[f"w4a8/{name}/{rows}"] = cpu.gemv(xr, *cases[name][0], activations="int8").tolist()
         # x already bfloat16 (a bfloat16 model's activations): the vdpbf16ps loops take it where the CPU has them
         out[f"bf16_x/{rows}"] = cpu.gemv(xr.bfloat16().float(), *cases["bf16"][0]).tolist()
@@ -155,7 +161,7 @@ def test_every_level_this_cpu_runs_matches_the_float64_reference(level):
         reference = xr.bfloat16().double() @ cases["bf16"][1].T
         got = torch.tensor(there[f"bf16_x/{rows}"], dtype=torch.float64)
         assert float((got - reference).abs().max()) < 1e-4 * float(reference.abs().max()), (level, "bf16_x", rows)
-        for name in ("int4", "int4_tiled"):
+        for name in ("int4", "int4_tiled", "int4_tiled16"):
             w4a8 = torch.tensor(there[f"w4a8/{name}/{rows}"], dtype=torch.float64)
             reference = xr @ cases[name][1].T
             error = float((w4a8 - reference).abs().max() / reference.abs().max())
@@ -165,6 +171,12 @@ def test_every_level_this_cpu_runs_matches_the_float64_reference(level):
         nibbles, scale, offset = cpu.untile_int4(*cases["int4_tiled"][0][:3])
         rowmajor = cpu.gemv(x.repeat(7, 1)[:rows], nibbles, scale, offset, 32, activations="int8").double()
         assert float((tiled - rowmajor).abs().max()) < 1e-5 * float(rowmajor.abs().max()), (level, rows)
+        # float16 terms give what float32 ones of the same values give
+        tiled16 = torch.tensor(there[f"w4a8/int4_tiled16/{rows}"], dtype=torch.float64)
+        nibbles, scale, offset = cpu.untile_int4(*cases["int4_tiled16"][0][:3])
+        rowmajor = cpu.gemv(x.repeat(7, 1)[:rows], nibbles, scale.float(), offset.float(), 32,
+                            activations="int8").double()
+        assert float((tiled16 - rowmajor).abs().max()) < 1e-5 * float(rowmajor.abs().max()), (level, rows)
 
 
 def test_int4_tiles_round_trip_and_the_layers_keep_their_codes():

@@ -307,8 +307,10 @@ def _machine_key(level: str) -> str:
 # The decode loops' choice. Each weight format's matrix-vector loops exist at several levels, and the widest is not
 # always the fastest: on a Zen 4 (512-bit operations run as two 256-bit halves) the AVX2 loops stream float32 and
 # bfloat16 weights faster than the AVX-512 ones. So when the kernels load, each format's candidate loops (those of
-# MATVEC_CANDIDATES that this process runs) take turns on a weight of MATVEC_PROBE_BYTES, about twice a server's last-
-# level cache, and the fastest median wins (`choose_fastest`). The answers are kept beside the kernel build, keyed by
+# MATVEC_CANDIDATES that this process runs) take turns on MATVEC_PROBE_BYTES of weights, about twice a server's last-
+# level cache, and the fastest median wins (`choose_fastest`). The bytes are read as a decode step reads them, in
+# products of MATVEC_PRODUCT_BYTES one after the other: a loop can win on one large matrix and lose on a step's
+# small ones (each starts a new stream cold), as the W4A8 loop on 512-bit registers does on a Zen 4. The answers are kept beside the kernel build, keyed by
 # CPU, level and thread count at load, so a machine measures once. With LLMINFER_ISA set, nothing is measured: every
 # format runs the forced level's own loops (so each level's loops can be tested on any machine that has it).
 MATVEC_CANDIDATES: dict[str, tuple[int, tuple[str, ...]]] = {     # format -> (MatvecKind in C++, levels)
@@ -319,6 +321,7 @@ MATVEC_CANDIDATES: dict[str, tuple[int, tuple[str, ...]]] = {     # format -> (M
     "int4a8": (4, ("avx2", "avx_vnni", "avx512_vnni")),
 }
 MATVEC_PROBE_BYTES = 64 << 20
+MATVEC_PRODUCT_BYTES = 1 << 20          # a 135M model's decode step: products of 0.2 to 3.5 MB
 _matvec: dict = {"choices": {}}
 
 
@@ -345,8 +348,9 @@ def _level_bits(level: str, choice: IsaChoice) -> int:
     return sum(KERNEL_LEVELS[name][0] for name in choice.features if order.index(name) <= order.index(level))
 
 
-def _matvec_probe(name: str) -> tuple[list, str, torch.Tensor]:
-    """A random weight of about MATVEC_PROBE_BYTES in format `name`, as gemv takes it, its activations and x."""
+def _matvec_probe(name: str) -> tuple[list[list], str, torch.Tensor]:
+    """Random weights of about MATVEC_PROBE_BYTES in all in format `name`, as products of about MATVEC_PRODUCT_BYTES
+    (each a list of gemv's arguments after x: views of one block on 2 MiB pages), their activations and x."""
     from ..device import huge_page_empty
 
     generator = torch.Generator().manual_seed(0)
@@ -358,22 +362,31 @@ def _matvec_probe(name: str) -> tuple[list, str, torch.Tensor]:
         out = huge_page_empty(tuple(t.shape), t.dtype)
         return t if out is None else out.copy_(t)
 
+    rows = max(8, MATVEC_PRODUCT_BYTES // per_row // 8 * 8)      # rows a product
     x = torch.randn(1, K, generator=generator)
+
+    def products(*whole: torch.Tensor, per_row_of: tuple[int, ...], extra: tuple = ()) -> list[list]:
+        """Views of `whole` (sliced along dim 0, `per_row_of` rows of W an entry) `rows` rows of W at a time."""
+        return [[t[n // step:(n + rows) // step] for t, step in zip(whole, per_row_of)] + list(extra)
+                for n in range(0, N - rows + 1, rows)]
+
     if name in ("float32", "bfloat16"):
-        weight = torch.rand(N, K, generator=generator) - 0.5
-        return [placed(weight.to(getattr(torch, name)))], "float", x.to(getattr(torch, name))
+        weight = placed((torch.rand(N, K, generator=generator) - 0.5).to(getattr(torch, name)))
+        return products(weight, per_row_of=(1,)), "float", x.to(getattr(torch, name))
     if name == "int8":
-        return [placed(torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator)),
-                torch.rand(N, generator=generator)], "float", x
+        codes = placed(torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator))
+        return products(codes, torch.rand(N, generator=generator), per_row_of=(1, 1)), "float", x
     nibbles = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=generator)
     # float16 terms, as the quantized layers keep them
     scale, offset = (torch.rand(N, K // 32, generator=generator).half() for _ in range(2))
-    return [*(placed(t) for t in tile_int4(nibbles, scale, offset)), 32], "int8" if name == "int4a8" else "float", x
+    tiles = [placed(t) for t in tile_int4(nibbles, scale, offset)]
+    return products(*tiles, per_row_of=(8, 8, 8), extra=(32,)), "int8" if name == "int4a8" else "float", x
 
 
 def measure_matvec(name: str, levels: tuple[str, ...], repeats: int = 5) -> dict[str, list[float]]:
-    """Returns seconds per product of one row with a MATVEC_PROBE_BYTES weight of format `name`, by level, the
-    levels taking turns (after one warm-up each); the format's loops are left as they were. Appendix A1."""
+    """Returns the seconds to multiply one row by MATVEC_PROBE_BYTES of weights in format `name` (products of
+    MATVEC_PRODUCT_BYTES one after the other), by level, the levels taking turns (after one warm-up each); the
+    format's loops are left as they were. Appendix A1."""
     _require()
     choice, (kind, _) = _state["isa"], MATVEC_CANDIDATES[name]
     unknown = [level for level in levels if level not in matvec_candidates(name, choice)]
@@ -381,7 +394,7 @@ def measure_matvec(name: str, levels: tuple[str, ...], repeats: int = 5) -> dict
         raise ValueError(f"{unknown} are not levels this process runs {name} loops at; choose from "
                          f"{matvec_candidates(name, choice)}")
     before = int(torch.ops.llminfer.matvec_features(kind))
-    parts, activations, x = _matvec_probe(name)
+    products, activations, x = _matvec_probe(name)
     timings: dict[str, list[float]] = {level: [] for level in levels}
     try:
         with torch.inference_mode():
@@ -389,7 +402,8 @@ def measure_matvec(name: str, levels: tuple[str, ...], repeats: int = 5) -> dict
                 for level in levels:
                     torch.ops.llminfer.set_matvec_features(kind, _level_bits(level, choice))
                     start = time.perf_counter()
-                    gemv(x, *parts, activations=activations)
+                    for parts in products:
+                        gemv(x, *parts, activations=activations)
                     if round_index:                          # the first round warms up
                         timings[level].append(time.perf_counter() - start)
     finally:

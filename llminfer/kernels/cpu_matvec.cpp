@@ -688,71 +688,66 @@ LLMINFER_INT4T_A8(int4t_a8_avxvnni, "avx2,fma,f16c,avxvnni", , _mm256_dpbusd_avx
 #undef LLMINFER_INT4T_A8
 
 // W4A8 on 512-bit registers (AVX512-VNNI): one 64-byte load brings two chunks of a tile, as in the weight-only
-// loop above; the x bytes of each half come from one vpermd of the 16 inputs' bytes (lanes 0-7 the first chunk's
-// even or odd four, lanes 8-15 the second's), shared by the tiles. vpdpbusd sums each row's products into int32,
-// the halves are summed once per block, before the conversion.
-template <int T>
-__attribute__((target(LLMINFER_AVX512_TILES ",avx512vnni"))) void int4t_a8_avx512(
-    const int8_t* xq, const float* dx, const float* xsum, int64_t K, const uint8_t* w, Terms terms, int64_t group,
-    int64_t tile, float* out) {
-  const int64_t G = K / group, term_bytes = terms.half ? 2 : 4;
-  const char* scale = static_cast<const char*>(terms.scale);
-  const char* offset = static_cast<const char*>(terms.offset);
-  const __m512i low = _mm512_set1_epi8(0x0F);
+// loop above. The x bytes each half multiplies are laid out once per product (`int4t_a8_spread_avx512`: per 16
+// inputs, 64 bytes of the even fours, lanes 0-7 the first chunk's and 8-15 the second's, then 64 of the odd ones),
+// so the two vpdpbusd read them straight from L1. Per 32 inputs a tile then takes 12 instructions (a load, the
+// nibbles by AND and shift, and two vpdpbusd, twice) and one conversion and one FMA by dx on all 16 lanes; per
+// group one FMA by the 8 rows' scales (both halves), and the halves are summed once, at the end.
+__attribute__((target(LLMINFER_AVX512_TILES))) void int4t_a8_spread_avx512(const int8_t* xq, int64_t K,
+                                                                          int8_t* spread) {
   const __m512i pick_even = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
   const __m512i pick_odd = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
-  const uint8_t* codes[T];
-  for (int t = 0; t < T; ++t) codes[t] = w + (tile + t) * (K / 8) * 32;
-  const int64_t ahead = T * (K / 8) * 32;
-  __m256 total[T], off[T];
-  for (int t = 0; t < T; ++t) total[t] = off[t] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m256 acc[T];
-    for (int t = 0; t < T; ++t) {
-      acc[t] = _mm256_setzero_ps();
-      _mm_prefetch(scale + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);
-      _mm_prefetch(offset + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);
-    }
-    for (int64_t b = g * group; b < (g + 1) * group; b += 32) {
-      __m512i sum[T];
-      for (int t = 0; t < T; ++t) sum[t] = _mm512_setzero_si512();
-      for (int64_t k = b; k < b + 32; k += 16) {
-        const __m512i xk = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + k)));
-        const __m512i xe = _mm512_permutexvar_epi32(pick_even, xk), xo = _mm512_permutexvar_epi32(pick_odd, xk);
-        for (int t = 0; t < T; ++t) {
-          _mm_prefetch(reinterpret_cast<const char*>(codes[t] + ahead + k * 4), _MM_HINT_T0);
-          const __m512i v = _mm512_loadu_si512(codes[t] + k * 4);
-          const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          sum[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum[t], lo, xe), hi, xo);
-        }
-      }
-      const __m256 step = _mm256_set1_ps(dx[b / 32]);
-      for (int t = 0; t < T; ++t) {
-        const __m256i both = _mm256_add_epi32(_mm512_castsi512_si256(sum[t]), _mm512_extracti64x4_epi64(sum[t], 1));
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(both), step, acc[t]);
-      }
-    }
-    const __m256 xg = _mm256_broadcast_ss(xsum + g);
-    for (int t = 0; t < T; ++t) {
-      const int64_t at = ((tile + t) * G + g) * 8;
-      total[t] = _mm256_fmadd_ps(acc[t], terms8(terms.scale, terms.half, at), total[t]);
-      off[t] = _mm256_fmadd_ps(terms8(terms.offset, terms.half, at), xg, off[t]);
-    }
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512i xk = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + k)));
+    _mm512_storeu_si512(spread + k * 8, _mm512_permutexvar_epi32(pick_even, xk));
+    _mm512_storeu_si512(spread + k * 8 + 64, _mm512_permutexvar_epi32(pick_odd, xk));
   }
-  for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(total[t], off[t]));
+}
+
+template <int T>
+__attribute__((target(LLMINFER_AVX512_TILES ",avx512vnni"))) void int4t_a8_avx512(
+    const int8_t* spread, const float* dx, const float* xsum, int64_t K, const uint8_t* w, Terms terms, int64_t group,
+    int64_t tile, float* out) {
+  static_assert(T == 1, "one tile at a time");
+  const int64_t G = K / group;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const uint8_t* codes = w + tile * (K / 8) * 32;
+  const int64_t ahead = 2 * (K / 8) * 32;                 // bytes from a tile to the one after the next
+  __m512 total = _mm512_setzero_ps();                     // lanes 0-7 and 8-15: the 8 rows, a half each
+  __m256 off = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = g * group; b < (g + 1) * group; b += 32) {
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t k = b; k < b + 32; k += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(codes + ahead + k * 4), _MM_HINT_T0);   // the next tile's line
+        const __m512i v = _mm512_loadu_si512(codes + k * 4);
+        const int8_t* xk = spread + k * 8;
+        sum = _mm512_dpbusd_epi32(sum, _mm512_and_si512(v, low), _mm512_loadu_si512(xk));
+        sum = _mm512_dpbusd_epi32(sum, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_loadu_si512(xk + 64));
+      }
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dx[b / 32]), acc);
+    }
+    const int64_t at = (tile * G + g) * 8;
+    const __m512 scales = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(terms8(terms.scale, terms.half, at))));
+    total = _mm512_fmadd_ps(acc, scales, total);
+    off = _mm256_fmadd_ps(terms8(terms.offset, terms.half, at), _mm256_set1_ps(xsum[g]), off);
+  }
+  _mm256_storeu_ps(out, _mm256_add_ps(halves_sum(total), off));
 }
 
 // tiles [t0, t1) of y (M, N) for W4A8, one tile at a time: its loop is short enough that two tiles' streams at
 // once (as the float loops read them) slowed it from memory, to below one tile's pace, on a Zen 4
+// (xq: each row of x as `Tile` reads it, `spread` bytes an input: 1 for xq itself, 8 for the 512-bit loop's layout)
 template <void (*Tile)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, Terms, int64_t, int64_t,
-                       float*)>
+                       float*), int64_t spread = 1>
 void rows_int4t_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
                    Terms terms, int64_t group, float* y, int64_t N, int64_t t0, int64_t t1) {
   const int64_t G = K / group, B = K / 32;
   float out[8];
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t m = 0; m < M; ++m) {
-      Tile(xq + m * K, dx + m * B, xsum + m * G, K, w, terms, group, t, out);
+      Tile(xq + m * K * spread, dx + m * B, xsum + m * G, K, w, terms, group, t, out);
       std::memcpy(y + m * N + t * 8, out, 8 * sizeof(float));
     }
 }
@@ -1088,8 +1083,13 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y) {
   Tiles tiles = rows_int4t_a8_portable;
   const int64_t bits = matvec_features(kMatvecI4A8);
 #ifdef LLMINFER_X86
+  std::vector<int8_t> spread;                              // the 512-bit tile loop's layout of xq
   if (bits & kAVX512VNNI) {
-    tiles = rows_int4t_a8<int4t_a8_avx512<1>>;
+    tiles = rows_int4t_a8<int4t_a8_avx512<1>, 8>;
+    if (W.tiled) {
+      spread.resize(M * K * 8);
+      for (int64_t m = 0; m < M; ++m) int4t_a8_spread_avx512(xq.data() + m * K, K, spread.data() + m * K * 8);
+    }
     rows = rows_int4_a8<int4_a8_rows_avx512vnni<4>, int4_a8_rows_avx512vnni<1>>;
   } else if (bits & kAVXVNNI) {
     tiles = rows_int4t_a8<int4t_a8_avxvnni<1>>;
@@ -1102,7 +1102,8 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y) {
   const int64_t unit = W.tiled ? 8 : 1;                    // the loops take tiles of 8 rows, or rows
   const uint8_t* wp = static_cast<const uint8_t*>(W.w);
   at::parallel_for(0, N / unit, kGrain / unit, [&](int64_t a, int64_t b) {
-    if (W.tiled) tiles(xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.terms, W.group, y, N, a, b);
+    if (W.tiled) tiles(spread.empty() ? xq.data() : spread.data(), dx.data(), sums.xsum.data(), M, K, wp, W.terms,
+                       W.group, y, N, a, b);
     else rows(xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, a, b);
   });
 }
