@@ -168,9 +168,9 @@ def _native_parts(linear: nn.Module, dtype: torch.dtype) -> list[torch.Tensor] |
         parts = [linear.qweight, linear.kernel_scale]
         if linear.bits == 8:
             return parts
-        # W4A8: a fourth, one-element tensor (the layer's own, so a compiled step holds it as a constant rather than
-        # slicing one out every step) marks int8 activations for the native layer calls
-        return parts + [linear.kernel_offset] + ([linear.a8_marker] if linear.activations == "int8" else [])
+        # W4A8: a fourth tensor marks int8 activations for the native layer calls. It is the codes again: a tensor
+        # made for the purpose (a slice, a small buffer) is one a compiled step materialises anew at every step
+        return parts + [linear.kernel_offset] + ([linear.qweight] if linear.activations == "int8" else [])
     return None
 
 

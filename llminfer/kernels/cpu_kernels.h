@@ -178,7 +178,7 @@ Weight int4_weight(const at::Tensor& w, const at::Tensor& scale, const at::Tenso
 // A linear given as its parts: [weight] (float32 or bfloat16), [codes, scale] (int8, the group size read from
 // the scale's shape), [nibbles, scale, offset] (int4, likewise; row-major (N, K/2) nibbles with (N, G) scales, or
 // tiles of 8 rows: (N/8, K/8, 32) codes with (N/8, G, 8) scales) or [nibbles, scale, offset, marker] (int4 with
-// int8 activations; the marker is any one-element tensor).
+// int8 activations; the marker is any tensor: the layers pass their codes again, which makes no new tensor a step).
 Weight weight_from_parts(at::TensorList parts, const char* op);
 
 // y (M, N) = x (M, K) · Wᵀ, all float32 and contiguous: the matrix-vector loops for a few rows, the blocked

@@ -1005,7 +1005,7 @@ Weight int4_weight(const at::Tensor& w, const at::Tensor& scale, const at::Tenso
 
 // A linear given as its parts: [weight] (float32 or bfloat16), [codes, scale] (int8, the group size read from
 // the scale's shape), [nibbles, scale, offset] (int4, likewise) or [nibbles, scale, offset, marker] (int4 with
-// int8 activations).
+// int8 activations; the marker is any tensor).
 Weight weight_from_parts(at::TensorList parts, const char* op) {
   TORCH_CHECK(!parts.empty() && parts.size() <= 4, op, ": a linear is [weight], [codes, scale], "
               "[nibbles, scale, offset] or [nibbles, scale, offset, marker], got ", parts.size(), " tensors");
@@ -1020,10 +1020,7 @@ Weight weight_from_parts(at::TensorList parts, const char* op) {
               ": int4 scales must be (N, groups) or, for tiled codes, (N/8, groups, 8)");
   const int64_t K = w.dim() == 3 ? w.size(1) * 8 : w.size(1) * 2;
   Weight W = int4_weight(w, parts[1], parts[2], K / parts[1].size(1), op);
-  if (parts.size() == 4) {
-    TORCH_CHECK(parts[3].numel() == 1, op, ": the int8-activation marker must be a one-element tensor");
-    W.int8_activations = true;
-  }
+  W.int8_activations = parts.size() == 4;               // the marker: any tensor (the layers pass their codes again)
   return W;
 }
 

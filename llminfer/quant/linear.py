@@ -234,8 +234,6 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("kernel_offset", None if bits == 8 else offsets.float().contiguous()
                                  if offsets is not None else
                                  (zeros.float() - 2 ** (bits - 1) * scale32).contiguous(), persistent=False)
-            if activations == "int8":                 # marks W4A8 in the native layer calls (llminfer.fast)
-                self.register_buffer("a8_marker", torch.ones(1), persistent=False)
             if bits == 4 and out_features % 8 == 0:
                 # int4 in tiles of 8 rows, the layout the fastest loops read (native_cpu.tile_int4), with the
                 # terms in float16 where they are float16 values (as `quantize` makes them, and GGUF stores them)
