@@ -458,10 +458,14 @@ def matvec_choices() -> dict[str, dict]:
 
 # The prefill choice. For each (weight dtype, rows) the first product asks: does the blocked kernel or torch's
 # matmul (after dequantizing, for int8/int4 weights: what the modules do) run a product of that many rows faster
-# on this machine? A short timing answers, on a (PREFILL_PROBE_SHAPE) weight, once per process; the answers are
+# on this machine? A short timing answers, on a layer's products (PREFILL_PROBE_SHAPES), once per process; the answers are
 # also kept beside the kernel build, keyed by CPU, level and threads (`prefill_choices()` reports them).
 PREFILL_PATHS = ("blocked", "torch")
-PREFILL_PROBE_SHAPE = (1536, 576)          # (N, K): SmolLM2-135M's gate_up half; the choice is per dtype and rows
+PREFILL_PROBE_SHAPE = (1536, 576)          # (N, K): SmolLM2-135M's gate_up half (the decode loops' probe width)
+# The prefill choice times a whole layer's products, in turn, as a prefill runs them: SmolLM2-135M's fused qkv, o,
+# gate_up and down. One product alone (warm in cache, one shape) chose torch's matmul on a Zen 4 where the blocked
+# kernel ran the whole model's prefill 1.5 times faster. The choice is per dtype and rows.
+PREFILL_PROBE_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 PREFILL_ENV = "LLMINFER_PREFILL"           # 'blocked' or 'torch' forces the path (for comparisons); unset: measured
 _prefill: dict = {"choices": {}, "forced": None, "loaded_from_disk": False}
 
@@ -485,12 +489,13 @@ def choose_prefill(timings: dict[str, list[float]]) -> str:
     return "blocked" if blocked < plain else "torch"
 
 
-def _probe_weight(dtype: torch.dtype) -> tuple[list[torch.Tensor], callable]:
-    """A random (PREFILL_PROBE_SHAPE) weight of dtype as the kernel takes it, and the modules' product for x."""
+def _probe_weight(dtype: torch.dtype, shape: tuple[int, int] = PREFILL_PROBE_SHAPE,
+                  seed: int = 0) -> tuple[list[torch.Tensor], callable]:
+    """A random (N, K) = `shape` weight of dtype as the kernel takes it, and the modules' product for x."""
     import torch.nn.functional as F
 
-    generator = torch.Generator().manual_seed(0)
-    N, K = PREFILL_PROBE_SHAPE
+    generator = torch.Generator().manual_seed(seed)
+    N, K = shape
     if dtype in (torch.float32, torch.bfloat16):
         weight = torch.randn(N, K, generator=generator).to(dtype)
         return [weight], lambda x: F.linear(x, weight)
@@ -512,13 +517,17 @@ def _probe_weight(dtype: torch.dtype) -> tuple[list[torch.Tensor], callable]:
 
 
 def measure_prefill(dtype: torch.dtype, rows: int, repeats: int = 5) -> dict[str, list[float]]:
-    """Returns seconds per product of `rows` x rows with a PREFILL_PROBE_SHAPE weight of dtype, by path, the two
-    paths taking turns (after one warm-up each). Appendix A1."""
+    """Returns the seconds to multiply `rows` rows of x by the weights of PREFILL_PROBE_SHAPES (a layer's products,
+    one after the other) in dtype, by path, the two paths taking turns (after one warm-up each). Appendix A1."""
     _require()
-    parts, modules = _probe_weight(dtype)
-    x = torch.randn(rows, PREFILL_PROBE_SHAPE[1], generator=torch.Generator().manual_seed(1))
-    x = x.to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
-    run = {"blocked": lambda: gemv(x, *parts), "torch": lambda: modules(x)}
+    x_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    products = []
+    for seed, shape in enumerate(PREFILL_PROBE_SHAPES):
+        parts, modules = _probe_weight(dtype, shape, seed)
+        x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(100 + seed)).to(x_dtype)
+        products.append((parts, modules, x))
+    run = {"blocked": lambda: [gemv(x, *parts) for parts, _, x in products],
+           "torch": lambda: [modules(x) for _, modules, x in products]}
     timings: dict[str, list[float]] = {path: [] for path in PREFILL_PATHS}
     with torch.inference_mode():
         for path in PREFILL_PATHS:
