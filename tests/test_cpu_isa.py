@@ -324,6 +324,52 @@ def test_a_quantized_stack_takes_the_prefill_path_measured_for_its_own_weights(m
         assert fast._step_fits(x, cos, cpu.attention_backend) is None          # float32's own choice: torch
 
 
+def test_answers_kept_from_another_probe_are_timed_again(monkeypatch, tmp_path):
+    """A kept answer names the probe that timed it; one timed on another probe (an earlier version's) is measured
+    again, for the prefill and for the decode loops alike."""
+    import dataclasses
+
+    assert cpu.available(), cpu.why_unavailable()
+    if cpu.isa() == "portable":                              # no vector loops: nothing is ever timed
+        assert cpu.matvec_candidates("int8") == () and not cpu.blocked_prefill(torch.float32, 128)
+        return
+    calls = []
+    monkeypatch.setattr(cpu, "measure_prefill", lambda dtype, rows, repeats=5: calls.append(dtype) or
+                        {"blocked": [1.0], "torch": [2.0]})
+    monkeypatch.setattr(cpu, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
+    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
+    monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
+    key = cpu._choice_key(torch.float32, 128)
+    stale = {key: {"path": "torch", "probe": "one product 1536x576", "median_s": {"blocked": 2.0, "torch": 1.0}}}
+    (tmp_path / "prefill_choices.json").write_text(json.dumps(stale))
+    assert cpu.prefill_path(torch.float32, 128) == "blocked" and calls == [torch.float32]
+    assert json.loads((tmp_path / "prefill_choices.json").read_text())[key]["probe"] == cpu.PREFILL_PROBE
+    monkeypatch.setattr(cpu, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
+    assert cpu.prefill_path(torch.float32, 128) == "blocked" and calls == [torch.float32]     # kept: not again
+
+    several = [name for name in cpu.MATVEC_CANDIDATES if len(cpu.matvec_candidates(name)) > 1]
+    if not several:
+        return
+    name = several[0]
+    levels = cpu.matvec_candidates(name)
+    here = dataclasses.replace(cpu._state["isa"], forced=False)
+    kinds = [k for k, _ in cpu.MATVEC_CANDIDATES.values()]
+    before, saved_choices = {k: int(torch.ops.llminfer.matvec_features(k)) for k in kinds}, cpu.matvec_choices()
+    timed = []
+    monkeypatch.setattr(cpu, "measure_matvec", lambda n, lv, repeats=5: timed.append(n) or
+                        {level: [1.0 if level == lv[0] else 2.0] for level in lv})
+    kept_key = f"{cpu._machine_key(here.level)}|{name}"
+    (tmp_path / "matvec_choices.json").write_text(json.dumps({kept_key: {"level": levels[-1], "median_s": {}}}))
+    try:
+        cpu._choose_matvec(here)
+        assert name in timed and cpu.matvec_choices()[name]["level"] == levels[0]
+        assert json.loads((tmp_path / "matvec_choices.json").read_text())[kept_key]["probe"] == cpu.MATVEC_PROBE
+    finally:
+        for k, bits in before.items():                        # every format's loops as they were
+            torch.ops.llminfer.set_matvec_features(k, bits)
+        cpu._matvec["choices"] = saved_choices
+
+
 def test_measure_prefill_times_both_paths_in_turn():
     timings = cpu.measure_prefill(torch.uint8, 16, repeats=2)
     assert sorted(timings) == ["blocked", "torch"] and all(len(t) == 2 and min(t) > 0 for t in timings.values())

@@ -322,6 +322,8 @@ MATVEC_CANDIDATES: dict[str, tuple[int, tuple[str, ...]]] = {     # format -> (M
 }
 MATVEC_PROBE_BYTES = 64 << 20
 MATVEC_PRODUCT_BYTES = 1 << 20          # a 135M model's decode step: products of 0.2 to 3.5 MB
+# what a kept answer was timed on: an answer timed otherwise (an earlier version's probe) is timed again
+MATVEC_PROBE = f"{MATVEC_PROBE_BYTES >> 20} MiB as products of {MATVEC_PRODUCT_BYTES >> 10} KiB"
 _matvec: dict = {"choices": {}}
 
 
@@ -427,9 +429,10 @@ def _choose_matvec(choice: IsaChoice, fresh: bool = False) -> None:
             _matvec["choices"][name] = {"level": levels[-1], "measured": False}
             continue
         key = f"{_machine_key(choice.level)}|{name}"
-        if fresh or key not in kept or kept[key].get("level") not in levels:
+        if (fresh or key not in kept or kept[key].get("level") not in levels
+                or kept[key].get("probe") != MATVEC_PROBE):
             timings = measure_matvec(name, levels)
-            kept[key] = {"level": choose_fastest(timings),
+            kept[key] = {"level": choose_fastest(timings), "probe": MATVEC_PROBE,
                          "median_s": {level: statistics.median(t) for level, t in timings.items()}}
             changed = True
         torch.ops.llminfer.set_matvec_features(kind, _level_bits(kept[key]["level"], choice))
@@ -466,6 +469,8 @@ PREFILL_PROBE_SHAPE = (1536, 576)          # (N, K): SmolLM2-135M's gate_up half
 # gate_up and down. One product alone (warm in cache, one shape) chose torch's matmul on a Zen 4 where the blocked
 # kernel ran the whole model's prefill 1.5 times faster. The choice is per dtype and rows.
 PREFILL_PROBE_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+# what a kept answer was timed on (an answer timed otherwise, by an earlier version, is timed again)
+PREFILL_PROBE = "products " + ", ".join(f"{n}x{k}" for n, k in PREFILL_PROBE_SHAPES)
 PREFILL_ENV = "LLMINFER_PREFILL"           # 'blocked' or 'torch' forces the path (for comparisons); unset: measured
 _prefill: dict = {"choices": {}, "forced": None, "loaded_from_disk": False}
 
@@ -561,11 +566,12 @@ def prefill_path(weight_dtype: torch.dtype = torch.float32, rows: int = 128) -> 
         with _lock:
             path = _kept_file("prefill_choices.json")
             if not _prefill["loaded_from_disk"]:
-                choices.update({k: v for k, v in _read_kept(path).items() if k not in choices})
+                choices.update({k: v for k, v in _read_kept(path).items()
+                                if k not in choices and v.get("probe") == PREFILL_PROBE})
                 _prefill["loaded_from_disk"] = True
             if key not in choices:
                 timings = measure_prefill(weight_dtype, rows_bucket(rows))
-                choices[key] = {"path": choose_prefill(timings),
+                choices[key] = {"path": choose_prefill(timings), "probe": PREFILL_PROBE,
                                 "median_s": {p: statistics.median(t) for p, t in timings.items()}}
                 _write_kept(path, choices)
     return choices[key]["path"]
