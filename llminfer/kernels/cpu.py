@@ -310,9 +310,10 @@ def _machine_key(level: str) -> str:
 # MATVEC_CANDIDATES that this process runs) take turns on MATVEC_PROBE_BYTES of weights, about twice a server's last-
 # level cache, and the fastest median wins (`choose_fastest`). The bytes are read as a decode step reads them, in
 # products of MATVEC_PRODUCT_BYTES one after the other: a loop can win on one large matrix and lose on a step's
-# small ones (each starts a new stream cold), as the W4A8 loop on 512-bit registers does on a Zen 4. The answers are kept beside the kernel build, keyed by
-# CPU, level and thread count at load, so a machine measures once. With LLMINFER_ISA set, nothing is measured: every
-# format runs the forced level's own loops (so each level's loops can be tested on any machine that has it).
+# small ones (each starts a new stream cold), as the W4A8 loop on 512-bit registers does on a Zen 4. The answers are
+# kept beside the kernel build, keyed by CPU, level and thread count at load, so a machine measures once. With
+# LLMINFER_ISA set, nothing is measured: every format runs the forced level's own loops (so each level's loops can be
+# tested on any machine that has it).
 MATVEC_CANDIDATES: dict[str, tuple[int, tuple[str, ...]]] = {     # format -> (MatvecKind in C++, levels)
     "float32": (0, ("avx2", "avx512")),
     "bfloat16": (1, ("avx2", "avx512", "avx512_bf16")),
@@ -461,8 +462,8 @@ def matvec_choices() -> dict[str, dict]:
 
 # The prefill choice. For each (weight dtype, rows) the first product asks: does the blocked kernel or torch's
 # matmul (after dequantizing, for int8/int4 weights: what the modules do) run a product of that many rows faster
-# on this machine? A short timing answers, on a layer's products (PREFILL_PROBE_SHAPES), once per process; the answers are
-# also kept beside the kernel build, keyed by CPU, level and threads (`prefill_choices()` reports them).
+# on this machine? A short timing answers, on a layer's products (PREFILL_PROBE_SHAPES), once per process; the
+# answers are also kept beside the kernel build, keyed by CPU, level and threads (`prefill_choices()` reports them).
 PREFILL_PATHS = ("blocked", "torch")
 PREFILL_PROBE_SHAPE = (1536, 576)          # (N, K): SmolLM2-135M's gate_up half (the decode loops' probe width)
 # The prefill choice times a whole layer's products, in turn, as a prefill runs them: SmolLM2-135M's fused qkv, o,
@@ -611,8 +612,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     float32 and bfloat16 weights (N, K); int8 codes (N, K) with `scale` (N,) or (N, K/group) (GGUF's Q8_0:
     groups of 32); int4 nibbles (N, K/2) uint8 with `scale` and `offset` (N, K/group) float32, where
     w = q·scale + offset, or the same in tiles of 8 rows (`tile_int4`: codes (N/8, K/8, 32), scale and offset
-    (N/8, K/group, 8), float32 or float16), the layout the fastest int4 loops read. activations="int8" (int4 only, W4A8) rounds x
-    to int8 per block of 32 inputs and multiplies in integers: faster, and it changes the numbers.
+    (N/8, K/group, 8), float32 or float16), the layout the fastest int4 loops read. activations="int8" (int4 only,
+    W4A8) rounds x to int8 per block of 32 inputs and multiplies in integers: faster, and it changes the numbers.
     """
     _require()
     if activations not in ("float", "int8"):

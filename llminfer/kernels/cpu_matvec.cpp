@@ -607,7 +607,8 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const flo
     const __m256 xg = _mm256_broadcast_ss(xsum + g);
     for (int t = 0; t < T; ++t) {
       const int64_t at = ((tile + t) * G + g) * 8;
-      const __m512 scales = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(terms8(terms.scale, terms.half, at))));
+      const __m256 scale8 = terms8(terms.scale, terms.half, at);
+      const __m512 scales = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(scale8)));
       const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[t], b[t]), _mm512_add_ps(c[t], d[t]));
       total[t] = _mm512_fmadd_ps(sum, scales, total[t]);                 // the 8 rows' scales, both halves
       off[t] = _mm256_fmadd_ps(terms8(terms.offset, terms.half, at), xg, off[t]);
@@ -690,9 +691,10 @@ LLMINFER_INT4T_A8(int4t_a8_avxvnni, "avx2,fma,f16c,avxvnni", , _mm256_dpbusd_avx
 // W4A8 on 512-bit registers (AVX512-VNNI): one 64-byte load brings two chunks of a tile, as in the weight-only
 // loop above. The x bytes each half multiplies are laid out once per product (`int4t_a8_spread_avx512`: per 16
 // inputs, 64 bytes of the even fours, lanes 0-7 the first chunk's and 8-15 the second's, then 64 of the odd ones),
-// so the two vpdpbusd read them straight from L1. Per 32 inputs a tile then takes 12 instructions (a load, the
-// nibbles by AND and shift, and two vpdpbusd, twice) and one conversion and one FMA by dx on all 16 lanes; per
-// group one FMA by the 8 rows' scales (both halves), and the halves are summed once, at the end.
+// so the two vpdpbusd read them straight from L1. Per 32 inputs a tile then takes 14 instructions (a prefetch two
+// tiles ahead, a load, the nibbles by AND and shift, and two vpdpbusd, twice; the per-tile permutes and loads of x
+// made it 20) and one conversion and one FMA by dx on all 16 lanes; per group one FMA by the 8 rows' scales (both
+// halves), and the halves are summed once, at the end.
 __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_a8_spread_avx512(const int8_t* xq, int64_t K,
                                                                           int8_t* spread) {
   const __m512i pick_even = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
@@ -729,7 +731,8 @@ __attribute__((target(LLMINFER_AVX512_TILES ",avx512vnni"))) void int4t_a8_avx51
       acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dx[b / 32]), acc);
     }
     const int64_t at = (tile * G + g) * 8;
-    const __m512 scales = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(terms8(terms.scale, terms.half, at))));
+    const __m256 scale8 = terms8(terms.scale, terms.half, at);
+    const __m512 scales = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(scale8)));
     total = _mm512_fmadd_ps(acc, scales, total);
     off = _mm256_fmadd_ps(terms8(terms.offset, terms.half, at), _mm256_set1_ps(xsum[g]), off);
   }
