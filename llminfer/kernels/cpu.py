@@ -495,8 +495,7 @@ def choose_prefill(timings: dict[str, list[float]]) -> str:
     return "blocked" if blocked < plain else "torch"
 
 
-def _probe_weight(dtype: torch.dtype, shape: tuple[int, int] = PREFILL_PROBE_SHAPE,
-                  seed: int = 0) -> tuple[list[torch.Tensor], callable]:
+def _probe_weight(dtype: torch.dtype, shape: tuple[int, int], seed: int) -> tuple[list[torch.Tensor], callable]:
     """A random (N, K) = `shape` weight of dtype as the kernel takes it, and the modules' product for x."""
     import torch.nn.functional as F
 

@@ -156,6 +156,12 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 terms8(const void* p, boo
   return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
               : _mm256_loadu_ps(static_cast<const float*>(p) + i);
 }
+// entry i of both tables (and the 8 after it, one line) into the cache ahead of use
+inline void prefetch_terms(const Terms& t, int64_t i) {
+  const int64_t bytes = t.half ? 2 : 4;
+  _mm_prefetch(static_cast<const char*>(t.scale) + i * bytes, _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(t.offset) + i * bytes, _MM_HINT_T0);
+}
 #endif
 
 // one weight matrix in any of the four formats

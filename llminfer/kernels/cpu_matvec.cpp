@@ -484,9 +484,6 @@ template <int T>
 __attribute__((target("avx2,fma,f16c"))) void int4t_tiles_avx2(const float* xs, const float* xsum, int64_t K,
                                                                const uint8_t* w, Terms terms, int64_t group,
                                                                int64_t tile, float* out) {
-  const int64_t term_bytes = terms.half ? 2 : 4;
-  const char* scale = static_cast<const char*>(terms.scale);
-  const char* offset = static_cast<const char*>(terms.offset);
   const int64_t G = K / group;
   const __m256i mask[7] = {_mm256_set1_epi32(0xF), _mm256_set1_epi32(0xF0), _mm256_set1_epi32(0xF00),
                            _mm256_set1_epi32(0xF000), _mm256_set1_epi32(0xF0000), _mm256_set1_epi32(0xF00000),
@@ -500,8 +497,7 @@ __attribute__((target("avx2,fma,f16c"))) void int4t_tiles_avx2(const float* xs, 
     __m256 a[T], b[T], c[T], d[T];                          // four chains a tile: codes i % 4
     for (int t = 0; t < T; ++t) a[t] = b[t] = c[t] = d[t] = _mm256_setzero_ps();
     for (int t = 0; t < T; ++t) {                        // the next T tiles' scales and offsets
-      _mm_prefetch(scale + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);
-      _mm_prefetch(offset + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);
+      prefetch_terms(terms, ((tile + T + t) * G + g) * 8);
     }
     for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
       if (k % 16 == 0)                                    // the next T tiles' codes, a line every 16 inputs
@@ -563,9 +559,6 @@ template <int T>
 __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const float* xs, const float* xsum, int64_t K,
                                                                        const uint8_t* w, Terms terms, int64_t group,
                                                                        int64_t tile, float* out) {
-  const int64_t term_bytes = terms.half ? 2 : 4;
-  const char* scale = static_cast<const char*>(terms.scale);
-  const char* offset = static_cast<const char*>(terms.offset);
   const int64_t G = K / group;
   __m512i mask[7], pick[8];
   for (int i = 0; i < 8; ++i) {
@@ -582,8 +575,7 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const flo
     __m512 a[T], b[T], c[T], d[T];                          // four chains a tile: codes i % 4
     for (int t = 0; t < T; ++t) a[t] = b[t] = c[t] = d[t] = _mm512_setzero_ps();
     for (int t = 0; t < T; ++t) {
-      _mm_prefetch(scale + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);
-      _mm_prefetch(offset + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);
+      prefetch_terms(terms, ((tile + T + t) * G + g) * 8);
     }
     for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
       __m512i v[T];
@@ -628,9 +620,7 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const flo
   __attribute__((target(TARGET))) void NAME(const int8_t* xq, const float* dx, const float* xsum, int64_t K,   \
                                             const uint8_t* w, Terms terms, int64_t group, int64_t tile,        \
                                             float* out) {                                                      \
-    const int64_t G = K / group, term_bytes = terms.half ? 2 : 4;                                              \
-    const char* scale = static_cast<const char*>(terms.scale);                                                 \
-    const char* offset = static_cast<const char*>(terms.offset);                                               \
+    const int64_t G = K / group;                                                                               \
     const __m256i low = _mm256_set1_epi8(0x0F);                                                                \
     const __m256i ones = _mm256_set1_epi16(1);                                                                 \
     (void)ones;                                                                                                \
@@ -643,8 +633,7 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const flo
       __m256 acc[T];                                                                                           \
       for (int t = 0; t < T; ++t) {                                                                            \
         acc[t] = _mm256_setzero_ps();                                                                          \
-        _mm_prefetch(scale + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);                          \
-        _mm_prefetch(offset + ((tile + T + t) * G + g) * 8 * term_bytes, _MM_HINT_T0);                         \
+        prefetch_terms(terms, ((tile + T + t) * G + g) * 8);                                                   \
       }                                                                                                        \
       for (int64_t b = g * group; b < (g + 1) * group; b += 32) {                                              \
         __m256i sum[T];                                                                                        \
