@@ -166,6 +166,9 @@ def test_every_level_this_cpu_runs_matches_the_float64_reference(level):
             reference = xr @ cases[name][1].T
             error = float((w4a8 - reference).abs().max() / reference.abs().max())
             assert (0 < error < 2e-2) if rows <= cpu.MAX_TOKENS else error < 1e-4, (level, name, rows, error)
+            if rows <= cpu.MAX_TOKENS:              # x rounded to int8 blocks exactly as the reference rounds it
+                expected = _w4a8_reference(xr, cases[name][1], _offsets(cases[name][0]))
+                assert float((w4a8 - expected).abs().max()) < 1e-5 * float(expected.abs().max()), (level, name, rows)
         # the tiled and row-major W4A8 loops round x the same way: the same integer sums, float rounding apart
         tiled = torch.tensor(there[f"w4a8/int4_tiled/{rows}"], dtype=torch.float64)
         nibbles, scale, offset = cpu.untile_int4(*cases["int4_tiled"][0][:3])
@@ -203,18 +206,31 @@ def test_int4_tiles_round_trip_and_the_layers_keep_their_codes():
             torch.testing.assert_close(layer(x.repeat(8, 1)), reference(x.repeat(8, 1)), atol=1e-4, rtol=1e-4)
 
 
+def _offsets(args) -> torch.Tensor:
+    """The (N, groups) offsets of an int4 case's kernel arguments, row-major or tiled."""
+    if args[0].dim() == 3:
+        return cpu.untile_int4(*args[:3])[2]
+    return args[2]
+
+
+def _w4a8_reference(x: torch.Tensor, weight: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """W4A8's product in float64: x's blocks of 32 rounded to int8 (half to even, step max|x|/127) against the
+    codes' part of the weight, and the exact x against the offsets' part."""
+    rows = x.shape[0]
+    blocks = x.view(rows, -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    x_rounded = (torch.round(blocks / step) * step).view(rows, -1)
+    offsets = offset.double().repeat_interleave(weight.shape[1] // offset.shape[1], 1)
+    return x_rounded @ (weight - offsets).T + x @ offsets.T
+
+
 def test_w4a8_changes_the_numbers_by_the_int8_rounding_of_x_and_no_more():
     """W4A8 equals, to float rounding, the float int4 product with x replaced by its int8 blocks."""
     x, cases = _cases(torch.Generator().manual_seed(3))
     nibbles, scale, offset, group = cases["int4"][0]
-    blocks = x.view(3, -1, 32)
-    step = blocks.abs().amax(-1, keepdim=True) / 127
-    x_rounded = (torch.round(blocks / step) * step).view(3, -1)
     got = cpu.gemv(x, nibbles, scale, offset, group, activations="int8").double()
     # the offset term uses the exact group sums of x, the code term x's int8 blocks
-    codes_term = x_rounded.double() @ (cases["int4"][1] - offset.double().repeat_interleave(64, 1)).T
-    offset_term = x.double() @ offset.double().repeat_interleave(64, 1).T
-    expected = codes_term + offset_term
+    expected = _w4a8_reference(x.double(), cases["int4"][1], offset)
     assert float((got - expected).abs().max()) < 1e-4 * float(expected.abs().max())
     assert float((got - x.double() @ cases["int4"][1].T).abs().max()) > 1e-5
 

@@ -1042,27 +1042,76 @@ Int4X int4_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t chunk)
   return out;
 }
 
+// x rounded to int8 per block of 32 for the W4A8 loops: dx[b] = max |x| / 127 of block b, and its 32 codes
+// lrint(x / dx) stored in the order the loops read them: row-major codes take the block's 16 even inputs, then its
+// 16 odd; tiled codes take each chunk of 8 as its 4 even, then its 4 odd. (lrint rounds half to even, as
+// vcvtps2dq does, so both versions give the same bytes.)
+void quantize_x_blocks_portable(const float* x, int64_t n_blocks, bool tiled, int8_t* xq, float* dx) {
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const float* xb = x + b * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float step = amax / 127.f, inverse = step > 0.f ? 1.f / step : 0.f;
+    dx[b] = step;
+    int8_t* q = xq + b * 32;
+    for (int j = 0; j < 32; ++j) {
+      const int at = tiled ? j / 8 * 8 + (j % 2) * 4 + (j % 8) / 2 : (j % 2) * 16 + j / 2;
+      q[at] = static_cast<int8_t>(std::lrint(xb[j] * inverse));
+    }
+  }
+}
+
+#ifdef LLMINFER_X86
+__attribute__((target("avx2,fma"))) void quantize_x_blocks_avx2(const float* x, int64_t n_blocks, bool tiled,
+                                                                int8_t* xq, float* dx) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  // within each 16-byte lane: every chunk of 8 as its 4 even bytes, then its 4 odd (tiled); or the lane's 8 even
+  // bytes, then its 8 odd, the lanes' halves then put in order by a permute of 8-byte quarters (row-major)
+  const __m256i chunks = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
+                                          0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  const __m256i halves = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                          0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const float* xb = x + b * 32;
+    const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
+                 v3 = _mm256_loadu_ps(xb + 24);
+    // max |x| (vmaxps keeps its second operand where the first is NaN, as std::max(amax, |x|) ignores a NaN)
+    __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_setzero_ps());
+    m = _mm256_max_ps(_mm256_andnot_ps(sign, v1), m);
+    m = _mm256_max_ps(_mm256_andnot_ps(sign, v2), m);
+    m = _mm256_max_ps(_mm256_andnot_ps(sign, v3), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float step = amax / 127.f, inverse = step > 0.f ? 1.f / step : 0.f;
+    dx[b] = step;
+    const __m256 inv = _mm256_set1_ps(inverse);
+    const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv)),
+                  q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+    // packs work per 128-bit lane: bytes come out as x0-3, x8-11, x16-19, x24-27, x4-7, ...; a permute of 4-byte
+    // groups restores x0..x31
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    __m256i out;
+    if (tiled) out = _mm256_shuffle_epi8(ordered, chunks);
+    else out = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(ordered, halves), 0xD8);   // quarters 0, 2, 1, 3
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * 32), out);
+  }
+}
+#endif
+
 // y (M, N) = x · Wᵀ for an int4 weight with x rounded to int8 per block of 32 (W4A8)
 void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y) {
   const int64_t N = W.N, K = W.K, B = K / 32;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * B);
   Int4X sums = int4_x(x, M, K, W.group, 0);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < B; ++b) {
-      const float* xb = x + m * K + b * 32;
-      float amax = 0.f;
-      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float step = amax / 127.f, inverse = step > 0.f ? 1.f / step : 0.f;
-      dx[m * B + b] = step;
-      int8_t* q = xq.data() + m * K + b * 32;
-      for (int j = 0; j < 32; ++j) {
-        // row-major codes: the block's 16 even inputs, then its 16 odd; tiled: each chunk of 8 as 4 even, 4 odd
-        const int at = W.tiled ? j / 8 * 8 + (j % 2) * 4 + (j % 8) / 2 : (j % 2) * 16 + j / 2;
-        q[at] = static_cast<int8_t>(std::lrint(xb[j] * inverse));
-      }
-    }
-  }
+#ifdef LLMINFER_X86
+  if (has_avx2()) quantize_x_blocks_avx2(x, M * B, W.tiled, xq.data(), dx.data());
+  else
+#endif
+    quantize_x_blocks_portable(x, M * B, W.tiled, xq.data(), dx.data());
   // the loops for the layout (rows, or tiles of 8 rows) and the instruction set: VNNI, AVX2 or plain
   using Rows = void (*)(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, const float*,
                         const float*, int64_t, float*, int64_t, int64_t, int64_t);
