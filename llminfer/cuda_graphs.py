@@ -18,6 +18,7 @@ Mode "eager" runs the same static step on any device, which is how the CPU tests
 """
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -83,6 +84,7 @@ class StaticDecoder:
         self.threads = torch.get_num_threads()
         self.options = None
         self._trace_options: dict = {}
+        self._prepared_stack = None                 # the weights and caches a compiled native step uses, kept here
         self._ready = mode == "eager"
         model.rope_tables(model.config.max_seq_len)                   # grown now, never inside a graph
         if mode == "compiled":
@@ -138,10 +140,32 @@ class StaticDecoder:
 
         self._check_threads()
         with stopwatch(self.model.device) as watch, torch._dynamo.config.patch(**self._trace_options):
-            logits = self.step(self.token, self.position)
+            with self._native_step():
+                logits = self.step(self.token, self.position)
         self.compile_s = watch.seconds
         self._ready = True
         return logits
+
+    @contextlib.contextmanager
+    def _native_step(self):
+        """While the step is traced: lets a layer stack that runs natively keep its weights and this decoder's
+        cache buffers (`llminfer.fast.NativeDecoderStack.prepare_step`), so the compiled step does not hand them
+        over each time; the decoder keeps what was prepared. Only where the step is specialised to the model:
+        otherwise the weights stay inputs of the step."""
+        stack = getattr(self.model, "layers", None)
+        if not hasattr(stack, "prepare_step") or not self._trace_options:
+            yield
+            return
+        with torch.inference_mode():
+            x = self.model.embed_tokens(self.token)                    # (B, 1, dim): the step's shape and dtype
+            cos, sin = self.model.rope_tables(1)
+            self.cache.begin(1, self.cache.batch_size, self.position)  # the cache hands over its buffers in a step
+            try:
+                self._prepared_stack = stack.prepare_step(x, cos[:1], sin[:1], self.cache, self.model._backend)
+            finally:
+                self.cache.end()
+        with stack.tracing(self._prepared_stack):
+            yield
 
     @torch.inference_mode()
     def warmup(self, runs: int = 3) -> float:

@@ -31,6 +31,8 @@ which stream faster.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -270,6 +272,39 @@ class NativeDecoderStack(_OneNativeCall, DecoderStack):
     """
 
     op = "decode_layers"
+    # set by `tracing` while a step is traced: the prepared stack's number and activation dtype (plain values,
+    # which the tracer reads as constants)
+    _tracing: tuple[int, torch.dtype] | None = None
+
+    def forward(self, x, cos, sin, cache, backend):
+        prepared = self._tracing
+        if prepared is not None and torch.compiler.is_compiling() and x.dtype == prepared[1]:
+            # the step being traced: its weights and caches were kept by `prepare_step`, so the compiled step
+            # hands over only x, the RoPE rows and the positions
+            _, _, positions = cache.slots(self[0].self_attn.layer_idx)
+            return torch.ops.llminfer.decode_layers_prepared(prepared[0], x, cos, sin, positions)
+        return super().forward(x, cos, sin, cache, backend)
+
+    def prepare_step(self, x, cos, sin, cache, backend) -> native_cpu.PreparedStack | None:
+        """Keeps the stack's weights and `cache`'s buffers in the kernels (`kernels.cpu.PreparedStack`) for steps
+        shaped as x (B, 1, dim); None where such a step does not run natively. The cache must be in a forward
+        (`cache.begin`) while this runs. A step traced inside `tracing(prepared)` then uses them:
+        `llminfer.cuda_graphs.StaticDecoder` does so for its compiled step and keeps what was prepared (the step
+        is tied to these weights and caches, as a specialised StaticDecoder's step is)."""
+        call = self._native_args(x, cos, sin, cache, backend)
+        if call is None:
+            return None
+        (_, tensors, layout, eps, _, _, keys, values, _, n_heads, scale) = call
+        return native_cpu.PreparedStack(tensors, layout, eps, keys, values, n_heads, scale, x.dtype)
+
+    @contextlib.contextmanager
+    def tracing(self, prepared: native_cpu.PreparedStack | None):
+        """Inside the block, a step being traced runs `prepared` (from `prepare_step`; None: the usual call)."""
+        self._tracing = None if prepared is None else (prepared.id, prepared.dtype)
+        try:
+            yield
+        finally:
+            self._tracing = None
 
     def _step_fits(self, x, cos, backend) -> str | None:
         """`_step_fits` for the stack's step, with the prefill path of its first layer's weights."""

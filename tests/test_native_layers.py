@@ -253,10 +253,68 @@ def test_attention_over_many_key_blocks(masked):
     torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
 
 
-def test_the_compiled_step_runs_the_stack_in_one_call(native_calls):
-    reference, native = _pair("llama-gqa-tied", "fp32")
+def _ops_of_a_step(decoder) -> set[str]:
+    from torch.profiler import profile
+
+    with profile() as prof:
+        decoder.step(decoder.token, decoder.position)
+    return {event.key for event in prof.key_averages() if event.key.startswith("llminfer::")}
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int4"])
+def test_the_compiled_step_runs_the_stack_in_one_call(fmt, native_calls):
+    reference, native = _pair("llama-gqa-tied", fmt)
     ids = torch.randint(0, reference.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(9))
     decoder = fast.compile_decode(native, max_seq_len=32)
     assert True in native_calls                              # traced once, into the graph
+    # the stack's weights and the decoder's caches were kept before tracing: the step hands over x, not them
+    assert isinstance(decoder._prepared_stack, cpu.PreparedStack)
+    assert "llminfer::decode_layers_prepared" in _ops_of_a_step(decoder)
     assert decoder.generate(ids, max_new_tokens=12).token_ids == \
         llminfer.generate(reference, ids, max_new_tokens=12).token_ids
+
+
+def test_a_step_left_unspecialised_hands_over_the_weights():
+    _, native = _pair("llama-gqa-tied", "fp32")
+    decoder = StaticDecoder(native, max_seq_len=32, mode="compiled", specialize=False)
+    decoder.warmup()
+    assert decoder._prepared_stack is None
+    assert "llminfer::decode_layers" in _ops_of_a_step(decoder)
+
+
+def test_a_prepared_stack_gives_decode_layers_numbers_and_writes_its_caches():
+    _, native = _pair("qwen2-bias-gqa", "fp32")
+    stack, config = native.layers, native.config
+    g = torch.Generator().manual_seed(3)
+    cache = StaticKVCache.for_model(native, 1, 24)
+    for layer_k, layer_v in zip(cache.k, cache.v):           # an earlier prompt already in the cache
+        layer_k.normal_(generator=g)
+        layer_v.normal_(generator=g)
+    copies, before = copy.deepcopy(cache), copy.deepcopy(cache)
+    x = torch.randn(1, 1, config.dim, generator=g)
+    cos, sin = native.rope_tables(24)
+    position = torch.tensor([9])
+    with torch.no_grad():
+        cache.begin(1, 1, position)
+        prepared = stack.prepare_step(x, cos[9:10], sin[9:10], cache, native._backend)
+        got = torch.ops.llminfer.decode_layers_prepared(prepared.id, x, cos[9:10], sin[9:10], position)
+        cache.end()
+        copies.begin(1, 1, position)
+        expected = torch.ops.llminfer.decode_layers(*stack._native_args(x, cos[9:10], sin[9:10], copies,
+                                                                        native._backend))
+        copies.end()
+    assert torch.equal(got, expected)
+    for mine, theirs, was in zip(cache.k + cache.v, copies.k + copies.v, before.k + before.v):
+        assert torch.equal(mine, theirs)
+        changed = (mine != was).any(-1).any(1)[0]             # (slots,): which positions the step wrote
+        assert changed.nonzero().flatten().tolist() == [9]
+    number = prepared.id
+    del prepared                                              # the number goes with its object
+    with pytest.raises(RuntimeError, match=f"no prepared stack {number} \\(released"):
+        torch.ops.llminfer.decode_layers_prepared(number, x, cos[9:10], sin[9:10], position)
+
+
+def test_prepare_stack_refuses_counts_that_do_not_describe_the_layers():
+    k = [torch.zeros(1, 2, 8, 16)] * 2
+    with pytest.raises(RuntimeError, match="2 K caches, 2 V caches, 5 layout entries and 4 epsilons do not describe"):
+        torch.ops.llminfer.prepare_stack([], [1, 0, 1, 1, 1], [1e-5] * 4, k, k, 4, 0.25)

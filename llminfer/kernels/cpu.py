@@ -32,8 +32,10 @@ heads shared, masked positions skipped), registered as the attention backend 'na
 the cache write, attention, SwiGLU, the residuals), which `llminfer.fast.NativeDecoderLayer` calls, and
 `decode_layers(...)`, every layer of a stack in one call (`llminfer.fast.NativeDecoderStack`);
 `paged_attention(...)` and `decode_layers_paged(...)`, the same over a paged cache's block pool and block
-tables, for an engine step of several sequences (`llminfer.engine`, chapter 06). They carry
-fake implementations, so `torch.compile` traces through them.
+tables, for an engine step of several sequences (`llminfer.engine`, chapter 06). `prepare_stack(...)` keeps a
+stack's weights and caches once (`PreparedStack`), and `decode_layers_prepared(stack, x, cos, sin, positions)` runs
+it: a compiled decoder's step then hands over four tensors, not the hundreds of weights. They carry fake
+implementations, so `torch.compile` traces through them.
 
 A prefill (many rows of x) runs through the same ops: from 16 rows on, products take a blocked kernel
 (tiles of 6 weight rows by 16 tokens in registers, 32 with AVX-512, x repacked once per product, bfloat16 and
@@ -58,7 +60,7 @@ import torch
 
 from llminfer.attention import fast_attention
 
-__all__ = ["available", "why_unavailable", "load", "isa", "isa_features", "choose_isa", "IsaChoice", "ISA_ENV",
+__all__ = ["PreparedStack", "available", "why_unavailable", "load", "isa", "isa_features", "choose_isa", "IsaChoice", "ISA_ENV",
            "KERNEL_LEVELS", "gemv", "decode_attention", "paged_attention",
            "attention_backend", "loaded", "prefill_path", "prefill_choices", "choose_prefill", "measure_prefill",
            "force_prefill", "rows_bucket", "stream_read", "PREFILL_PATHS", "PREFILL_ENV",
@@ -198,6 +200,8 @@ def _register_fakes() -> None:
     torch.library.register_fake("llminfer::decode_layer", lambda x, *rest: x.new_empty(x.shape))
     torch.library.register_fake("llminfer::decode_layers", lambda x, *rest: x.new_empty(x.shape))
     torch.library.register_fake("llminfer::decode_layers_paged", lambda x, *rest: x.new_empty(x.shape))
+    torch.library.register_fake("llminfer::decode_layers_prepared", lambda stack, x, cos, sin, positions:
+                                x.new_empty(x.shape))
     torch.library.register_fake("llminfer::paged_attention", lambda q, *rest: q.new_empty(q.shape))
 
 
@@ -226,6 +230,28 @@ def load() -> bool:
         _state["loaded"] = True
         _choose_matvec(choice)
         return True
+
+
+class PreparedStack:
+    """A layer stack's weights and caches kept by the kernels under a number (`torch.ops.llminfer.prepare_stack`),
+    for `decode_layers_prepared(number, x, cos, sin, positions)`: the tensors (as `decode_layers` takes them, with
+    its layout and epsilons) are checked at the first step and then only referred to, and each step writes its
+    K/V into these caches. The number is released when this object goes. Chapter 08.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], layout: list[int], eps: list[float],
+                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], n_heads: int, scale: float,
+                 dtype: torch.dtype):
+        self.dtype = dtype                     # the activations' dtype it was prepared for
+        self.id = int(torch.ops.llminfer.prepare_stack(list(tensors), layout, eps, list(k_caches), list(v_caches),
+                                                       n_heads, scale))
+        self._release = torch.ops.llminfer.release_stack
+
+    def __del__(self):
+        try:
+            self._release(self.id)
+        except (RuntimeError, AttributeError, TypeError):   # interpreter shutdown: the table goes with the process
+            pass
 
 
 def loaded() -> bool:

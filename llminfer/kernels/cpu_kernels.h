@@ -267,6 +267,12 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList tensors, at::Int
                          at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
                          int64_t n_heads, double scale);
+// a stack's weights and caches (as decode_layers takes them) kept in this process's table; returns its number
+int64_t prepare_stack(at::TensorList tensors, at::IntArrayRef layout, at::ArrayRef<double> eps,
+                      at::TensorList k_caches, at::TensorList v_caches, int64_t n_heads, double scale);
+void release_stack(int64_t id);
+at::Tensor decode_layers_prepared(int64_t id, const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& positions);
 at::Tensor decode_layers_paged(const at::Tensor& x_in, at::TensorList tensors, at::IntArrayRef layout,
                                at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
                                at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& positions,

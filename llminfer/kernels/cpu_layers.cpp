@@ -2,6 +2,10 @@
 
 #include "cpu_kernels.h"
 
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
 namespace llminfer_cpu {
 
 // ---------------------------------------------------------------------------------------------------
@@ -206,12 +210,25 @@ void add_rows(float* x, const float* y, int64_t M, int64_t dim, bool bf16) {
   });
 }
 
+// The layers' intermediate rows, made once for a call's layers, as large as the largest layer needs (each buffer
+// is written before it is read)
+struct Workspace {
+  std::vector<float> h, qkv, att, proj, gu, act;
+  Workspace(const Step& st, const std::vector<Layer>& layers) {
+    const int64_t M = st.B * st.T;
+    int64_t qkv_n = 0, gate_up_n = 0;
+    for (const Layer& L : layers) qkv_n = std::max(qkv_n, L.qkv.N), gate_up_n = std::max(gate_up_n, L.gate_up.N);
+    h.resize(M * st.dim), qkv.resize(M * qkv_n), att.resize(M * st.H * st.D), proj.resize(M * st.dim);
+    gu.resize(M * gate_up_n), act.resize(M * gate_up_n / 2);
+  }
+};
+
 // x (B·T, dim) float32, rounded to the model's dtype, through one layer in place
-void run_layer(const Step& st, const Layer& L, std::vector<float>& x) {
+void run_layer(const Step& st, const Layer& L, std::vector<float>& x, Workspace& ws) {
   const bool bf16 = st.dtype == at::kBFloat16;
   const int64_t B = st.B, T = st.T, M = B * T, dim = st.dim, H = st.H, Hkv = st.Hkv, S = st.S, D = st.D;
   const int64_t qsize = H * D, kvsize = Hkv * D, N = L.qkv.N, hidden = L.gate_up.N / 2;
-  std::vector<float> h(M * dim), qkv(M * N), att(M * qsize), proj(M * dim), gu(M * L.gate_up.N), act(M * hidden);
+  std::vector<float> &h = ws.h, &qkv = ws.qkv, &att = ws.att, &proj = ws.proj, &gu = ws.gu, &act = ws.act;
   // attention
   rms_norm(x.data(), M, dim, *L.input_norm, L.eps1, bf16, h.data());
   linear_rows(L.qkv, h.data(), M, qkv.data());
@@ -285,6 +302,12 @@ void run_layer(const Step& st, const Layer& L, std::vector<float>& x) {
   add_rows(x.data(), proj.data(), M, dim, bf16);
 }
 
+// x through every layer of a stack, in place
+void run_layers(const Step& st, const std::vector<Layer>& layers, std::vector<float>& x) {
+  Workspace ws(st, layers);
+  for (const Layer& L : layers) run_layer(st, L, x, ws);
+}
+
 at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, double eps1,
                         const at::Tensor& post_norm, double eps2, at::TensorList qkv,
                         const c10::optional<at::Tensor>& qkv_bias, at::TensorList o_parts,
@@ -296,7 +319,7 @@ at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, do
   const Layer L = check_layer(st, input_norm, eps1, post_norm, eps2, qkv, qkv_bias ? &*qkv_bias : nullptr, o_parts,
                               gate_up_parts, down_parts, k_cache, v_cache, op);
   std::vector<float> x = x_as_float(x_in);
-  run_layer(st, L, x);
+  run_layers(st, {L}, x);
   return result(x.data(), x_in.sizes(), x_in);
 }
 
@@ -347,7 +370,81 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList tensors, at::Int
   const Step st = check_step(x_in, cos, sin, positions, k_caches[0], n_heads, scale, op);
   const std::vector<Layer> layers = check_layers(st, tensors, layout, eps, k_caches, v_caches, op);
   std::vector<float> x = x_as_float(x_in);
-  for (const Layer& L : layers) run_layer(st, L, x);
+  run_layers(st, layers, x);
+  return result(x.data(), x_in.sizes(), x_in);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// A stack prepared once (prepare_stack): its weights and caches held and, at its first step, checked, so that a
+// step of a compiled decoder hands over only what changes (x, cos, sin and the positions), not the hundreds of
+// weight tensors and the caches that a step of decode_layers converts and checks again. Prepared stacks live in
+// a table of this process, by number, until release_stack. A step writes the caches it was prepared with.
+
+struct PreparedStack {
+  std::vector<at::Tensor> tensors, k_caches, v_caches;
+  std::vector<int64_t> layout;
+  std::vector<double> eps;
+  int64_t n_heads;
+  double scale;
+  std::vector<Layer> layers;          // checked at the first step (empty: not yet)
+  std::vector<int64_t> checked;       // the step they were checked for: x's dtype, B and dim
+  std::mutex running;                 // one step at a time
+};
+
+std::mutex& prepared_lock() {
+  static std::mutex lock;
+  return lock;
+}
+
+std::unordered_map<int64_t, std::shared_ptr<PreparedStack>>& prepared_stacks() {
+  static std::unordered_map<int64_t, std::shared_ptr<PreparedStack>> table;
+  return table;
+}
+
+int64_t prepare_stack(at::TensorList tensors, at::IntArrayRef layout, at::ArrayRef<double> eps,
+                      at::TensorList k_caches, at::TensorList v_caches, int64_t n_heads, double scale) {
+  check_stack_counts(k_caches, v_caches, layout, eps, "prepare_stack");
+  auto stack = std::make_shared<PreparedStack>();
+  stack->tensors.assign(tensors.begin(), tensors.end());
+  stack->k_caches.assign(k_caches.begin(), k_caches.end());
+  stack->v_caches.assign(v_caches.begin(), v_caches.end());
+  stack->layout.assign(layout.begin(), layout.end());
+  stack->eps.assign(eps.begin(), eps.end());
+  stack->n_heads = n_heads;
+  stack->scale = scale;
+  std::lock_guard<std::mutex> guard(prepared_lock());
+  static int64_t next = 0;
+  prepared_stacks()[++next] = stack;
+  return next;
+}
+
+void release_stack(int64_t id) {
+  std::lock_guard<std::mutex> guard(prepared_lock());
+  prepared_stacks().erase(id);
+}
+
+// Every layer of a prepared stack in one call: decode_layers with the stack's weights and caches
+at::Tensor decode_layers_prepared(int64_t id, const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& positions) {
+  const char* op = "decode_layers_prepared";
+  std::shared_ptr<PreparedStack> stack;
+  {
+    std::lock_guard<std::mutex> guard(prepared_lock());
+    auto found = prepared_stacks().find(id);
+    TORCH_CHECK(found != prepared_stacks().end(), op, ": no prepared stack ", id,
+                " (released, or never made by prepare_stack); prepare the stack again");
+    stack = found->second;
+  }
+  PreparedStack& S = *stack;
+  std::lock_guard<std::mutex> one_step(S.running);
+  const Step st = check_step(x_in, cos, sin, positions, S.k_caches[0], S.n_heads, S.scale, op);
+  const std::vector<int64_t> signature{static_cast<int64_t>(st.dtype), st.B, st.dim};
+  if (S.layers.empty() || signature != S.checked) {        // the first step, or another shape: check everything
+    S.layers = check_layers(st, S.tensors, S.layout, S.eps, S.k_caches, S.v_caches, op);
+    S.checked = signature;
+  }
+  std::vector<float> x = x_as_float(x_in);
+  run_layers(st, S.layers, x);
   return result(x.data(), x_in.sizes(), x_in);
 }
 
@@ -366,7 +463,7 @@ at::Tensor decode_layers_paged(const at::Tensor& x_in, at::TensorList tensors, a
                                    op);
   const std::vector<Layer> layers = check_layers(st, tensors, layout, eps, k_pools, v_pools, op);
   std::vector<float> x = x_as_float(x_in);
-  for (const Layer& L : layers) run_layer(st, L, x);
+  run_layers(st, layers, x);
   return result(x.data(), x_in.sizes(), x_in);
 }
 

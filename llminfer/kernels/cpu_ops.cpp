@@ -21,6 +21,12 @@ TORCH_LIBRARY(llminfer, m) {
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, int n_heads, float scale) -> Tensor");
   m.def("decode_layers(Tensor x, Tensor[] tensors, int[] layout, float[] eps, Tensor cos, Tensor sin, "
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor positions, int n_heads, float scale) -> Tensor");
+  // a stack's weights and caches kept once (a number names them), and its steps with only what changes handed
+  // over; a step writes the caches the stack was prepared with
+  m.def("prepare_stack(Tensor[] tensors, int[] layout, float[] eps, Tensor[] k_caches, Tensor[] v_caches, "
+        "int n_heads, float scale) -> int", &prepare_stack);
+  m.def("release_stack(int stack) -> ()", &release_stack);
+  m.def("decode_layers_prepared(int stack, Tensor x, Tensor cos, Tensor sin, Tensor positions) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor token_seq, "
         "Tensor positions, float scale) -> Tensor");
   m.def("decode_layers_paged(Tensor x, Tensor[] tensors, int[] layout, float[] eps, Tensor cos, Tensor sin, "
@@ -52,4 +58,5 @@ TORCH_LIBRARY_IMPL(llminfer, CPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("paged_attention", &paged_attention);
   m.impl("decode_layers_paged", &decode_layers_paged);
+  m.impl("decode_layers_prepared", &decode_layers_prepared);
 }
