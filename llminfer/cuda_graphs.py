@@ -153,7 +153,8 @@ class StaticDecoder:
         over each time; the decoder keeps what was prepared. Only where the step is specialised to the model:
         otherwise the weights stay inputs of the step."""
         stack = getattr(self.model, "layers", None)
-        if not hasattr(stack, "prepare_step") or not self._trace_options:
+        if (not hasattr(stack, "prepare_step") or not self._trace_options
+                or not all(hasattr(self.model, name) for name in ("embed_tokens", "rope_tables", "_backend"))):
             yield
             return
         with torch.inference_mode():
