@@ -192,6 +192,11 @@ class CeilingProbe:
         """Returns the rate at the median of some of the samples (e.g. those taken during one phase)."""
         return self.work / statistics.median(times_s)
 
+    def peak_rate_of(self, times_s: list[float]) -> float:
+        """Returns the rate of the fastest of some of the samples: the most the probe reached in that phase (a
+        ceiling for work timed at other moments of a machine whose speed moves)."""
+        return self.work / min(times_s)
+
     def ceiling(self) -> Ceiling:
         """Returns the rate at the median of every sample so far."""
         timing = TimingResult.from_times(self.times_s)

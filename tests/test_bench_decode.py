@@ -79,15 +79,37 @@ def test_help_shows_the_whole_description(capsys):
     assert all(line in out for line in lines[:2] + lines[-2:])
 
 
-def test_a_contender_above_the_ceiling_stops_the_benchmark_and_records_nothing(tmp_path, monkeypatch, capsys):
+def _report(**extra) -> dict:
     report = {"machine": {"cpu": "test"}, "settings": {"threads": 1, "shape": "x"}, "load_average_before": 0,
               "load_average_after": 0, "kernels": {"isa": "avx2", "features": ["avx2"]}, "slug": "test",
               "bandwidth": {"ceiling_bytes_per_s": 10e9, "matvec_bytes_per_s": 9e9, "read_bytes_per_s": 10e9,
                             "native_read_bytes_per_s": 8e9},
               "contenders": {"llminfer fast fp32": {"tokens_per_s": 30.0, "bytes_per_token": 5e8, "mbu": 1.5,
                                                     "compile_s": None}},
-              "ratios": {}, "ceiling_exceeded": {"llminfer fast fp32": 15e9}}
+              "ratios": {}}
+    return dict(report, **extra)
+
+
+def test_a_contender_above_the_ceiling_stops_the_benchmark_and_records_nothing(tmp_path, monkeypatch, capsys):
+    report = _report(ceiling_exceeded={"llminfer fast fp32": 15e9})
     monkeypatch.setattr(decode, "run", lambda args: report)
     assert decode.main(["--out", str(tmp_path)]) == 1
     assert "STOPPED: llminfer fast fp32 streamed 15.0 GB/s above the best probe (10.0 GB/s)" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())
+
+
+def test_a_prefill_above_the_matmul_ceiling_stops_the_benchmark_and_records_nothing(tmp_path, monkeypatch, capsys):
+    report = _report(matmul_ceiling_exceeded={"fp32 prefill, chosen": 140e9})
+    monkeypatch.setattr(decode, "run", lambda args: report)
+    assert decode.main(["--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "STOPPED: fp32 prefill, chosen ran at 140 GFLOP/s, above the fastest matmul sampled alongside" in out
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_matmul_ceiling_is_the_fastest_sample_and_the_median_rate_stays_the_median():
+    from llminfer.timing import CeilingProbe
+
+    probe = CeilingProbe(lambda: None, 12.0, "twelve units of work", "cpu")
+    times = [4.0, 2.0, 3.0]
+    assert probe.peak_rate_of(times) == 6.0 and probe.rate_of(times) == 4.0

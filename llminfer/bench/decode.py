@@ -22,7 +22,8 @@ The report names the kernels' instruction-set level (`kernels.cpu.isa()`) and, p
 loops ran, timed again after the warm-up (`kernels.cpu.remeasure_matvec`). Prefill of the prompt runs, per
 precision, on the path measured at first use (`kernels.cpu.prefill_path`), on both paths forced (the blocked
 kernel, torch's matmul), and on the plain model (no fast path), against the best matmul rate for the precision
-sampled alongside (MFU: float32 sgemm, and for bf16 the better of it and a bfloat16 matmul); beside llama.cpp, the
+sampled alongside (MFU: the fastest sample of float32 sgemm, and for bf16 the better of it and a bfloat16 matmul;
+a prefill above that rate means the ceiling is wrong, and the benchmark says so and stops); beside llama.cpp, the
 prefill is compared by time to the first token. Results: the terminal, data/benchmarks/decode-<machine>.json and a
 PNG of tokens/s against bytes per token.
 """
@@ -289,7 +290,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     }
     if prefill:
         flops = costs.prefill_flops(cfg, args.prompt_len)
-        rates = {dtype: probe.rate_of(matmul_times[dtype]) for dtype, probe in matmuls.items()}
+        rates = {dtype: probe.peak_rate_of(matmul_times[dtype]) for dtype, probe in matmuls.items()}
         sgemm = rates["float32"]
         for name, entry in prefill.items():
             # MFU against the best matmul rate measured alongside for the precision's arithmetic: bfloat16 weights
@@ -305,6 +306,11 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     over = {label: row["bytes_per_token"] * row["tokens_per_s"] for label, row in rows.items() if row["mbu"] > 1.0}
     if over:
         report["ceiling_exceeded"] = over
+    over_mfu = {f"{name} prefill, {path}": entry[f"{path}_mfu"] * entry["mfu_against_flop_per_s"]
+                for name, entry in report.get("prefill", {}).get("by_precision", {}).items()
+                for path in ("chosen", "blocked", "torch", "plain") if entry.get(f"{path}_mfu", 0.0) > 1.0}
+    if over_mfu:
+        report["matmul_ceiling_exceeded"] = over_mfu
     from .report import load_average
     report["load_average_after"] = load_average()
     report["elapsed_s"] = time.perf_counter() - started
@@ -449,6 +455,11 @@ def table(report: dict) -> str:
                                              for label, rate in report["ceiling_exceeded"].items())
                      + f" above the best probe ({_ceiling(report) / 1e9:.1f} GB/s): the ceiling is wrong, so no MBU "
                        "is reported; rerun on a quieter machine or with a larger probe")
+    if report.get("matmul_ceiling_exceeded"):
+        lines.append("STOPPED: " + ", ".join(f"{label} ran at {rate / 1e9:.0f} GFLOP/s"
+                                             for label, rate in report["matmul_ceiling_exceeded"].items())
+                     + ", above the fastest matmul sampled alongside: the ceiling is wrong, so no MFU is reported; "
+                       "rerun on a quieter machine")
     return "\n".join(lines)
 
 
@@ -488,9 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     for row in report["contenders"].values():
         row.pop("decoder", None)
-    if report.get("ceiling_exceeded"):                 # a wrong ceiling: nothing is recorded
+    if report.get("ceiling_exceeded") or report.get("matmul_ceiling_exceeded"):   # a wrong ceiling: nothing recorded
         print(table(report))
-        print("\nnothing written: a contender streamed above the measured ceiling", file=sys.stderr)
+        print("\nnothing written: a contender ran above a measured ceiling", file=sys.stderr)
         return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

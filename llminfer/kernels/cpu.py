@@ -60,7 +60,8 @@ import torch
 
 from llminfer.attention import fast_attention
 
-__all__ = ["PreparedStack", "available", "why_unavailable", "load", "isa", "isa_features", "choose_isa", "IsaChoice", "ISA_ENV",
+__all__ = ["PreparedStack", "available", "why_unavailable", "load", "isa", "isa_features", "choose_isa", "IsaChoice",
+           "ISA_ENV",
            "KERNEL_LEVELS", "gemv", "decode_attention", "paged_attention",
            "attention_backend", "loaded", "prefill_path", "prefill_choices", "choose_prefill", "measure_prefill",
            "force_prefill", "rows_bucket", "stream_read", "PREFILL_PATHS", "PREFILL_ENV",
