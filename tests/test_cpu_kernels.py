@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import llminfer
 from llminfer import fast
+from llminfer.device import cpu_capabilities
 from llminfer.kernels import cpu
 from llminfer.quant.linear import QuantizedLinear
 
@@ -372,3 +373,36 @@ def test_a_failed_build_says_why_and_leaves_torchs_kernels(tmp_path):
     assert done.stdout.split() == ["False", "False", "sdpa"]
     assert done.stderr.count("the native CPU decode kernels did not build") == 1
     assert "torch's kernels run instead" in done.stderr
+
+
+_ROUND_HERE = textwrap.dedent("""
+    import sys, torch
+    from llminfer.kernels import cpu
+    x = torch.load(sys.argv[1])
+    print(cpu.isa())
+    torch.save(torch.ops.llminfer.round_bfloat16(x), sys.argv[2])
+""")
+
+
+@pytest.mark.parametrize("level", ["portable"] + (["avx2"] if "avx2" in cpu_capabilities().flags else []))
+def test_bfloat16_rounding_of_the_layers_is_torchs_to_the_bit(level, tmp_path):
+    """The layers round a bfloat16 model's activations 8 at a time (AVX2) or one by one (portable); both give what
+    torch's conversion gives for every float32 pattern tried: ties to even, infinities, the largest finite values
+    (which round to infinity), subnormals; a NaN stays a NaN. 1001 values: the vector loop's tail runs too."""
+    generator = torch.Generator().manual_seed(0)
+    patterns = torch.randint(-2 ** 31, 2 ** 31, (1001,), generator=generator, dtype=torch.int64).to(torch.int32)
+    ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2 ** -130 * 1.5])
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.4028235e38, -3.4028235e38,
+                            1e-45, 1.0000001])
+    x = torch.cat([special, ties, patterns.view(torch.float32)])
+    torch.save(x, tmp_path / "x.pt")
+    env = dict(os.environ, LLMINFER_ISA=level)
+    done = subprocess.run([sys.executable, "-c", _ROUND_HERE, str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == level
+    got, expected = torch.load(tmp_path / "out.pt"), x.bfloat16().float()
+    nan = expected.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int32), expected[~nan].view(torch.int32))
+    assert float(got[special.numel()]) == 1.0 and float(got[special.numel() + 1]) == 1.015625   # ties to even

@@ -34,7 +34,8 @@ the cache write, attention, SwiGLU, the residuals), which `llminfer.fast.NativeD
 `paged_attention(...)` and `decode_layers_paged(...)`, the same over a paged cache's block pool and block
 tables, for an engine step of several sequences (`llminfer.engine`, chapter 06). `prepare_stack(...)` keeps a
 stack's weights and caches once (`PreparedStack`), and `decode_layers_prepared(stack, x, cos, sin, positions)` runs
-it: a compiled decoder's step then hands over four tensors, not the hundreds of weights. They carry fake
+it: a compiled decoder's step then hands over four tensors, not the hundreds of weights. `round_bfloat16(x)` rounds float32
+values to bfloat16 as the layers round a bfloat16 model's activations (8 at a time with AVX2). They carry fake
 implementations, so `torch.compile` traces through them.
 
 A prefill (many rows of x) runs through the same ops: from 16 rows on, products take a blocked kernel

@@ -272,9 +272,12 @@ void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
       const int64_t rows = std::min<int64_t>(TT, M - t * TT);
       if (rows < TT) std::fill(dst, dst + K * TT, T(0));
       const float* src = x + t * TT * K;
-      if constexpr (kBF16) {
-        for (int64_t j = 0; j < rows; ++j)
-          for (int64_t k = 0; k < K; ++k) dst[(k / P) * TT * P + j * P + k % P] = c10::BFloat16(src[j * K + k]).x;
+      if constexpr (kBF16) {                    // each row as bfloat16, then its pairs of inputs as 32-bit words
+        std::vector<uint16_t> wide(rows * K);
+        to_bf16(src, rows * K, wide.data());
+        uint32_t* words = reinterpret_cast<uint32_t*>(dst);
+        for (int64_t pair = 0; pair < K / 2; ++pair)
+          for (int64_t j = 0; j < rows; ++j) std::memcpy(words + pair * TT + j, wide.data() + j * K + 2 * pair, 4);
       } else {                                  // written in order, read from the tile's rows at once
         for (int64_t k = 0; k < K; ++k)
           for (int64_t j = 0; j < rows; ++j) dst[k * TT + j] = src[j * K + k];

@@ -118,6 +118,18 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// 8 floats rounded to bfloat16 as c10::BFloat16 rounds them (to nearest, ties to even; a NaN to 0x7FC0), as the
+// 32-bit patterns of the rounded values (the low 16 bits zero)
+__attribute__((target("avx2,fma"))) inline __m256i bf16_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  const __m256i rounded = _mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded),
+                                              _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
+}
+
 // exp(x) for 8 floats: the Cephes polynomial (relative error about 1e-7)
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
@@ -208,6 +220,10 @@ void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y);
 std::vector<float> x_as_float(const at::Tensor& x);
 // float32 values -> a new tensor of `sizes` in `like`'s dtype (float32 or bfloat16)
 at::Tensor result(const float* y, at::IntArrayRef sizes, const at::Tensor& like);
+// p[0..n) rounded to bfloat16 in place: static_cast<float>(c10::BFloat16(v)) for each, 8 at a time with AVX2
+void round_bf16(float* p, int64_t n);
+// p[0..n) as bfloat16 (c10::BFloat16(v) for each) into out
+void to_bf16(const float* p, int64_t n, uint16_t* out);
 
 // Where the queries and the cache live. q and out are float32 (b, h, t, d) with the strides given (unit
 // along d); k and v are (b, h_kv, slot, d) of `kind`, unit stride along d. Query (b, h, t) sees the slots

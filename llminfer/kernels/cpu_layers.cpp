@@ -17,8 +17,6 @@ namespace llminfer_cpu {
 // round (each product, the norm, RoPE, the attention output, each sum), so bfloat16 matches them to
 // within a rounding step.
 
-inline float round_to(float v, bool bf16) { return bf16 ? static_cast<float>(c10::BFloat16(v)) : v; }
-
 template <typename T>
 inline const T* ptr_as(const at::Tensor& t) { return static_cast<const T*>(t.data_ptr()); }
 
@@ -65,9 +63,12 @@ void rms_norm(const float* x, int64_t M, int64_t dim, const at::Tensor& weight, 
     const double total = (ss[0] + ss[1]) + (ss[2] + ss[3]);
     const float inv = 1.f / std::sqrt(static_cast<float>(total / dim) + static_cast<float>(eps));
     float* o = out + m * dim;
-    if (bf16)
-      for (int64_t i = 0; i < dim; ++i) o[i] = round_to(w[i] * round_to(row[i] * inv, true), true);
-    else
+    if (bf16) {
+      for (int64_t i = 0; i < dim; ++i) o[i] = row[i] * inv;
+      round_bf16(o, dim);
+      for (int64_t i = 0; i < dim; ++i) o[i] *= w[i];
+      round_bf16(o, dim);
+    } else
       for (int64_t i = 0; i < dim; ++i) o[i] = w[i] * (row[i] * inv);
   });
 }
@@ -198,14 +199,17 @@ Layer check_layer(const Step& st, const at::Tensor& input_norm, double eps1, con
   return L;
 }
 
-// x += y over M rows of dim, each term and the sum rounded to the model's dtype (the residual adds)
-void add_rows(float* x, const float* y, int64_t M, int64_t dim, bool bf16) {
+// x += y over M rows of dim, each term and the sum rounded to the model's dtype (the residual adds; a bfloat16
+// y is rounded in place)
+void add_rows(float* x, float* y, int64_t M, int64_t dim, bool bf16) {
   for_rows(M, [&](int64_t m) {
     float* xr = x + m * dim;
-    const float* yr = y + m * dim;
-    if (bf16)
-      for (int64_t i = 0; i < dim; ++i) xr[i] = round_to(xr[i] + round_to(yr[i], true), true);
-    else
+    float* yr = y + m * dim;
+    if (bf16) {
+      round_bf16(yr, dim);
+      for (int64_t i = 0; i < dim; ++i) xr[i] += yr[i];
+      round_bf16(xr, dim);
+    } else
       for (int64_t i = 0; i < dim; ++i) xr[i] += yr[i];
   });
 }
@@ -234,18 +238,30 @@ void run_layer(const Step& st, const Layer& L, std::vector<float>& x, Workspace&
   linear_rows(L.qkv, h.data(), M, qkv.data());
   const int64_t half = D / 2;
   for_rows(M, [&](int64_t m) {
-    std::vector<float> rotated(D);
+    std::vector<float> rotated(D), turned(D);
     float* row = qkv.data() + m * N;
     const float *c = st.cos.data() + (m % T) * D, *s = st.sin.data() + (m % T) * D;
-    if (!L.bias.empty())
-      for (int64_t i = 0; i < N; ++i) row[i] = round_to(round_to(row[i], bf16) + L.bias[i], bf16);
-    else if (bf16)
-      for (int64_t i = 0; i < N; ++i) row[i] = round_to(row[i], true);
+    if (bf16) round_bf16(row, N);
+    if (!L.bias.empty()) {
+      for (int64_t i = 0; i < N; ++i) row[i] += L.bias[i];
+      if (bf16) round_bf16(row, N);
+    }
     for (int64_t head = 0; head < H + Hkv; ++head) {        // the q heads, then the k heads
       float* v = row + head * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const float other = d < half ? -v[d + half] : v[d - half];
-        rotated[d] = round_to(round_to(v[d] * c[d], bf16) + round_to(other * s[d], bf16), bf16);
+      if (bf16) {                                           // v·cos and rotate_half(v)·sin rounded, then their sum
+        for (int64_t d = 0; d < D; ++d) {
+          rotated[d] = v[d] * c[d];
+          turned[d] = (d < half ? -v[d + half] : v[d - half]) * s[d];
+        }
+        round_bf16(rotated.data(), D);
+        round_bf16(turned.data(), D);
+        for (int64_t d = 0; d < D; ++d) rotated[d] += turned[d];
+        round_bf16(rotated.data(), D);
+      } else {
+        for (int64_t d = 0; d < D; ++d) {
+          const float other = d < half ? -v[d + half] : v[d - half];
+          rotated[d] = v[d] * c[d] + other * s[d];
+        }
       }
       std::copy(rotated.begin(), rotated.end(), v);
     }
@@ -260,9 +276,8 @@ void run_layer(const Step& st, const Layer& L, std::vector<float>& x, Workspace&
       const int64_t slot = st.paged ? (row_of_pool * Hkv + hk) * D : ((b * Hkv + hk) * S + st.pos[t]) * D;
       const float *kr = row + qsize + hk * D, *vr = row + qsize + kvsize + hk * D;
       if (bf16) {
-        c10::BFloat16 *kd = L.k_cache->data_ptr<c10::BFloat16>() + slot;
-        c10::BFloat16 *vd = L.v_cache->data_ptr<c10::BFloat16>() + slot;
-        for (int64_t d = 0; d < D; ++d) kd[d] = c10::BFloat16(kr[d]), vd[d] = c10::BFloat16(vr[d]);
+        to_bf16(kr, D, reinterpret_cast<uint16_t*>(L.k_cache->data_ptr<c10::BFloat16>()) + slot);
+        to_bf16(vr, D, reinterpret_cast<uint16_t*>(L.v_cache->data_ptr<c10::BFloat16>()) + slot);
       } else {
         std::memcpy(L.k_cache->data_ptr<float>() + slot, kr, D * sizeof(float));
         std::memcpy(L.v_cache->data_ptr<float>() + slot, vr, D * sizeof(float));
@@ -282,20 +297,22 @@ void run_layer(const Step& st, const Layer& L, std::vector<float>& x, Workspace&
   P.os0 = T * qsize, P.os1 = D, P.os2 = qsize;
   if (bf16) attend<WKind::BF16>(P);
   else attend<WKind::F32>(P);
-  if (bf16)
-    for (float& a : att) a = round_to(a, true);
+  if (bf16) round_bf16(att.data(), M * H * D);
   linear_rows(L.o, att.data(), M, proj.data());
   add_rows(x.data(), proj.data(), M, dim, bf16);
   // MLP
   rms_norm(x.data(), M, dim, *L.post_norm, L.eps2, bf16, h.data());
   linear_rows(L.gate_up, h.data(), M, gu.data());
   for_rows(M, [&](int64_t m) {
-    const float *g = gu.data() + m * L.gate_up.N, *u = g + hidden;
+    float *g = gu.data() + m * L.gate_up.N, *u = g + hidden;
     float* a = act.data() + m * hidden;
     silu(g, hidden, a);
-    if (bf16)
-      for (int64_t i = 0; i < hidden; ++i) a[i] = round_to(round_to(a[i], true) * round_to(u[i], true), true);
-    else
+    if (bf16) {                                              // silu(g) and u rounded, then their product
+      round_bf16(a, hidden);
+      round_bf16(u, hidden);
+      for (int64_t i = 0; i < hidden; ++i) a[i] *= u[i];
+      round_bf16(a, hidden);
+    } else
       for (int64_t i = 0; i < hidden; ++i) a[i] *= u[i];
   });
   linear_rows(L.down, act.data(), M, proj.data());

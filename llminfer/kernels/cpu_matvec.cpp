@@ -1196,7 +1196,7 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
       return rows_int8g_avx2(x, M, K, static_cast<const int8_t*>(W.w), W.scale, W.group, y, N, n0, n1);
     if (!grouped && W.format == Weight::BF16 && (bits & kAVX512BF16) && x_bf16) {
       std::vector<uint16_t> xb(M * K);                     // x rounded to bfloat16 (round to nearest even)
-      for (int64_t i = 0; i < M * K; ++i) xb[i] = c10::BFloat16(x[i]).x;
+      to_bf16(x, M * K, xb.data());
       return rows_bf16dp(xb.data(), M, K, static_cast<const uint16_t*>(W.w), y, N, n0, n1);
     }
     if (!grouped && avx512) {
@@ -1240,6 +1240,38 @@ std::vector<float> x_as_float(const at::Tensor& x) {
   return out;
 }
 
+#ifdef LLMINFER_X86
+// the first n - n % 8 of them
+__attribute__((target("avx2,fma"))) void round_bf16_avx2(float* p, int64_t n) {
+  for (int64_t i = 0; i + 8 <= n; i += 8)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), bf16_bits8(_mm256_loadu_ps(p + i)));
+}
+
+__attribute__((target("avx2,fma"))) void to_bf16_avx2(const float* p, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i + 8 <= n; i += 8) {        // the high halves of the rounded patterns, packed in order
+    const __m256i high = _mm256_srli_epi32(bf16_bits8(_mm256_loadu_ps(p + i)), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
+  }
+}
+#endif
+
+void round_bf16(float* p, int64_t n) {
+  int64_t i = 0;
+#ifdef LLMINFER_X86
+  if (has_avx2()) round_bf16_avx2(p, n), i = n - n % 8;
+#endif
+  for (; i < n; ++i) p[i] = static_cast<float>(c10::BFloat16(p[i]));
+}
+
+void to_bf16(const float* p, int64_t n, uint16_t* out) {
+  int64_t i = 0;
+#ifdef LLMINFER_X86
+  if (has_avx2()) to_bf16_avx2(p, n, out), i = n - n % 8;
+#endif
+  for (; i < n; ++i) out[i] = c10::BFloat16(p[i]).x;
+}
+
 // float32 values -> a new tensor of `sizes` in `like`'s dtype (float32 or bfloat16)
 at::Tensor result(const float* y, at::IntArrayRef sizes, const at::Tensor& like) {
   at::Tensor out = at::empty(sizes, like.options());
@@ -1247,8 +1279,7 @@ at::Tensor result(const float* y, at::IntArrayRef sizes, const at::Tensor& like)
   if (like.scalar_type() == at::kFloat) {
     std::memcpy(out.data_ptr<float>(), y, n * sizeof(float));
   } else {
-    c10::BFloat16* p = out.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < n; ++i) p[i] = c10::BFloat16(y[i]);
+    to_bf16(y, n, reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()));
   }
   return out;
 }

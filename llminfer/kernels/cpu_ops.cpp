@@ -33,6 +33,14 @@ TORCH_LIBRARY(llminfer, m) {
         "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor positions, Tensor token_seq, Tensor block_tables, "
         "int n_heads, float scale) -> Tensor");
   m.def("stream_read(Tensor data, int width=0) -> int", &stream_read);
+  // float32 values rounded to bfloat16 (as the layers round a bfloat16 model's activations), still float32
+  m.def("round_bfloat16(Tensor x) -> Tensor", [](const at::Tensor& x) -> at::Tensor {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "round_bfloat16: x must be float32 on the CPU, "
+                "got ", x.scalar_type(), " on ", x.device());
+    at::Tensor out = x.contiguous().clone();
+    round_bf16(out.data_ptr<float>(), out.numel());
+    return out;
+  });
   m.def("matvec_max_rows() -> int", []() -> int64_t { return kMatvecMaxRows; });
   // the instruction sets in use (bits of Feature); set_cpu_features returns the bits the CPU lacks (0: set)
   m.def("cpu_features() -> int", []() -> int64_t { return features(); });
