@@ -63,6 +63,24 @@ __attribute__((target("avx2,fma"))) inline void store_tile_half(__m256 r0, __m25
   }
 }
 
+// out[i·ldo + j] = in[j·ldi + i] for an 8 x 8 block
+__attribute__((target("avx2,fma"))) void transpose8x8(const float* in, int64_t ldi, float* out, int64_t ldo) {
+  __m256 r[8], t[8];
+  for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(in + j * ldi);
+  for (int j = 0; j < 8; j += 2) t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]), t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+  for (int j = 0; j < 8; j += 4)
+    for (int h = 0; h < 2; ++h) {
+      r[j + h] = _mm256_shuffle_ps(t[j + h], t[j + h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      r[j + h + 2] = _mm256_shuffle_ps(t[j + h], t[j + h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+  // r[0..3]: columns 0, 2, 1, 3 of rows 0-3 (low lane) and 4-7... of the first four rows; r[4..7] of the last four
+  const int order[4] = {0, 2, 1, 3};
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(out + order[i] * ldo, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(out + (order[i] + 4) * ldo, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+
 // y (rows <= 16 tokens, 6 outputs, rows `ldy` apart) (+)= packed x[0..kc)[0..16) · W[0..5][0..kc)ᵀ, W rows
 // `ldw` floats apart
 __attribute__((target("avx2,fma"))) void gemm_tile_6x16(const float* w, int64_t ldw, const float* xp, int64_t kc,
@@ -278,8 +296,12 @@ void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
         uint32_t* words = reinterpret_cast<uint32_t*>(dst);
         for (int64_t pair = 0; pair < K / 2; ++pair)
           for (int64_t j = 0; j < rows; ++j) std::memcpy(words + pair * TT + j, wide.data() + j * K + 2 * pair, 4);
-      } else {                                  // written in order, read from the tile's rows at once
-        for (int64_t k = 0; k < K; ++k)
+      } else {
+        int64_t k = 0;
+        if (has_avx2() && rows % 8 == 0)         // 8 tokens by 8 inputs at a time, transposed in registers
+          for (; k + 8 <= K; k += 8)
+            for (int64_t j = 0; j < rows; j += 8) transpose8x8(src + j * K + k, K, dst + k * TT + j, TT);
+        for (; k < K; ++k)                       // written in order, read from the tile's rows at once
           for (int64_t j = 0; j < rows; ++j) dst[k * TT + j] = src[j * K + k];
       }
     }
