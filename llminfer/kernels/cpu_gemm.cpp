@@ -128,24 +128,31 @@ __attribute__((target("avx2,fma,f16c"))) void widen_rows(const Weight& W, int64_
     } else if (W.format == Weight::I8) {
       const int8_t* src = static_cast<const int8_t*>(W.w) + row * K + k0;
       const float* scales = W.scale + row * (K / W.group);    // one a row, or one a group (a multiple of 16)
-      for (; k + 8 <= kc; k += 8) {
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + k));
-        const __m256 s = _mm256_set1_ps(scales[(k0 + k) / W.group]);
-        _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s));
+      while (k + 8 <= kc) {                                   // a group (or what of it the chunk holds) at a time
+        const int64_t g = (k0 + k) / W.group, end = std::min(kc, (g + 1) * W.group - k0);
+        if (end < k + 8) break;                               // (the loop below ends on the group's end)
+        const __m256 s = _mm256_set1_ps(scales[g]);
+        for (; k + 8 <= end; k += 8) {
+          const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + k));
+          _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s));
+        }
       }
       for (; k < kc; ++k) o[k] = static_cast<float>(src[k]) * scales[(k0 + k) / W.group];
     } else if (W.tiled) {                         // int4 in tiles of 8 rows: one 32-bit word, 8 inputs
       const int64_t G = K / W.group;
       const uint8_t* src = static_cast<const uint8_t*>(W.w) + (row / 8) * (K / 8) * 32 + (row % 8) * 4;
       const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low = _mm256_set1_epi32(0xF);
-      for (; k + 8 <= kc; k += 8) {
-        const int64_t at = k0 + k, s_at = ((row / 8) * G + at / W.group) * 8 + row % 8;
-        int32_t word;
-        std::memcpy(&word, src + at * 4, 4);
-        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), low);
-        _mm256_storeu_ps(o + k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q),
-                                                _mm256_set1_ps(term_at(W.terms.scale, W.terms.half, s_at)),
-                                                _mm256_set1_ps(term_at(W.terms.offset, W.terms.half, s_at))));
+      while (k + 8 <= kc) {                                   // a group (or what of it the chunk holds) at a time
+        const int64_t g = (k0 + k) / W.group, end = std::min(kc, (g + 1) * W.group - k0);
+        const int64_t s_at = ((row / 8) * G + g) * 8 + row % 8;
+        const __m256 s = _mm256_set1_ps(term_at(W.terms.scale, W.terms.half, s_at));
+        const __m256 z = _mm256_set1_ps(term_at(W.terms.offset, W.terms.half, s_at));
+        for (; k + 8 <= end; k += 8) {
+          int32_t word;
+          std::memcpy(&word, src + (k0 + k) * 4, 4);
+          const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), low);
+          _mm256_storeu_ps(o + k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, z));
+        }
       }
     } else {                                      // int4: byte j holds input 2j (low nibble) and 2j + 1
       const int64_t G = K / W.group;
