@@ -271,10 +271,13 @@ def test_grouped_int8_layers_run_the_native_kernel():
         cpu.gemv(x, codes, torch.rand(64, 3))
 
 
-def test_the_prefill_choice_is_the_faster_median_and_ties_keep_torch():
+def test_the_prefill_choice_leaves_the_stack_only_for_clearly_faster_products():
+    """Medians compared; torch's matmul only where it is more than PREFILL_MARGIN (10 %) faster."""
+    assert cpu.PREFILL_MARGIN == 0.10
     assert cpu.choose_prefill({"blocked": [3.0, 1.0, 1.1], "torch": [1.2, 1.3, 9.0]}) == "blocked"
-    assert cpu.choose_prefill({"blocked": [1.3, 1.3, 0.1], "torch": [1.2, 1.25, 9.0]}) == "torch"
-    assert cpu.choose_prefill({"blocked": [1.0], "torch": [1.0]}) == "torch"           # never slower than torch
+    assert cpu.choose_prefill({"blocked": [1.3, 1.3, 0.1], "torch": [1.1, 1.15, 9.0]}) == "torch"   # 1.13x faster
+    assert cpu.choose_prefill({"blocked": [1.3, 1.3, 0.1], "torch": [1.2, 1.25, 9.0]}) == "blocked"  # 1.04x: a tie
+    assert cpu.choose_prefill({"blocked": [1.0], "torch": [1.0]}) == "blocked"
     with pytest.raises(ValueError, match=r"no timings for \['torch'\]"):
         cpu.choose_prefill({"blocked": [1.0]})
     assert [cpu.rows_bucket(r) for r in (1, 9, 16, 17, 128, 129, 4000)] == [16, 16, 16, 32, 128, 256, 512]
@@ -338,6 +341,25 @@ def test_a_quantized_stack_takes_the_prefill_path_measured_for_its_own_weights(m
         expected = "prefill" if vector and dtype == torch.uint8 else None
         assert stack._step_fits(x, cos, cpu.attention_backend) == expected, dtype
         assert fast._step_fits(x, cos, cpu.attention_backend) is None          # float32's own choice: torch
+
+
+def test_kept_prefill_timings_are_decided_by_the_rule_in_force(monkeypatch, tmp_path):
+    """A kept answer's timings are read again, not its path: one kept as 'torch' on a 3 % lead is the blocked
+    kernel's under the margin, without measuring."""
+    assert cpu.available(), cpu.why_unavailable()
+    if cpu.isa() == "portable":                              # no vector loops: nothing is kept or timed
+        return
+    monkeypatch.setattr(cpu, "measure_prefill", lambda *args, **kwargs: pytest.fail("measured a kept answer"))
+    monkeypatch.setattr(cpu, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
+    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
+    monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
+    kept = {cpu._choice_key(torch.bfloat16, 128): {"path": "torch", "probe": cpu.PREFILL_PROBE,
+                                                    "median_s": {"blocked": 4.0e-3, "torch": 3.9e-3}},
+            cpu._choice_key(torch.float32, 128): {"path": "blocked", "probe": cpu.PREFILL_PROBE,
+                                                   "median_s": {"blocked": 4.0e-3, "torch": 3.0e-3}}}
+    (tmp_path / "prefill_choices.json").write_text(json.dumps(kept))
+    assert cpu.prefill_path(torch.bfloat16, 128) == "blocked"
+    assert cpu.prefill_path(torch.float32, 128) == "torch"
 
 
 def test_answers_kept_from_another_probe_are_timed_again(monkeypatch, tmp_path):
