@@ -73,7 +73,7 @@ __attribute__((target("avx2,fma"))) void transpose8x8(const float* in, int64_t l
       r[j + h] = _mm256_shuffle_ps(t[j + h], t[j + h + 2], _MM_SHUFFLE(1, 0, 1, 0));
       r[j + h + 2] = _mm256_shuffle_ps(t[j + h], t[j + h + 2], _MM_SHUFFLE(3, 2, 3, 2));
     }
-  // r[0..3]: columns 0, 2, 1, 3 of rows 0-3 (low lane) and 4-7... of the first four rows; r[4..7] of the last four
+  // r[i] (i < 4): column order[i] of rows 0-3 in its low half, column order[i] + 4 in its high half; r[i + 4]: rows 4-7
   const int order[4] = {0, 2, 1, 3};
   for (int i = 0; i < 4; ++i) {
     _mm256_storeu_ps(out + order[i] * ldo, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
