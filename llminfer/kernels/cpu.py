@@ -527,8 +527,8 @@ def choose_prefill(timings: dict[str, list[float]]) -> str:
     missing = [path for path in PREFILL_PATHS if not timings.get(path)]
     if missing:
         raise ValueError(f"no timings for {missing}; choose_prefill needs some for both of {PREFILL_PATHS}")
-    blocked, plain = (statistics.median(timings[path]) for path in PREFILL_PATHS)
-    return "torch" if plain * (1 + PREFILL_MARGIN) < blocked else "blocked"
+    blocked, matmul = (statistics.median(timings[path]) for path in PREFILL_PATHS)
+    return "torch" if matmul * (1 + PREFILL_MARGIN) < blocked else "blocked"
 
 
 def _probe_weight(dtype: torch.dtype, shape: tuple[int, int], seed: int) -> tuple[list[torch.Tensor], callable]:

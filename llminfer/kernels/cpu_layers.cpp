@@ -238,7 +238,8 @@ void run_layer(const Step& st, const Layer& L, std::vector<float>& x, Workspace&
   linear_rows(L.qkv, h.data(), M, qkv.data());
   const int64_t half = D / 2;
   for_rows(M, [&](int64_t m) {
-    std::vector<float> rotated(D), turned(D);
+    std::vector<float> rotated(bf16 ? 2 * D : D);            // (bfloat16: the second half, rotate_half(v)·sin)
+    float* turned = rotated.data() + D;
     float* row = qkv.data() + m * N;
     const float *c = st.cos.data() + (m % T) * D, *s = st.sin.data() + (m % T) * D;
     if (bf16) round_bf16(row, N);
@@ -253,8 +254,7 @@ void run_layer(const Step& st, const Layer& L, std::vector<float>& x, Workspace&
           rotated[d] = v[d] * c[d];
           turned[d] = (d < half ? -v[d + half] : v[d - half]) * s[d];
         }
-        round_bf16(rotated.data(), D);
-        round_bf16(turned.data(), D);
+        round_bf16(rotated.data(), 2 * D);
         for (int64_t d = 0; d < D; ++d) rotated[d] += turned[d];
         round_bf16(rotated.data(), D);
       } else {
@@ -263,7 +263,7 @@ void run_layer(const Step& st, const Layer& L, std::vector<float>& x, Workspace&
           rotated[d] = v[d] * c[d] + other * s[d];
         }
       }
-      std::copy(rotated.begin(), rotated.end(), v);
+      std::copy_n(rotated.data(), D, v);
     }
   });
   for (int64_t m = 0; m < M; ++m) {                          // k, v into the cache at their positions
