@@ -424,19 +424,20 @@ void rows_int4_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t 
 // where tile t, chunk c holds, as 8 little-endian 32-bit words, rows 8t..8t+7's codes for inputs 8c..8c+7 (word
 // j: row 8t+j, its nibble i the code of input 8c+i; the bytes are the row-major nibbles of that row, in place).
 // scale and offset are (N/8, G, 8): the 8 rows of a tile next to each other for each group. One 32-byte load
-// brings 64 codes, the lane of a row holding its 8 codes; each code is isolated in place by one AND and
-// converted by one vcvtdq2ps (code i arrives as q·16^i, so x is read pre-scaled by 16^-i: an exact power of
-// two), and multiplied into the 8 rows at once against x broadcast from L1. A tile's bytes are one stream.
+// brings 64 codes, the lane of a row holding its 8 codes; each code is isolated in place by one AND (the last by
+// one shift) and converted by one vcvtdq2ps (code i arrives as q·16^i, so x is read pre-scaled by 16^-i: an exact
+// power of two), and multiplied into the 8 rows at once against x broadcast from L1. A tile's bytes are one stream.
 
-// xs (M, K): x with input 8c+i multiplied by 16^-i (i < 7) and 16^-6 (i = 7, whose code is shifted down by 4
-// first: q·2^28 does not fit a positive int32); xsum (M, G) the group sums of x
+// xs (M, K): x with input 8c+i multiplied by 16^-i (i < 7), and x itself for i = 7, whose code is shifted down to
+// the bottom (q·2^28 does not fit a positive int32; one shift isolates it, where an AND would follow any other);
+// xsum (M, G) the group sums of x
 struct Int4TX {
   std::vector<float> xs, xsum;
 };
 
 Int4TX int4t_x(const float* x, int64_t M, int64_t K, int64_t group) {
   static const float kPlace[8] = {1.f, 1.f / 16, 1.f / 256, 1.f / 4096, 1.f / 65536, 1.f / 1048576,
-                                  1.f / 16777216, 1.f / 16777216};
+                                  1.f / 16777216, 1.f};
   const int64_t G = K / group;
   Int4TX out;
   out.xs.resize(M * K);
@@ -515,7 +516,7 @@ __attribute__((target("avx2,fma,f16c"))) void int4t_tiles_avx2(const float* xs, 
       }
       const __m256 xb = _mm256_broadcast_ss(xk + 7);
       for (int t = 0; t < T; ++t)
-        d[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v[t], 4), mask[6])), xb, d[t]);
+        d[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v[t], 28)), xb, d[t]);
     }
     const __m256 xg = _mm256_broadcast_ss(xsum + g);
     for (int t = 0; t < T; ++t) {
@@ -594,7 +595,7 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const flo
       }
       const __m512 xb = _mm512_permutexvar_ps(pick[7], xk);
       for (int t = 0; t < T; ++t)
-        d[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v[t], 4), mask[6])), xb, d[t]);
+        d[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v[t], 28)), xb, d[t]);
     }
     const __m256 xg = _mm256_broadcast_ss(xsum + g);
     for (int t = 0; t < T; ++t) {
