@@ -16,10 +16,10 @@
 // by llminfer/kernels/cpu.py from the CPU's flags or LLMINFER_ISA); which of them a weight format's decode loops
 // use is timed at load (`matvec_features(kind)`), since the widest is not the fastest on every CPU:
 //   portable     plain loops (the compiler vectorises them), on any CPU
-//   AVX2 + FMA   8 floats a register; bfloat16 16 weights a load, the even ones by a shift and the odd by an
-//                AND; int4 codes widened 8 at a time (tiles: isolated in place, 8 rows a register); W4A8 by
-//                maddubs + madd
-//   AVX-512      16 floats a register (float32, bfloat16 32 weights a load, int8, int4)
+//   AVX2 + FMA   8 floats a register; int4 codes widened 8 at a time (tiles: isolated in place, 8 rows a
+//                register); W4A8 by maddubs + madd
+//   AVX-512      16 floats a register (float32, int8, int4); bfloat16 32 weights a load, the even ones by a
+//                shift and the odd by an AND
 //   VNNI         W4A8 by one vpdpbusd (AVX-VNNI; AVX512-VNNI on 512-bit registers for tiles, 256-bit for rows)
 //   AVX512-BF16  bfloat16 weights by vdpbf16ps, where x is bfloat16 already (a bfloat16 model's activations)
 
@@ -222,35 +222,6 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const float* x, int64_t M, in
       dot_rows_avx2<kind, 1>(x + m * K, K, w, n, out, nullptr);
       y[m * N + n] = scale ? out[0] * scale[n] : out[0];
     }
-  }
-}
-
-// bfloat16, R rows: one 32-byte load brings 16 weights, two a 32-bit lane; a bfloat16 is the top half of its
-// float32, so the lane shifted left by 16 is the even weight and the lane ANDed with 0xFFFF0000 the odd one
-// (2 instructions for 16 weights, where widening 8 at a time takes 4), against xp's chunk of 16 as its 8 even,
-// then its 8 odd entries (`even_odd`); x itself for the inputs after the last chunk
-template <int R>
-__attribute__((target("avx2,fma"))) void bf16_rows_avx2(const float* xp, int64_t K, const uint16_t* w, int64_t n,
-                                                         float* out, const char* ahead) {
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m256 even[R], odd[R];
-  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    if (ahead) {
-      for (int64_t line = 0; line < 32 * R; line += 64) _mm_prefetch(ahead + k * 2 * R + line, _MM_HINT_T0);
-    }
-    const __m256 xe = load8(xp + k), xo = load8(xp + k + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + r) * K + k));
-      even[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), xe, even[r]);
-      odd[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), xo, odd[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float sum = hsum(_mm256_add_ps(even[r], odd[r]));
-    for (int64_t j = k; j < K; ++j) sum += xp[j] * weight_at<WKind::BF16>(w, (n + r) * K + j);
-    out[r] = sum;
   }
 }
 
@@ -886,8 +857,11 @@ __attribute__((target(LLMINFER_AVX512))) void rows_avx512(const float* x, int64_
     }
 }
 
-// bfloat16, 16 lanes: as on AVX2, 32 weights a 64-byte load, against xp's chunk of 32 as its 16 even, then its 16
-// odd entries
+// bfloat16, R rows, 16 lanes: one 64-byte load brings 32 weights, two a 32-bit lane; a bfloat16 is the top half of
+// its float32, so the lane shifted left by 16 is the even weight and the lane ANDed with 0xFFFF0000 the odd one (2
+// instructions for 32 weights, where widening 16 at a time takes 4; on a Zen 4 the widening loop was bound by its
+// instructions, below memory speed), against xp's chunk of 32 as its 16 even, then its 16 odd entries
+// (`even_odd`); x itself for the inputs after the last chunk
 template <int R>
 __attribute__((target(LLMINFER_AVX512))) void bf16_rows_avx512(const float* xp, int64_t K, const uint16_t* w,
                                                                 int64_t n, float* out, const char* ahead) {
@@ -1276,18 +1250,15 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
   const bool grouped = W.format == Weight::I8 && W.group != K;
   // vdpbf16ps rounds x to bfloat16: only where that changes nothing (x is bfloat16 already)
   const bool x_bf16 = W.format == Weight::BF16 && (bits & kAVX512BF16) && bfloat16_exact(x, M * K);
-  // bfloat16 on the vector loops: x's chunks as their even, then their odd entries
-  const bool split = W.format == Weight::BF16 && !x_bf16 && avx2;
+  // bfloat16 on the 512-bit loop: x's chunks of 32 as their even, then their odd entries
+  const bool split = W.format == Weight::BF16 && !x_bf16 && avx512;
   std::vector<float> xp;
-  if (split) xp = even_odd(x, M, K, avx512 ? 32 : 16);
+  if (split) xp = even_odd(x, M, K, 32);
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
 #ifdef LLMINFER_X86
-    if (split && avx512)
+    if (split)
       return rows_bf16<bf16_rows_avx512<4>, bf16_rows_avx512<1>>(xp.data(), M, K, static_cast<const uint16_t*>(W.w),
                                                                   y, N, n0, n1);
-    if (split)
-      return rows_bf16<bf16_rows_avx2<4>, bf16_rows_avx2<1>>(xp.data(), M, K, static_cast<const uint16_t*>(W.w), y,
-                                                              N, n0, n1);
     if (grouped && avx2)
       return rows_int8g_avx2(x, M, K, static_cast<const int8_t*>(W.w), W.scale, W.group, y, N, n0, n1);
     if (!grouped && W.format == Weight::BF16 && (bits & kAVX512BF16) && x_bf16) {
@@ -1301,6 +1272,7 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
     }
     if (!grouped && avx2) {
       if (W.format == Weight::F32) return rows_avx2<WKind::F32>(x, M, K, W.w, W.scale, y, N, n0, n1);
+      if (W.format == Weight::BF16) return rows_avx2<WKind::BF16>(x, M, K, W.w, W.scale, y, N, n0, n1);
       return rows_avx2<WKind::I8>(x, M, K, W.w, W.scale, y, N, n0, n1);
     }
 #endif
