@@ -225,11 +225,11 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const float* x, int64_t M, in
   }
 }
 
-// rows [n0, n1) of y (M, N) for bfloat16 weights by `Rows` (4 rows at a time, the next 4 prefetched alongside)
-template <void (*Rows4)(const float*, int64_t, const uint16_t*, int64_t, float*, const char*),
-          void (*Rows1)(const float*, int64_t, const uint16_t*, int64_t, float*, const char*)>
-void rows_bf16(const float* xp, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t n0,
-               int64_t n1) {
+// rows [n0, n1) of y (M, N) for bfloat16 weights by `Rows4` (4 rows at a time, the next 4 prefetched alongside) and
+// `Rows1`, against xp, rows of x as those loops read them (float32 in the split loop's order, or bfloat16)
+template <typename X, void (*Rows4)(const X*, int64_t, const uint16_t*, int64_t, float*, const char*),
+          void (*Rows1)(const X*, int64_t, const uint16_t*, int64_t, float*, const char*)>
+void rows_bf16(const X* xp, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
   float out[4];
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) {
@@ -911,24 +911,6 @@ __attribute__((target(LLMINFER_AVX512 ",avx512bf16"))) void dot_rows_bf16dp(cons
   }
 }
 
-void rows_bf16dp(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t n0,
-                 int64_t n1) {
-  float out[4];
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const char* ahead = n + 8 <= n1 ? reinterpret_cast<const char*>(w + (n + 4) * K) : nullptr;
-    for (int64_t m = 0; m < M; ++m) {
-      dot_rows_bf16dp<4>(xb + m * K, K, w, n, out, m == 0 ? ahead : nullptr);
-      for (int r = 0; r < 4; ++r) y[m * N + n + r] = out[r];
-    }
-  }
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      dot_rows_bf16dp<1>(xb + m * K, K, w, n, out, nullptr);
-      y[m * N + n] = out[0];
-    }
-}
-
 // int4, 16 lanes: xp holds each chunk of 32 inputs as its 16 even then 16 odd entries; 16 code bytes widened
 // to 16 int32 lanes give both halves
 template <int R>
@@ -1257,14 +1239,15 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
 #ifdef LLMINFER_X86
     if (split)
-      return rows_bf16<bf16_rows_avx512<4>, bf16_rows_avx512<1>>(xp.data(), M, K, static_cast<const uint16_t*>(W.w),
-                                                                  y, N, n0, n1);
+      return rows_bf16<float, bf16_rows_avx512<4>, bf16_rows_avx512<1>>(xp.data(), M, K,
+                                                                         static_cast<const uint16_t*>(W.w), y, N, n0, n1);
     if (grouped && avx2)
       return rows_int8g_avx2(x, M, K, static_cast<const int8_t*>(W.w), W.scale, W.group, y, N, n0, n1);
     if (!grouped && W.format == Weight::BF16 && (bits & kAVX512BF16) && x_bf16) {
       std::vector<uint16_t> xb(M * K);                     // x rounded to bfloat16 (round to nearest even)
       to_bf16(x, M * K, xb.data());
-      return rows_bf16dp(xb.data(), M, K, static_cast<const uint16_t*>(W.w), y, N, n0, n1);
+      return rows_bf16<uint16_t, dot_rows_bf16dp<4>, dot_rows_bf16dp<1>>(xb.data(), M, K,
+                                                                         static_cast<const uint16_t*>(W.w), y, N, n0, n1);
     }
     if (!grouped && avx512) {
       if (W.format == Weight::F32) return rows_avx512<WKind::F32>(x, M, K, W.w, W.scale, y, N, n0, n1);
