@@ -799,13 +799,12 @@ void rows_int4t_a8_portable(const int8_t* xq, const float* dx, const float* xsum
 
 __attribute__((target(LLMINFER_AVX512))) inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
 
+// float32 or int8 weights (bfloat16 ones take the split loop, bf16_rows_avx512)
 template <WKind kind>
 __attribute__((target(LLMINFER_AVX512))) inline __m512 wload16(const void* w, int64_t i) {
+  static_assert(kind != WKind::BF16, "bfloat16 rows run bf16_rows_avx512");
   if constexpr (kind == WKind::F32) {
     return _mm512_loadu_ps(static_cast<const float*>(w) + i);
-  } else if constexpr (kind == WKind::BF16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w) + i));
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
