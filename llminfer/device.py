@@ -16,6 +16,7 @@ import functools
 import mmap
 import os
 import platform
+import re
 import weakref
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ import torch
 
 __all__ = ["as_device", "resolve_device", "synchronize", "dtype_bytes", "free_memory_bytes", "check_fits",
            "huge_page_empty", "on_huge_pages", "UNKNOWN_FREE_BYTES", "CpuCapabilities", "ISA_LEVELS",
-           "parse_cpuinfo", "cpu_capabilities"]
+           "parse_cpuinfo", "cpu_capabilities", "cpu_slug"]
 
 UNKNOWN_FREE_BYTES = 1 << 62   # what free_memory_bytes returns when it cannot tell: never refuse on a guess
 
@@ -146,6 +147,21 @@ ISA_LEVELS: tuple[tuple[str, frozenset[str]], ...] = (
 )
 # The flags a report names: what decides which kernel runs fastest here.
 _REPORTED_PREFIXES = ("avx", "fma", "f16c", "amx")
+# Cores by (vendor, family) and model ranges, for CPUs whose name does not say (a virtual machine's "AMD EPYC"
+# is a Zen 3, a Zen 4 or a Zen 5). Parts sold under one name differ in width: a Zen 4 runs 512-bit operations
+# in two halves, a Zen 5 (server) at full width. Intel family 6 model 85 is Skylake, Cascade or Cooper Lake by
+# stepping: left unnamed. Chapter 08.
+_MICROARCHITECTURES: tuple[tuple[str, int, tuple[range, ...], str], ...] = (
+    ("AuthenticAMD", 23, (range(0x00, 0x30),), "zen"),
+    ("AuthenticAMD", 23, (range(0x30, 0x100),), "zen2"),
+    ("AuthenticAMD", 25, (range(0x10, 0x20), range(0x60, 0x80), range(0xA0, 0xB0)), "zen4"),
+    ("AuthenticAMD", 25, (range(0x00, 0x100),), "zen3"),
+    ("AuthenticAMD", 26, (range(0x00, 0x100),), "zen5"),
+    ("GenuineIntel", 6, (range(106, 107), range(108, 109)), "icelake"),
+    ("GenuineIntel", 6, (range(143, 144),), "sapphirerapids"),
+    ("GenuineIntel", 6, (range(207, 208),), "emeraldrapids"),
+    ("GenuineIntel", 6, (range(173, 175),), "graniterapids"),
+)
 
 
 @dataclass(frozen=True)
@@ -156,6 +172,18 @@ class CpuCapabilities:
     flags: frozenset[str]        # as /proc/cpuinfo lists them: "avx2", "avx512f", "avx512_bf16", "amx_tile", ...
     logical_cpus: int            # processors the OS lists (hyperthreads count)
     physical_cores: int          # distinct (socket, core) pairs; logical_cpus where the file does not say
+    vendor: str = ""             # "AuthenticAMD", "GenuineIntel"; "" where the file does not say
+    family: int | None = None    # "cpu family": 25 for a Zen 3 or Zen 4, 26 for a Zen 5, 6 for Intel's
+    model_number: int | None = None   # "model": with the family, which core it is
+
+    @property
+    def microarchitecture(self) -> str | None:
+        """Returns the core's name ('zen4', 'zen5', 'sapphirerapids', ...) from the vendor, family and model,
+        or None for one the table above does not know."""
+        for vendor, family, models, name in _MICROARCHITECTURES:
+            if (self.vendor, self.family) == (vendor, family) and any(self.model_number in r for r in models):
+                return name
+        return None
 
     @property
     def isa_level(self) -> str:
@@ -173,7 +201,8 @@ class CpuCapabilities:
 
     def as_dict(self) -> dict:
         """Returns the JSON a report stores: model, ISA level, core counts and the vector flags."""
-        return {"model": self.model, "isa_level": self.isa_level, "logical_cpus": self.logical_cpus,
+        return {"model": self.model, "microarchitecture": self.microarchitecture, "family": self.family,
+                "model_number": self.model_number, "isa_level": self.isa_level, "logical_cpus": self.logical_cpus,
                 "physical_cores": self.physical_cores, "vector_flags": self.vector_flags()}
 
 
@@ -181,7 +210,7 @@ def parse_cpuinfo(text: str, fallback_model: str = "unknown", fallback_cpus: int
     """Returns the CpuCapabilities that the text of a Linux /proc/cpuinfo describes; a file without x86 fields
     (an ARM's, or none) gives fallback_model, no flags and fallback_cpus. Chapter 08."""
     model, flags, processors, cores = "", None, 0, set()
-    physical_id = None
+    physical_id = vendor = family = number = None
     for line in text.splitlines():
         key, sep, value = line.partition(":")
         if not sep:
@@ -191,6 +220,12 @@ def parse_cpuinfo(text: str, fallback_model: str = "unknown", fallback_cpus: int
             processors += 1
         elif key == "model name" and not model:
             model = value
+        elif key == "vendor_id" and vendor is None:
+            vendor = value
+        elif key == "cpu family" and family is None and value.isdigit():
+            family = int(value)
+        elif key == "model" and number is None and value.isdigit():
+            number = int(value)
         elif key == "flags" and flags is None:
             flags = frozenset(value.split())
         elif key == "physical id":
@@ -199,7 +234,8 @@ def parse_cpuinfo(text: str, fallback_model: str = "unknown", fallback_cpus: int
             cores.add((physical_id, value))
     logical = processors or fallback_cpus
     return CpuCapabilities(model=model or fallback_model, flags=flags or frozenset(), logical_cpus=logical,
-                           physical_cores=len(cores) or logical)
+                           physical_cores=len(cores) or logical, vendor=vendor or "", family=family,
+                           model_number=number)
 
 
 @functools.lru_cache(maxsize=1)
@@ -213,3 +249,20 @@ def cpu_capabilities() -> CpuCapabilities:
         text = ""
     return parse_cpuinfo(text, fallback_model=platform.processor() or platform.machine() or "unknown",
                          fallback_cpus=os.cpu_count() or 1)
+
+
+def cpu_slug(capabilities: CpuCapabilities | None = None) -> str:
+    """Returns a CPU's class as a file name part, for its reports in data/benchmarks/ (default this CPU): its
+    name, its core where the table knows it, and '-avx512' where it has AVX-512, e.g. 'cpu-amd-epyc-zen5-avx512'
+    or 'cpu-intel-xeon-platinum-8488c-sapphirerapids-avx512'. Parts sold under one name ('AMD EPYC') differ
+    in core and in width, and llama.cpp, built for the machine it runs on, uses what it finds, so their runs are
+    kept apart. The one namer: every benchmark asks it. Chapter 08."""
+    capabilities = capabilities or cpu_capabilities()
+    name = re.sub(r"\(r\)|\(tm\)|processor|\d+-core|cpu @.*", "", "cpu " + capabilities.model.lower())
+    parts = [re.sub(r"[^a-z0-9]+", "-", name).strip("-").replace("cpu-cpu", "cpu")]
+    core = capabilities.microarchitecture
+    if core and core not in parts[0]:
+        parts.append(core)
+    if "avx512f" in capabilities.flags:
+        parts.append("avx512")
+    return "-".join(parts)

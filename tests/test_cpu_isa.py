@@ -32,6 +32,7 @@ RUNNABLE = {
     "amd_zen4_avx512_bf16": ["portable", "avx2", "avx512", "avx512_vnni", "avx512_bf16"],
     "intel_xeon_avx512_bf16_vnni": ["portable", "avx2", "avx512", "avx512_vnni", "avx512_bf16"],
     "intel_xeon_amx": ["portable", "avx2", "avx_vnni", "avx512", "avx512_vnni", "avx512_bf16"],
+    "amd_zen5_avx512_bf16_avx_vnni": ["portable", "avx2", "avx_vnni", "avx512", "avx512_vnni", "avx512_bf16"],
 }
 
 

@@ -24,6 +24,7 @@ def fixture(name: str):
     ("amd_zen4_avx512_bf16", "AMD EPYC 9R14", "avx512_bf16", 2, 1, True),
     ("intel_xeon_avx512_bf16_vnni", "Intel(R) Xeon(R) Platinum 8380H CPU @ 2.90GHz", "avx512_bf16", 4, 2, True),
     ("intel_xeon_amx", "Intel(R) Xeon(R) Platinum 8488C", "amx", 4, 2, True),
+    ("amd_zen5_avx512_bf16_avx_vnni", "AMD EPYC", "avx512_bf16", 2, 2, True),
 ])
 def test_each_cpu_class_is_read_from_its_cpuinfo(name, model, isa, logical, physical, bf16):
     cpu = fixture(name)
@@ -44,6 +45,38 @@ def test_the_avx2_epyc_has_no_avx512_and_the_zen4_no_amx():
     order = [name for name, _ in device.ISA_LEVELS]
     assert [order.index(c.isa_level) for c in (epyc, zen4, sapphire)] == sorted(
         order.index(c.isa_level) for c in (epyc, zen4, sapphire))
+
+
+@pytest.mark.parametrize("name, core, slug", [
+    ("amd_epyc_avx2", "zen3", "cpu-amd-epyc-zen3"),                       # family 25, model 1
+    ("amd_zen4_avx512_bf16", "zen4", "cpu-amd-epyc-9r14-zen4-avx512"),    # family 25, model 17
+    ("amd_zen5_avx512_bf16_avx_vnni", "zen5", "cpu-amd-epyc-zen5-avx512"),  # family 26
+    ("intel_xeon_amx", "sapphirerapids", "cpu-intel-xeon-platinum-8488c-sapphirerapids-avx512"),
+    ("intel_xeon_avx512_bf16_vnni", None, "cpu-intel-xeon-platinum-8380h-avx512"),  # model 85: by stepping
+    ("arm_neoverse", None, "cpu-unknown"),
+])
+def test_a_report_is_named_by_the_cpus_class_its_name_core_and_width(name, core, slug):
+    cpu = fixture(name)
+    assert cpu.microarchitecture == core and device.cpu_slug(cpu) == slug
+    assert json.loads(json.dumps(cpu.as_dict()))["microarchitecture"] == core
+
+
+def test_parts_sold_under_one_name_get_different_files():
+    def cpu(family, model, flags="avx2 fma"):
+        return parse_cpuinfo(f"processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\n"
+                             f"model\t\t: {model}\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n")
+
+    avx512 = "avx2 fma avx512f"
+    slugs = [device.cpu_slug(c) for c in (cpu(23, 49), cpu(25, 1), cpu(25, 17, avx512), cpu(25, 0xA0, avx512),
+                                          cpu(26, 2, avx512), cpu(27, 0))]
+    assert slugs == ["cpu-amd-epyc-zen2", "cpu-amd-epyc-zen3", "cpu-amd-epyc-zen4-avx512",
+                     "cpu-amd-epyc-zen4-avx512", "cpu-amd-epyc-zen5-avx512", "cpu-amd-epyc"]
+    # the width alone still parts a CPU the table does not know
+    assert device.cpu_slug(cpu(27, 0, avx512)) == "cpu-amd-epyc-avx512"
+    # a name that already says the core gets it once
+    named = parse_cpuinfo("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD Zen5 "
+                          "test\nflags\t\t: avx2 fma\n")
+    assert device.cpu_slug(named) == "cpu-amd-zen5-test"
 
 
 @pytest.mark.parametrize("flags, isa", [
@@ -97,6 +130,6 @@ def test_a_machine_is_reported_as_its_cpuinfo_says(monkeypatch):
     monkeypatch.setattr(report, "cpu_capabilities", lambda: fixture("intel_xeon_amx"))
     monkeypatch.setattr(engine, "cpu_capabilities", lambda: fixture("intel_xeon_amx"))
     assert report.machine(torch.device("cpu"))["cpu_isa"] == "amx"
-    assert report.device_slug(torch.device("cpu")) == "cpu-intel-xeon-platinum-8488c"
+    assert report.device_slug(torch.device("cpu")) == "cpu-intel-xeon-platinum-8488c-sapphirerapids-avx512"
     assert engine.machine_info("cpu")["cpu_flags"] == ["avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile",
                                                        "fma", "f16c"]

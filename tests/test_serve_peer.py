@@ -25,12 +25,6 @@ def _record(index, send, ttft, tpot, tokens, success=True):
 
 # --- the plan -----------------------------------------------------------------------------------------------------
 
-def test_the_report_is_named_after_the_cpu_and_its_vector_class():
-    assert peer.cpu_slug("AMD EPYC 9R14 96-Core Processor", {"avx2"}) == "cpu-amd-epyc-9r14"
-    assert peer.cpu_slug("AMD EPYC", {"avx2", "avx512f"}) == "cpu-amd-epyc-avx512"
-    assert peer.cpu_slug("Intel(R) Xeon(R) Platinum 8488C", set()) == "cpu-intel-xeon-platinum-8488c"
-
-
 def test_rounds_alternate_which_server_goes_first():
     assert peer.round_order(("llminfer", "vllm"), 3) == [["llminfer", "vllm"], ["vllm", "llminfer"],
                                                          ["llminfer", "vllm"]]

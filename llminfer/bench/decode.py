@@ -273,7 +273,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     report = {
         "what": "decode, batch 1, interleaved contenders, chapter 08",
         "machine": machine(torch.device("cpu")), "cpu_flags": flags,
-        "slug": _slug(device_slug(torch.device("cpu")), flags),
+        "slug": device_slug(torch.device("cpu")),
         "settings": {"shape": args.shape, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                      "repeats": args.repeats, "threads": threads, "thread_sweep_llama_cpp_f32": thread_sweep,
                      "quant_dtype": args.quant_dtype, "compile": args.compile, "compile_options": COMPILE_OPTIONS,
@@ -383,13 +383,6 @@ def _prefill_table(args, base, ids, info, quant_dtype, matmuls) -> tuple[dict, d
         entry["chosen_over_plain"] = entry["plain_s"] / entry["chosen_s"]
         table[name] = entry
     return table, matmul_times
-
-
-def _slug(device: str, flags: list[str]) -> str:
-    """The report's file name stem: the CPU's name, and '-avx512' where it has AVX-512. CPUs sold under one
-    name ('AMD EPYC') come with and without it, and llama.cpp, built for the machine it runs on, uses it (its
-    bfloat16 dot products most of all), so their runs are kept apart."""
-    return f"{device}-avx512" if "avx512f" in flags else device
 
 
 def _cpu_flags() -> list[str]:

@@ -151,7 +151,7 @@ def _path(model: str) -> Path:
 
 def run(args) -> dict:
     """Returns the report of one interleaved run on the real file (and writes nothing). Chapter 08."""
-    from .decode import _cpu_flags, _llama_cpp_version, _slug
+    from .decode import _cpu_flags, _llama_cpp_version
     from .report import device_slug, load_average, machine
 
     started, load_before = time.perf_counter(), load_average()
@@ -220,7 +220,7 @@ def run(args) -> dict:
         return {
             "what": "decode, batch 1, the real GGUF file, llminfer against llama.cpp interleaved, chapter 08",
             "machine": machine(torch.device("cpu")), "cpu_flags": flags,
-            "slug": _slug(device_slug(torch.device("cpu")), flags),
+            "slug": device_slug(torch.device("cpu")),
             "settings": {"model": args.model, "file": path.name, "prompt": args.prompt, "prompt_tokens": len(ids),
                          "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": threads,
                          "compile": args.compile, "formats": args.formats,

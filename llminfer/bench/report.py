@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..device import cpu_capabilities, free_memory_bytes
+from ..device import cpu_capabilities, cpu_slug, free_memory_bytes
 from .figures import paired_ratio, utilisation
 
 __all__ = ["load_average", "machine", "device_slug", "assemble", "table", "plot", "write", "TARGETS"]
@@ -48,7 +48,8 @@ def machine(device: torch.device) -> dict:
     except ImportError:
         transformers_version = None
     cpu = cpu_capabilities()
-    info = {"cpu": cpu.model, "cpu_isa": cpu.isa_level, "cpu_vector_flags": cpu.vector_flags(),
+    info = {"cpu": cpu.model, "cpu_microarchitecture": cpu.microarchitecture, "cpu_family": cpu.family,
+            "cpu_model_number": cpu.model_number, "cpu_isa": cpu.isa_level, "cpu_vector_flags": cpu.vector_flags(),
             "cpu_cores": os.cpu_count(), "cpu_physical_cores": cpu.physical_cores,
             "torch_threads": torch.get_num_threads(),
             "memory_available_gib": round(free_memory_bytes("cpu") / 2**30, 1), "platform": platform.platform(),
@@ -61,10 +62,11 @@ def machine(device: torch.device) -> dict:
 
 
 def device_slug(device: torch.device) -> str:
-    """Returns the file name stem for device: e.g. 'nvidia-h200', or 'cpu-amd-epyc'."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu " + cpu_capabilities().model
-    name = re.sub(r"\(r\)|\(tm\)|processor|\d+-core|cpu @.*", "", name.lower())
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-").replace("cpu-cpu", "cpu")
+    """Returns the file name stem for device: e.g. 'nvidia-h200', or the CPU's class ('cpu-amd-epyc-zen4-avx512',
+    from `llminfer.device.cpu_slug`)."""
+    if device.type != "cuda":
+        return cpu_slug(cpu_capabilities())
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
 
 
 def _ratio(contenders: dict, mine: str, theirs: str) -> dict | None:

@@ -37,7 +37,7 @@ from ..engine.latency import percentiles
 from .bench import RequestRecord, _finite, run_benchmark, workload_requests
 from .process import LOOPBACK, ServerExited, ServerProcess, free_port, wait_until_healthy
 
-__all__ = ["ROOT", "cpu_slug", "vllm_python", "peer_checkpoint", "process_tree_rss", "RSSSampler", "VLLMProcess",
+__all__ = ["ROOT", "vllm_python", "peer_checkpoint", "process_tree_rss", "RSSSampler", "VLLMProcess",
            "round_order", "aggregate", "ratios", "compare", "plot_comparison", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]          # the repository: .venv-vllm and build/ live here
@@ -225,14 +225,6 @@ class VLLMProcess:
 
 # --- the plan and the figures ---------------------------------------------------------------------------------
 
-def cpu_slug(model: str, flags) -> str:
-    """The report's file name part for a CPU, as the other benchmarks name theirs: 'cpu-amd-epyc', '-avx512' added
-    where it has AVX-512 (CPUs sold under one name come with and without it)."""
-    name = re.sub(r"\(r\)|\(tm\)|processor|\d+-core|cpu @.*", "", "cpu " + model.lower())
-    slug = re.sub(r"[^a-z0-9]+", "-", name).strip("-").replace("cpu-cpu", "cpu")
-    return f"{slug}-avx512" if "avx512f" in flags else slug
-
-
 def round_order(servers: tuple[str, ...] | list[str], rounds: int) -> list[list[str]]:
     """The order the servers run in, per round: as given in even rounds, reversed in odd ones. Chapter 11."""
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
@@ -356,7 +348,7 @@ def compare(dtypes=("float32", "bfloat16"), concurrency=(1, 4, 8, 16), num_promp
     import torch
 
     from ..costs import kv_cache_bytes
-    from ..device import cpu_capabilities, dtype_bytes
+    from ..device import cpu_capabilities, cpu_slug, dtype_bytes
     from ..timing import load_per_core
     if "vllm" in servers and vllm_python() is None:
         raise FileNotFoundError("no vLLM environment at .venv-vllm: build it first with `make peer-vllm`")
@@ -382,7 +374,7 @@ def compare(dtypes=("float32", "bfloat16"), concurrency=(1, 4, 8, 16), num_promp
     log_dir = ROOT / "build" / "peer"
     log_dir.mkdir(parents=True, exist_ok=True)
     report = {"machine": {"cpu": cpu.model, "isa_level": cpu.isa_level, "logical_cpus": cpu.logical_cpus,
-                          "slug": cpu_slug(cpu.model, cpu.flags),
+                          "slug": cpu_slug(cpu),
                           "load_per_core_before": load_per_core()},
               "settings": settings, "runs": [], "failures": [], "startup_s": {}, "rss_peak_bytes": {}}
     started = time.perf_counter()
