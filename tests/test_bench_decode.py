@@ -37,6 +37,10 @@ def test_a_short_run_writes_its_report(tmp_path, capsys):
     assert set(prefill) == {"fp32", "int8"}
     rates = report["prefill"]["matmul_flop_per_s_alongside"]
     assert set(rates) == {"float32"} and rates["float32"] == report["prefill"]["sgemm_flop_per_s_alongside"] > 0
+    # the yardstick is the best of torch's square matmul and the native kernel's, square and on a layer's products
+    probes = report["prefill"]["matmul_flop_per_s_by_probe"]
+    assert len(probes) == 3 and rates["float32"] == max(probes.values())
+    assert sum("native blocked kernel" in what for what in probes) == 2
     for entry in prefill.values():
         assert entry["measured_path"] in ("blocked", "torch")
         assert entry["mfu_against_flop_per_s"] == rates["float32"]        # no bf16 here: sgemm for every format

@@ -22,7 +22,8 @@ The report names the kernels' instruction-set level (`kernels.cpu.isa()`) and, p
 loops ran, timed again after the warm-up (`kernels.cpu.remeasure_matvec`). Prefill of the prompt runs, per
 precision, on the path measured at first use (`kernels.cpu.prefill_path`), on both paths forced (the blocked
 kernel, torch's matmul), and on the plain model (no fast path), against the best matmul rate for the precision
-sampled alongside (MFU: the fastest sample of float32 sgemm, and for bf16 the better of it and a bfloat16 matmul;
+sampled alongside (MFU: the fastest sample of torch's square matmul and the native kernel's, square and on a
+layer's products, in float32, and for bf16 the better of those and the same in bfloat16;
 a prefill above that rate means the ceiling is wrong, and the benchmark says so and stops); beside llama.cpp, the
 prefill is compared by time to the first token. Results: the terminal, data/benchmarks/decode-<machine>.json and a
 PNG of tokens/s against bytes per token.
@@ -205,9 +206,10 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     matvec = timing.matvec_probe("cpu", torch.float32, probe_bytes)
     read = timing.read_probe("cpu", torch.float32, probe_bytes, huge_pages=True)   # where the weights are too
     native_reads = native_read_probes(max(probe_bytes, 4 * last_level_cache_bytes()))
-    matmuls = {"float32": timing.matmul_probe("cpu", torch.float32)}       # the best matmul rate of each dtype
+    # the best matmul rate of each dtype: torch's and the native kernel's, square and on a layer's products
+    matmuls = {"float32": matmul_probes(torch.float32, args.prompt_len)}
     if "bf16" in args.precisions:
-        matmuls["bfloat16"] = timing.matmul_probe("cpu", torch.bfloat16)
+        matmuls["bfloat16"] = matmul_probes(torch.bfloat16, args.prompt_len)
     _log("warm-up")
     tokens = {}
     for label, runner in contenders.items():
@@ -290,7 +292,9 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     }
     if prefill:
         flops = costs.prefill_flops(cfg, args.prompt_len)
-        rates = {dtype: probe.peak_rate_of(matmul_times[dtype]) for dtype, probe in matmuls.items()}
+        by_probe = {probe.what: probe.peak_rate_of(matmul_times[probe.what])
+                    for probes in matmuls.values() for probe in probes}
+        rates = {dtype: max(by_probe[probe.what] for probe in probes) for dtype, probes in matmuls.items()}
         sgemm = rates["float32"]
         for name, entry in prefill.items():
             # MFU against the best matmul rate measured alongside for the precision's arithmetic: bfloat16 weights
@@ -301,7 +305,8 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
                 if entry.get(f"{path}_s"):
                     entry[f"{path}_mfu"] = flops / entry[f"{path}_s"] / best
         report["prefill"] = {"prompt_len": args.prompt_len, "sgemm_flop_per_s_alongside": sgemm,
-                             "matmul_flop_per_s_alongside": rates, "flops": flops,
+                             "matmul_flop_per_s_alongside": rates, "matmul_flop_per_s_by_probe": by_probe,
+                             "flops": flops,
                              "by_precision": prefill, "choices": native_cpu.prefill_choices()}
     over = {label: row["bytes_per_token"] * row["tokens_per_s"] for label, row in rows.items() if row["mbu"] > 1.0}
     if over:
@@ -330,6 +335,24 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
+def matmul_probes(dtype: torch.dtype, rows: int) -> list[timing.CeilingProbe]:
+    """Returns the matmul probes of dtype that bound a prefill's rate: torch's 1536 x 1536 square matmul and, with
+    the native kernels, the blocked kernel on the same square and on a layer's products (SmolLM2-135M's shapes,
+    `kernels.cpu.layer_products`) with `rows` rows. The best of them is the MFU's yardstick: on a CPU where the
+    blocked kernel outruns torch's sgemm (a Zen 5), torch's rate alone is no ceiling. Chapter 08."""
+    probes = [timing.matmul_probe("cpu", dtype)]
+    if native_cpu.available():
+        name, n = str(dtype).removeprefix("torch."), 1536
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        probes.append(timing.CeilingProbe(lambda: native_cpu.gemv(a, b), 2 * n ** 3,
+                                          f"({n} x {n}) @ ({n} x {n}) by the native blocked kernel, {name}", "cpu"))
+        run, flops = native_cpu.layer_products(dtype, rows)
+        shapes = ", ".join(f"{k}x{n}" for n, k in native_cpu.PREFILL_PROBE_SHAPES)
+        probes.append(timing.CeilingProbe(run["blocked"], flops, f"{rows} rows by a layer's products ({shapes}) "
+                                          f"by the native blocked kernel, {name}", "cpu"))
+    return probes
+
+
 def native_read_probes(nbytes: int) -> list[timing.CeilingProbe]:
     """Returns probes streaming nbytes from 2 MiB pages through the native kernels' read loop (every thread;
     `kernels.cpu.stream_read`), one per load width the process runs (64 bytes with AVX-512, 32 with AVX2, else 8:
@@ -351,7 +374,7 @@ def native_read_probes(nbytes: int) -> list[timing.CeilingProbe]:
 def _prefill_table(args, base, ids, info, quant_dtype, matmuls) -> tuple[dict, dict[str, list[float]]]:
     """Per precision, median seconds of a prompt's prefill: the fast path as chosen here, forced onto each path,
     and the plain model; with samples of each matmul probe (by dtype) taken between them."""
-    table, matmul_times = {}, {dtype: [] for dtype in matmuls}
+    table, matmul_times = {}, {probe.what: [] for probes in matmuls.values() for probe in probes}
     repeats = max(3, args.repeats)
 
     def median_of(fn) -> float:
@@ -359,8 +382,9 @@ def _prefill_table(args, base, ids, info, quant_dtype, matmuls) -> tuple[dict, d
         times = []
         for _ in range(repeats):
             times += timing.time_fn(fn, "cpu", 0, 1).times_s
-            for dtype, probe in matmuls.items():
-                matmul_times[dtype].extend(probe.sample(1))
+            for probes in matmuls.values():
+                for probe in probes:
+                    matmul_times[probe.what].extend(probe.sample(1))
         return statistics.median(times)
 
     for name in args.precisions:
@@ -437,6 +461,8 @@ def table(report: dict) -> str:
         lines.append(f"prefill of {p['prompt_len']} tokens, ms (MFU against the best matmul rate alongside for the "
                      "precision: " + ", ".join(f"{dtype} {rate / 1e9:.0f} GFLOP/s" for dtype, rate in rates.items())
                      + "); 'chosen' takes the path measured at first use")
+        for what, rate in p.get("matmul_flop_per_s_by_probe", {}).items():
+            lines.append(f"  matmul probe {rate / 1e9:5.0f} GFLOP/s: {what}")
         lines.append(f"{'precision':<10}{'measured':>10}{'chosen':>12}{'blocked':>12}{'torch':>12}{'plain':>12}"
                      f"{'plain/chosen':>14}")
         for name, e in p["by_precision"].items():

@@ -63,15 +63,12 @@ import torch
 from llminfer.attention import fast_attention
 
 __all__ = ["PreparedStack", "available", "why_unavailable", "load", "isa", "isa_features", "choose_isa", "IsaChoice",
-           "ISA_ENV",
-           "KERNEL_LEVELS", "gemv", "decode_attention", "paged_attention",
-           "attention_backend", "loaded", "prefill_path", "prefill_choices", "choose_prefill", "measure_prefill",
-           "force_prefill", "rows_bucket", "stream_read", "PREFILL_PATHS", "PREFILL_ENV", "PREFILL_MARGIN",
-           "MAX_TOKENS", "blocked_prefill", "tile_int4", "untile_int4", "cpu_flags", "bfloat16_in_hardware",
-           "MATVEC_CANDIDATES", "MATVEC_PROBE_BYTES", "choose_fastest", "matvec_candidates", "measure_matvec",
-           "matvec_choices", "remeasure_matvec",
-           "SOURCES", "HEADERS",
-           "cache_dir"]
+           "ISA_ENV", "KERNEL_LEVELS", "gemv", "decode_attention", "paged_attention", "attention_backend", "loaded",
+           "prefill_path", "prefill_choices", "choose_prefill", "measure_prefill", "force_prefill", "layer_products",
+           "rows_bucket", "stream_read", "PREFILL_PATHS", "PREFILL_ENV", "PREFILL_MARGIN", "MAX_TOKENS",
+           "blocked_prefill", "tile_int4", "untile_int4", "cpu_flags", "bfloat16_in_hardware", "MATVEC_CANDIDATES",
+           "MATVEC_PROBE_BYTES", "choose_fastest", "matvec_candidates", "measure_matvec", "matvec_choices",
+           "remeasure_matvec", "SOURCES", "HEADERS", "cache_dir"]
 
 _HERE = Path(__file__).parent
 # the units of the one extension, by job, and the header they share (the build's hash covers all of them)
@@ -557,18 +554,27 @@ def _probe_weight(dtype: torch.dtype, shape: tuple[int, int], seed: int) -> tupl
     raise ValueError(f"no prefill path to measure for {dtype} weights; float32, bfloat16, int8 and uint8 (int4) have")
 
 
-def measure_prefill(dtype: torch.dtype, rows: int, repeats: int = 5) -> dict[str, list[float]]:
-    """Returns the seconds to multiply `rows` rows of x by the weights of PREFILL_PROBE_SHAPES (a layer's products,
-    one after the other) in dtype, by path, the two paths taking turns (after one warm-up each). Appendix A1."""
+def layer_products(dtype: torch.dtype, rows: int, shapes=PREFILL_PROBE_SHAPES) -> tuple[dict, int]:
+    """Returns ({path: run}, FLOPs): `rows` rows of x times a random weight of dtype for each (N, K) of shapes (a
+    layer's products, one after the other), by the blocked kernel and by torch's matmul on the modules' weights.
+    x is bfloat16 for bfloat16 weights, float32 for the others. What the prefill choice times, and the benchmark's
+    native matmul probe. Appendix A1."""
     _require()
     x_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     products = []
-    for seed, shape in enumerate(PREFILL_PROBE_SHAPES):
+    for seed, shape in enumerate(shapes):
         parts, modules = _probe_weight(dtype, shape, seed)
         x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(100 + seed)).to(x_dtype)
         products.append((parts, modules, x))
     run = {"blocked": lambda: [gemv(x, *parts) for parts, _, x in products],
            "torch": lambda: [modules(x) for _, modules, x in products]}
+    return run, sum(2 * rows * n * k for n, k in shapes)
+
+
+def measure_prefill(dtype: torch.dtype, rows: int, repeats: int = 5) -> dict[str, list[float]]:
+    """Returns the seconds to multiply `rows` rows of x by the weights of PREFILL_PROBE_SHAPES (a layer's products,
+    one after the other) in dtype, by path, the two paths taking turns (after one warm-up each). Appendix A1."""
+    run, _ = layer_products(dtype, rows)
     timings: dict[str, list[float]] = {path: [] for path in PREFILL_PATHS}
     with torch.inference_mode():
         for path in PREFILL_PATHS:
