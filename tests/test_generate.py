@@ -56,6 +56,18 @@ def test_generation_stops_at_eos_and_includes_it():
     assert len(stopped.itl_s) == len(stopped.token_ids) - 1
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_over_half_precision_logits_is_torchs_argmax_of_them(dtype):
+    from llminfer.generate import sample_next
+
+    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[1, 7] = logits[1, 30000] = logits[1].max() + 1      # a tie: the first index wins
+    logits[2, 123] = float("inf")
+    logits[3, 5000] = float("nan")                              # a NaN counts as the largest
+    picked = sample_next(logits)
+    assert picked.tolist() == logits.argmax(dim=-1).tolist() == [int(logits[0].float().argmax()), 7, 123, 5000]
+
+
 def test_sampling_is_seeded_and_filters_reduce_to_greedy():
     model = random_model(SMALL_CONFIGS["llama-mha-untied"], seed=4)
     ids = [1, 2, 3]
