@@ -325,21 +325,27 @@ def _write_kept(path: Path | None, answers: dict) -> None:
 
 def _machine_key(level: str) -> str:
     """The start of a measured answer's key: the CPU, the kernels' level and torch's thread count."""
-    from ..device import cpu_capabilities
+    from ..device import cpu_slug
 
-    return f"{cpu_capabilities().model}|{level}|{torch.get_num_threads()} threads"
+    return f"{cpu_slug()}|{level}|{torch.get_num_threads()} threads"
 
+
+# A layer's products, (N, K) each: SmolLM2-135M's fused qkv, o, gate_up and down. The decode loops' probe and the
+# prefill's (below) both time them, as a step runs them.
+PREFILL_PROBE_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
 # The decode loops' choice. Each weight format's matrix-vector loops exist at several levels, and the widest is not
 # always the fastest: on a Zen 4 (512-bit operations run as two 256-bit halves) the AVX2 loops stream float32 and
 # bfloat16 weights faster than the AVX-512 ones. So when the kernels load, each format's candidate loops (those of
-# MATVEC_CANDIDATES that this process runs) take turns on MATVEC_PROBE_BYTES of weights, about twice a server's last-
-# level cache, and the fastest median wins (`choose_fastest`). The bytes are read as a decode step reads them, in
-# products of MATVEC_PRODUCT_BYTES one after the other: a loop can win on one large matrix and lose on a step's
-# small ones (each starts a new stream cold), as the W4A8 loop on 512-bit registers does on a Zen 4. The answers are
-# kept beside the kernel build, keyed by CPU, level and thread count at load, so a machine measures once. With
-# LLMINFER_ISA set, nothing is measured: every format runs the forced level's own loops (so each level's loops can be
-# tested on any machine that has it).
+# MATVEC_CANDIDATES that this process runs) take turns on about MATVEC_PROBE_BYTES of weights, about twice a server's
+# last-level cache, and the fastest median of MATVEC_REPEATS turns wins (`choose_fastest`). The bytes are read as a
+# decode step reads them: a layer's four products (PREFILL_PROBE_SHAPES, SmolLM2-135M's), layer after layer on
+# fresh weights. A loop can win on one large matrix and lose on a step's small ones (each starts a new stream cold,
+# and a call's fixed work, such as rounding x to int8 for W4A8, weighs more): the W4A8 loop on 512-bit registers won
+# on 64 MiB of 1 MiB products on a Zen 5 and lost the step there by 6 %. The answers are kept beside the kernel
+# build, keyed by CPU class (`llminfer.device.cpu_slug`), level and thread count at load, so a machine measures once.
+# With LLMINFER_ISA set, nothing is measured: every format runs the forced level's own loops (so each level's loops
+# can be tested on any machine that has it).
 MATVEC_CANDIDATES: dict[str, tuple[int, tuple[str, ...]]] = {     # format -> (MatvecKind in C++, levels)
     "float32": (0, ("avx2", "avx512")),
     "bfloat16": (1, ("avx2", "avx512", "avx512_bf16")),
@@ -348,9 +354,10 @@ MATVEC_CANDIDATES: dict[str, tuple[int, tuple[str, ...]]] = {     # format -> (M
     "int4a8": (4, ("avx2", "avx_vnni", "avx512_vnni")),
 }
 MATVEC_PROBE_BYTES = 64 << 20
-MATVEC_PRODUCT_BYTES = 1 << 20          # a 135M model's decode step: products of 0.2 to 3.5 MB
+MATVEC_REPEATS = 15                     # turns of each candidate: about 2 ms each, so 0.1-0.2 s a format
 # what a kept answer was timed on: an answer timed otherwise (an earlier version's probe) is timed again
-MATVEC_PROBE = f"{MATVEC_PROBE_BYTES >> 20} MiB as products of {MATVEC_PRODUCT_BYTES >> 10} KiB"
+MATVEC_PROBE = (f"{MATVEC_PROBE_BYTES >> 20} MiB as layers of products "
+                + ", ".join(f"{n}x{k}" for n, k in PREFILL_PROBE_SHAPES))
 _matvec: dict = {"choices": {}}
 
 
@@ -377,44 +384,49 @@ def _level_bits(level: str, choice: IsaChoice) -> int:
     return sum(KERNEL_LEVELS[name][0] for name in choice.features if order.index(name) <= order.index(level))
 
 
-def _matvec_probe(name: str) -> tuple[list[list], str, torch.Tensor]:
-    """Random weights of about MATVEC_PROBE_BYTES in all in format `name`, as products of about MATVEC_PRODUCT_BYTES
-    (each a list of gemv's arguments after x: views of one block on 2 MiB pages), their activations and x."""
+def _matvec_probe(name: str) -> tuple[list[tuple[torch.Tensor, list]], str]:
+    """Random weights of about MATVEC_PROBE_BYTES in all in format `name`, as a decode step's products: layers of
+    PREFILL_PROBE_SHAPES on fresh weights (views of one block a shape, on 2 MiB pages); returns each product's x
+    and gemv's arguments after x, in the order a step runs them, and the activations."""
     from ..device import huge_page_empty
 
     generator = torch.Generator().manual_seed(0)
-    K = PREFILL_PROBE_SHAPE[1]
-    per_row = {"float32": 4 * K, "bfloat16": 2 * K, "int8": K + 4}.get(name, K // 2 + 4 * (K // 32))
-    N = max(8, MATVEC_PROBE_BYTES // per_row // 8 * 8)
+
+    def per_row(K: int) -> int:
+        return {"float32": 4 * K, "bfloat16": 2 * K, "int8": K + 4}.get(name, K // 2 + 4 * (K // 32))
+
+    layer_bytes = sum(N * per_row(K) for N, K in PREFILL_PROBE_SHAPES)
+    layers = max(1, -(-MATVEC_PROBE_BYTES // layer_bytes))
 
     def placed(t: torch.Tensor) -> torch.Tensor:                  # on 2 MiB pages, as the fast path keeps weights
         out = huge_page_empty(tuple(t.shape), t.dtype)
         return t if out is None else out.copy_(t)
 
-    rows = max(8, MATVEC_PRODUCT_BYTES // per_row // 8 * 8)      # rows a product
-    x = torch.randn(1, K, generator=generator)
+    by_shape = []
+    for N, K in PREFILL_PROBE_SHAPES:                             # every layer's (N, K) product: one block
+        rows = layers * N
+        if name in ("float32", "bfloat16"):
+            whole, steps = [placed((torch.rand(rows, K, generator=generator) - 0.5).to(getattr(torch, name)))], (1,)
+            extra: tuple = ()
+        elif name == "int8":
+            whole = [placed(torch.randint(-127, 128, (rows, K), dtype=torch.int8, generator=generator)),
+                     torch.rand(rows, generator=generator)]
+            steps, extra = (1, 1), ()
+        else:                                                     # int4 tiles, float16 terms as the layers keep
+            nibbles = torch.randint(0, 256, (rows, K // 2), dtype=torch.uint8, generator=generator)
+            scale, offset = (torch.rand(rows, K // 32, generator=generator).half() for _ in range(2))
+            whole, steps, extra = [placed(t) for t in tile_int4(nibbles, scale, offset)], (8, 8, 8), (32,)
+        x = torch.randn(1, K, generator=generator)
+        x = x.to(getattr(torch, name)) if name in ("float32", "bfloat16") else x
+        by_shape.append([(x, [t[n // step:(n + N) // step] for t, step in zip(whole, steps)] + list(extra))
+                         for n in range(0, rows, N)])
+    products = [by_shape[s][layer] for layer in range(layers) for s in range(len(PREFILL_PROBE_SHAPES))]
+    return products, "int8" if name == "int4a8" else "float"
 
-    def products(*whole: torch.Tensor, per_row_of: tuple[int, ...], extra: tuple = ()) -> list[list]:
-        """Views of `whole` (sliced along dim 0, `per_row_of` rows of W an entry) `rows` rows of W at a time."""
-        return [[t[n // step:(n + rows) // step] for t, step in zip(whole, per_row_of)] + list(extra)
-                for n in range(0, N - rows + 1, rows)]
 
-    if name in ("float32", "bfloat16"):
-        weight = placed((torch.rand(N, K, generator=generator) - 0.5).to(getattr(torch, name)))
-        return products(weight, per_row_of=(1,)), "float", x.to(getattr(torch, name))
-    if name == "int8":
-        codes = placed(torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator))
-        return products(codes, torch.rand(N, generator=generator), per_row_of=(1, 1)), "float", x
-    nibbles = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=generator)
-    # float16 terms, as the quantized layers keep them
-    scale, offset = (torch.rand(N, K // 32, generator=generator).half() for _ in range(2))
-    tiles = [placed(t) for t in tile_int4(nibbles, scale, offset)]
-    return products(*tiles, per_row_of=(8, 8, 8), extra=(32,)), "int8" if name == "int4a8" else "float", x
-
-
-def measure_matvec(name: str, levels: tuple[str, ...], repeats: int = 5) -> dict[str, list[float]]:
-    """Returns the seconds to multiply one row by MATVEC_PROBE_BYTES of weights in format `name` (products of
-    MATVEC_PRODUCT_BYTES one after the other), by level, the levels taking turns (after one warm-up each); the
+def measure_matvec(name: str, levels: tuple[str, ...], repeats: int = MATVEC_REPEATS) -> dict[str, list[float]]:
+    """Returns the seconds to multiply one row by about MATVEC_PROBE_BYTES of weights in format `name` (layers of a
+    decode step's products, one after the other), by level, the levels taking turns (after one warm-up each); the
     format's loops are left as they were. Appendix A1."""
     _require()
     choice, (kind, _) = _state["isa"], MATVEC_CANDIDATES[name]
@@ -423,7 +435,7 @@ def measure_matvec(name: str, levels: tuple[str, ...], repeats: int = 5) -> dict
         raise ValueError(f"{unknown} are not levels this process runs {name} loops at; choose from "
                          f"{matvec_candidates(name, choice)}")
     before = int(torch.ops.llminfer.matvec_features(kind))
-    products, activations, x = _matvec_probe(name)
+    products, activations = _matvec_probe(name)
     timings: dict[str, list[float]] = {level: [] for level in levels}
     try:
         with torch.inference_mode():
@@ -431,7 +443,7 @@ def measure_matvec(name: str, levels: tuple[str, ...], repeats: int = 5) -> dict
                 for level in levels:
                     torch.ops.llminfer.set_matvec_features(kind, _level_bits(level, choice))
                     start = time.perf_counter()
-                    for parts in products:
+                    for x, parts in products:
                         gemv(x, *parts, activations=activations)
                     if round_index:                          # the first round warms up
                         timings[level].append(time.perf_counter() - start)
@@ -491,11 +503,9 @@ def matvec_choices() -> dict[str, dict]:
 # on this machine? A short timing answers, on a layer's products (PREFILL_PROBE_SHAPES), once per process; the
 # answers are also kept beside the kernel build, keyed by CPU, level and threads (`prefill_choices()` reports them).
 PREFILL_PATHS = ("blocked", "torch")
-PREFILL_PROBE_SHAPE = (1536, 576)          # (N, K): SmolLM2-135M's gate_up half (the decode loops' probe width)
-# The prefill choice times a whole layer's products, in turn, as a prefill runs them: SmolLM2-135M's fused qkv, o,
-# gate_up and down. One product alone (warm in cache, one shape) chose torch's matmul on a Zen 4 where the blocked
-# kernel ran the whole model's prefill 1.5 times faster. The choice is per dtype and rows.
-PREFILL_PROBE_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+# The prefill choice times a whole layer's products (PREFILL_PROBE_SHAPES, above), in turn, as a prefill runs them.
+# One product alone (warm in cache, one shape) chose torch's matmul on a Zen 4 where the blocked kernel ran the
+# whole model's prefill 1.5 times faster. The choice is per dtype and rows.
 # what a kept answer was timed on (an answer timed otherwise, by an earlier version, is timed again)
 PREFILL_PROBE = "products " + ", ".join(f"{n}x{k}" for n, k in PREFILL_PROBE_SHAPES)
 # The probe times products only, but the choice moves a whole prefill: on the blocked path the layer stack runs in
