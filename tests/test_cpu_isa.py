@@ -273,11 +273,11 @@ def test_grouped_int8_layers_run_the_native_kernel():
 
 
 def test_the_prefill_choice_leaves_the_stack_only_for_clearly_faster_products():
-    """Medians compared; torch's matmul only where it is more than PREFILL_MARGIN (10 %) faster."""
-    assert cpu.PREFILL_MARGIN == 0.10
+    """Medians compared; torch's matmul only where it is more than PREFILL_MARGIN (25 %) faster."""
+    assert cpu.PREFILL_MARGIN == 0.25
     assert cpu.choose_prefill({"blocked": [3.0, 1.0, 1.1], "torch": [1.2, 1.3, 9.0]}) == "blocked"
-    assert cpu.choose_prefill({"blocked": [1.3, 1.3, 0.1], "torch": [1.1, 1.15, 9.0]}) == "torch"   # 1.13x faster
-    assert cpu.choose_prefill({"blocked": [1.3, 1.3, 0.1], "torch": [1.2, 1.25, 9.0]}) == "blocked"  # 1.04x: a tie
+    assert cpu.choose_prefill({"blocked": [1.4, 1.4, 0.1], "torch": [1.0, 1.05, 9.0]}) == "torch"   # 1.33x faster
+    assert cpu.choose_prefill({"blocked": [1.3, 1.3, 0.1], "torch": [1.1, 1.15, 9.0]}) == "blocked"  # 1.13x: not enough
     assert cpu.choose_prefill({"blocked": [1.0], "torch": [1.0]}) == "blocked"
     with pytest.raises(ValueError, match=r"no timings for \['torch'\]"):
         cpu.choose_prefill({"blocked": [1.0]})
