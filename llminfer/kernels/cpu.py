@@ -512,9 +512,9 @@ PREFILL_PROBE = "products " + ", ".join(f"{n}x{k}" for n, k in PREFILL_PROBE_SHA
 # one native call (attention over the prompt, norms, RoPE and SwiGLU native too), on torch's the modules run it. So
 # torch's matmul is taken only where its products are clearly faster. On a Zen 4 the two tied on bfloat16 products
 # (4.00 against 3.96 ms) while the whole 128-token prefill took 136 ms through the stack and 175 ms through the
-# modules (one run of the decode benchmark); on a Zen 5 torch's bfloat16 products (oneDNN) ran 1.16-1.20 times
-# faster than the blocked kernel's, and the whole prefill 1.24 times slower through the modules (84 against 68 ms,
-# both paths forced, in the same run); an Intel Xeon's MKL ran float32 products 1.4 times faster than the blocked
+# modules (one run of the decode benchmark); on a Zen 5 torch's bfloat16 products (oneDNN) ran 1.2 times faster
+# than the blocked kernel's (1.44 against 1.72 ms), and the whole prefill 1.24 times slower through the modules (84
+# against 68 ms, in the same run); an Intel Xeon's MKL ran float32 products 1.4 times faster than the blocked
 # kernel, and its plain model's prefill was faster too. So torch's products must be more than 25 % faster.
 PREFILL_MARGIN = 0.25
 PREFILL_ENV = "LLMINFER_PREFILL"           # 'blocked' or 'torch' forces the path (for comparisons); unset: measured
