@@ -456,39 +456,3 @@ def compile_decode(model, batch_size: int = 1, max_seq_len: int | None = None, f
     if warmup:
         decoder.warmup()
     return decoder
-
-
-# The prefill choice's probe (`llminfer.kernels.cpu.measure_prefill`): a model of PREFILL_PROBE_LAYERS layers of
-# SmolLM2-135M's shape (a small vocabulary), random weights in the format, through the fast path's prefill.
-PREFILL_PROBE_LAYERS = 2
-_PROBE_SCHEMES = {torch.float32: None, torch.bfloat16: None, torch.int8: ("int8", None), torch.uint8: ("int4", 32)}
-
-
-@torch.no_grad()
-def prefill_probe(weight_dtype: torch.dtype, rows: int) -> dict:
-    """Returns {'blocked': run, 'torch': run}, each returning the last logits of a prefill of `rows` tokens through PREFILL_PROBE_LAYERS layers of
-    SmolLM2-135M's shape with weights of weight_dtype (float32, bfloat16, int8 codes, or uint8: int4 in groups of
-    32), on the native layer stack or on the modules with torch's matmul. It times what the choice moves: the
-    products and the attention, norms, RoPE and SwiGLU around them. Appendix A1."""
-    from .checkpoint import load_random
-    from .config import get_preset
-    from .quant import quantize
-
-    if weight_dtype not in _PROBE_SCHEMES:
-        raise ValueError(f"no prefill probe for {weight_dtype} weights; float32, bfloat16, int8 and uint8 (int4) have")
-    config = get_preset("smollm2-135m").replace(n_layers=PREFILL_PROBE_LAYERS, vocab_size=512, max_seq_len=rows + 8)
-    model = load_random(config, dtype=torch.float32, seed=0)
-    scheme = _PROBE_SCHEMES[weight_dtype]
-    if scheme:
-        quantize(model, *scheme)
-    elif weight_dtype == torch.bfloat16:
-        model = model.to(torch.bfloat16)
-    decoder = compile_decode(model, max_seq_len=rows + 8, compile=False, warmup=False)
-    ids = torch.randint(0, config.vocab_size, (1, rows), generator=torch.Generator().manual_seed(0))
-
-    def run(path: str):
-        def prefill() -> torch.Tensor:                          # the last position's logits (1, vocab)
-            with native_cpu.force_prefill(path):
-                return decoder.prefill(ids)
-        return prefill
-    return {path: run(path) for path in native_cpu.PREFILL_PATHS}

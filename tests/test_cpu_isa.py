@@ -272,12 +272,12 @@ def test_grouped_int8_layers_run_the_native_kernel():
         cpu.gemv(x, codes, torch.rand(64, 3))
 
 
-def test_the_prefill_choice_leaves_the_stack_only_for_a_clearly_faster_prefill():
-    """Medians compared; torch's path only where its prefill is more than PREFILL_MARGIN (5 %) faster."""
-    assert cpu.PREFILL_MARGIN == 0.05
+def test_the_prefill_choice_leaves_the_stack_only_for_clearly_faster_products():
+    """Medians compared; torch's matmul only where it is more than PREFILL_MARGIN (25 %) faster."""
+    assert cpu.PREFILL_MARGIN == 0.25
     assert cpu.choose_prefill({"blocked": [3.0, 1.0, 1.1], "torch": [1.2, 1.3, 9.0]}) == "blocked"
-    assert cpu.choose_prefill({"blocked": [1.3, 1.3, 0.1], "torch": [1.1, 1.15, 9.0]}) == "torch"   # 1.13x faster
-    assert cpu.choose_prefill({"blocked": [1.3, 1.3, 0.1], "torch": [1.25, 1.26, 9.0]}) == "blocked"  # 1.03x: a tie
+    assert cpu.choose_prefill({"blocked": [1.4, 1.4, 0.1], "torch": [1.0, 1.05, 9.0]}) == "torch"   # 1.33x faster
+    assert cpu.choose_prefill({"blocked": [1.3, 1.3, 0.1], "torch": [1.1, 1.15, 9.0]}) == "blocked"  # 1.13x: not enough
     assert cpu.choose_prefill({"blocked": [1.0], "torch": [1.0]}) == "blocked"
     with pytest.raises(ValueError, match=r"no timings for \['torch'\]"):
         cpu.choose_prefill({"blocked": [1.0]})
@@ -412,28 +412,6 @@ def test_answers_kept_from_another_probe_are_timed_again(monkeypatch, tmp_path):
 def test_measure_prefill_times_both_paths_in_turn():
     timings = cpu.measure_prefill(torch.uint8, 16, repeats=2)
     assert sorted(timings) == ["blocked", "torch"] and all(len(t) == 2 and min(t) > 0 for t in timings.values())
-
-
-def test_the_prefill_probe_runs_one_model_on_each_path_and_refuses_other_formats():
-    from torch.profiler import ProfilerActivity, profile
-
-    from llminfer import fast
-
-    for dtype, tolerance in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2), (torch.int8, 1e-3)):
-        run = fast.prefill_probe(dtype, 16)
-        assert sorted(run) == ["blocked", "torch"]
-        logits, ops = {}, {}
-        with torch.inference_mode():
-            for path in ("blocked", "torch"):
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
-                    logits[path] = run[path]()
-                ops[path] = {event.name for event in prof.events()}
-        # the blocked path runs the layers in one native call, torch's path runs the modules' matmuls
-        assert "llminfer::decode_layers" in ops["blocked"] and "llminfer::decode_layers" not in ops["torch"]
-        assert logits["blocked"].shape == (1, 512)
-        torch.testing.assert_close(logits["blocked"].float(), logits["torch"].float(), atol=tolerance, rtol=tolerance)
-    with pytest.raises(ValueError, match=r"no prefill probe for torch.float16 weights"):
-        fast.prefill_probe(torch.float16, 16)
 
 
 def test_the_decode_loops_choice_is_the_lowest_median_and_the_first_on_a_tie():

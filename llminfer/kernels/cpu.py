@@ -41,8 +41,8 @@ implementations, so `torch.compile` traces through them.
 A prefill (many rows of x) runs through the same ops: from 16 rows on, products take a blocked kernel
 (tiles of 6 weight rows by 16 tokens in registers, 32 with AVX-512, x repacked once per product, bfloat16 and
 quantized rows widened to float32 a block of 6 at a time; with AVX512-BF16, bfloat16 rows read as stored by
-`vdpbf16ps` in tiles of 12 rows) or torch's matmul, where a timing at first use finds a prefill through its
-modules more than `PREFILL_MARGIN` faster
+`vdpbf16ps` in tiles of 12 rows) or torch's matmul, where a timing at first use finds its products more than
+`PREFILL_MARGIN` faster
 (`blocked_prefill()`).
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ HEADERS = (_HERE / "cpu_kernels.h",)
 # torch.ops.llminfer.matvec_max_rows() reads it back.
 MAX_TOKENS = 8
 
-_lock = threading.RLock()        # reentrant: the prefill choice, under it, builds a probe model that loads the kernels
+_lock = threading.Lock()
 _state: dict = {"loaded": False, "error": None}
 
 ISA_ENV = "LLMINFER_ISA"
@@ -498,22 +498,25 @@ def matvec_choices() -> dict[str, dict]:
     return {name: dict(entry) for name, entry in _matvec["choices"].items()}
 
 
-# The prefill choice. For each (weight dtype, rows) the first prefill asks: does the native layer stack with the
-# blocked kernel, or the modules with torch's matmul (after dequantizing, for int8/int4 weights), run a prefill of
-# that many rows faster on this machine? A short timing answers, once per process; the answers are also kept beside
-# the kernel build, keyed by CPU class, level and threads (`prefill_choices()` reports them).
+# The prefill choice. For each (weight dtype, rows) the first product asks: does the blocked kernel or torch's
+# matmul (after dequantizing, for int8/int4 weights: what the modules do) run a product of that many rows faster
+# on this machine? A short timing answers, on a layer's products (PREFILL_PROBE_SHAPES), once per process; the
+# answers are also kept beside the kernel build, keyed by CPU, level and threads (`prefill_choices()` reports them).
 PREFILL_PATHS = ("blocked", "torch")
-# The prefill choice times what it moves: a prefill through two layers of SmolLM2-135M's shape on both paths, in
-# turn (`llminfer.fast.prefill_probe`). On the blocked path the layer stack runs in one native call (the products,
-# attention over the prompt, norms, RoPE and SwiGLU), on torch's the modules run it, so a probe of the products alone
-# misleads: one product alone (warm in cache) chose torch's matmul on a Zen 4 where the blocked kernel ran the
-# whole prefill 1.5 times faster, and on a Zen 5 torch's bfloat16 products ran 1.2 times faster than the blocked
-# kernel's (1.44 against 1.72 ms) while the whole 128-token prefill ran 1.24 times slower through the modules (84
-# against 68 ms). Two layers gave 1.19 there, and 2.05 in float32 (whole model 2.04). The choice is per dtype and
-# rows; torch's path is taken where its prefill is more than PREFILL_MARGIN faster (a tie keeps the native stack).
+# The prefill choice times a whole layer's products (PREFILL_PROBE_SHAPES, above), in turn, as a prefill runs them.
+# One product alone (warm in cache, one shape) chose torch's matmul on a Zen 4 where the blocked kernel ran the
+# whole model's prefill 1.5 times faster. The choice is per dtype and rows.
 # what a kept answer was timed on (an answer timed otherwise, by an earlier version, is timed again)
-PREFILL_PROBE = "a 2-layer SmolLM2-135M prefill"
-PREFILL_MARGIN = 0.05
+PREFILL_PROBE = "products " + ", ".join(f"{n}x{k}" for n, k in PREFILL_PROBE_SHAPES)
+# The probe times products only, but the choice moves a whole prefill: on the blocked path the layer stack runs in
+# one native call (attention over the prompt, norms, RoPE and SwiGLU native too), on torch's the modules run it. So
+# torch's matmul is taken only where its products are clearly faster. On a Zen 4 the two tied on bfloat16 products
+# (4.00 against 3.96 ms) while the whole 128-token prefill took 136 ms through the stack and 175 ms through the
+# modules (one run of the decode benchmark); on a Zen 5 torch's bfloat16 products (oneDNN) ran 1.2 times faster
+# than the blocked kernel's (1.44 against 1.72 ms), and the whole prefill 1.24 times slower through the modules (84
+# against 68 ms, in the same run); an Intel Xeon's MKL ran float32 products 1.4 times faster than the blocked
+# kernel, and its plain model's prefill was faster too. So torch's products must be more than 25 % faster.
+PREFILL_MARGIN = 0.25
 PREFILL_ENV = "LLMINFER_PREFILL"           # 'blocked' or 'torch' forces the path (for comparisons); unset: measured
 _prefill: dict = {"choices": {}, "forced": None, "loaded_from_disk": False}
 
@@ -527,8 +530,8 @@ def rows_bucket(rows: int) -> int:
 
 
 def choose_prefill(timings: dict[str, list[float]]) -> str:
-    """Returns the path for `timings` {'blocked': [s, ...], 'torch': [...]} of the prefill probe: torch's matmul
-    where its median is more than PREFILL_MARGIN faster than the blocked path's, else the blocked kernel.
+    """Returns the path for `timings` {'blocked': [s, ...], 'torch': [...]} of a layer's products: torch's matmul
+    where its median is more than PREFILL_MARGIN faster than the blocked kernel's, else the blocked kernel.
     Appendix A1."""
     missing = [path for path in PREFILL_PATHS if not timings.get(path)]
     if missing:
@@ -581,12 +584,9 @@ def layer_products(dtype: torch.dtype, rows: int, shapes=PREFILL_PROBE_SHAPES) -
 
 
 def measure_prefill(dtype: torch.dtype, rows: int, repeats: int = 5) -> dict[str, list[float]]:
-    """Returns the seconds of a prefill of `rows` tokens through two layers of SmolLM2-135M's shape with weights of
-    dtype (`llminfer.fast.prefill_probe`) on each path, the two taking turns (after one warm-up each). Appendix A1."""
-    _require()
-    from ..fast import prefill_probe
-
-    run = prefill_probe(dtype, rows)
+    """Returns the seconds to multiply `rows` rows of x by the weights of PREFILL_PROBE_SHAPES (a layer's products,
+    one after the other) in dtype, by path, the two paths taking turns (after one warm-up each). Appendix A1."""
+    run, _ = layer_products(dtype, rows)
     timings: dict[str, list[float]] = {path: [] for path in PREFILL_PATHS}
     with torch.inference_mode():
         for path in PREFILL_PATHS:
