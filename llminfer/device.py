@@ -251,6 +251,7 @@ def cpu_capabilities() -> CpuCapabilities:
                          fallback_cpus=os.cpu_count() or 1)
 
 
+@functools.lru_cache(maxsize=None)
 def cpu_slug(capabilities: CpuCapabilities | None = None) -> str:
     """Returns a CPU's class as a file name part, for its reports in data/benchmarks/ (default this CPU): its
     name, its core where the table knows it, and '-avx512' where it has AVX-512, e.g. 'cpu-amd-epyc-zen5-avx512'

@@ -341,8 +341,9 @@ PREFILL_PROBE_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 # last-level cache, and the fastest median of MATVEC_REPEATS turns wins (`choose_fastest`). The bytes are read as a
 # decode step reads them: a layer's four products (PREFILL_PROBE_SHAPES, SmolLM2-135M's), layer after layer on
 # fresh weights. A loop can win on one large matrix and lose on a step's small ones (each starts a new stream cold,
-# and a call's fixed work, such as rounding x to int8 for W4A8, weighs more): the W4A8 loop on 512-bit registers won
-# on 64 MiB of 1 MiB products on a Zen 5 and lost the step there by 6 %. The answers are kept beside the kernel
+# and a call's fixed work, such as rounding x to int8 for W4A8, weighs more): on a Zen 5 the 1 MiB products picked
+# a float32 loop that lost the step by 8 %. The W4A8 loop on 512-bit registers still edges this probe there (by
+# 2-5 %) and loses the step by 6 %. The answers are kept beside the kernel
 # build, keyed by CPU class (`llminfer.device.cpu_slug`), level and thread count at load, so a machine measures once.
 # With LLMINFER_ISA set, nothing is measured: every format runs the forced level's own loops (so each level's loops
 # can be tested on any machine that has it).
@@ -501,7 +502,8 @@ def matvec_choices() -> dict[str, dict]:
 # The prefill choice. For each (weight dtype, rows) the first product asks: does the blocked kernel or torch's
 # matmul (after dequantizing, for int8/int4 weights: what the modules do) run a product of that many rows faster
 # on this machine? A short timing answers, on a layer's products (PREFILL_PROBE_SHAPES), once per process; the
-# answers are also kept beside the kernel build, keyed by CPU, level and threads (`prefill_choices()` reports them).
+# answers are also kept beside the kernel build, keyed by CPU class, level and threads (`prefill_choices()` reports
+# them).
 PREFILL_PATHS = ("blocked", "torch")
 # The prefill choice times a whole layer's products (PREFILL_PROBE_SHAPES, above), in turn, as a prefill runs them.
 # One product alone (warm in cache, one shape) chose torch's matmul on a Zen 4 where the blocked kernel ran the
