@@ -10,13 +10,13 @@ One random-weight model of a published shape (SmolLM2-135M by default) runs as:
     transformers     `generate` on the same weights, fp32 and bf16
     llama.cpp        the same weights as GGUF (F32, BF16, Q8_0, Q4_0), if llama-cpp-python is installed
 
-The contenders take turns, one generation each per round; between rounds two bandwidth probes the size of
-the fp32 weights are sampled (torch's matrix-vector product, and a plain streaming read from 2 MiB pages, as
-the fast path's weights are read), so every tokens/s has a ceiling measured under the same load: the faster of
-the three. MBU = (weight + KV bytes read per token) × tokens/s ÷ that bandwidth. The third probe is native: every
-thread streams a working set several times the last-level cache from 2 MiB pages with the widest loads the
-kernels use (`kernels.cpu.stream_read`). A contender that streams faster than the best probe means the
-ceiling is wrong: the benchmark says so and stops.
+The contenders take turns, one generation each per round; between rounds the bandwidth probes
+(`BandwidthCeiling`) are sampled, so every tokens/s has a ceiling measured under the same load: the best of
+torch's matrix-vector product and torch's streaming read from 2 MiB pages (as the fast path's weights are read),
+both the size of the fp32 weights, and the native reads, where every thread streams a working set several times
+the last-level cache from 2 MiB pages with the widest loads the kernels use (`kernels.cpu.stream_read`).
+MBU = (weight + KV bytes read per token) × tokens/s ÷ that bandwidth. A contender that streams faster than the
+best probe means the ceiling is wrong: the benchmark says so and stops.
 
 The report names the kernels' instruction-set level (`kernels.cpu.isa()`) and, per weight format, which decode
 loops ran, timed again after the warm-up (`kernels.cpu.remeasure_matvec`). Prefill of the prompt runs, per
@@ -202,10 +202,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
             contenders[label] = lambda m=hf_model: hf_generate(m, ids, args.new_tokens, use_cache=True)
             info[label] = {"precision": name, "weight_bytes": costs.weight_bytes_read(cfg, timing.dtype_bytes(dtype)),
                            "kv_element_bytes": timing.dtype_bytes(dtype)}
-    probe_bytes = costs.weight_bytes(cfg, 4)
-    matvec = timing.matvec_probe("cpu", torch.float32, probe_bytes)
-    read = timing.read_probe("cpu", torch.float32, probe_bytes, huge_pages=True)   # where the weights are too
-    native_reads = native_read_probes(max(probe_bytes, 4 * last_level_cache_bytes()))
+    ceiling = BandwidthCeiling(costs.weight_bytes(cfg, 4))     # probes the size of the fp32 weights, at least
     # the best matmul rate of each dtype: torch's and the native kernel's, square and on a layer's products
     matmuls = {"float32": matmul_probes(torch.float32, args.prompt_len)}
     if "bf16" in args.precisions:
@@ -217,25 +214,14 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     # each format's decode loops, timed again now rather than at load, under the conditions of the rounds
     choices = native_cpu.remeasure_matvec() if native_cpu.available() else {}
     _log("decode loops: " + ", ".join(f"{name} {entry['level']}" for name, entry in choices.items()))
-    matvec.sample(2)
-    read.sample(2)
-    for probe in native_reads:
-        probe.sample(2)
+    ceiling.warm()
     results = {label: [] for label in contenders}
-    alongside, read_alongside, native_alongside = [], [], [[] for _ in native_reads]
     for round_index in range(args.repeats):
         _log(f"round {round_index + 1}/{args.repeats}")
         for label, runner in contenders.items():
             results[label].append(runner())
-        alongside += matvec.sample(2)
-        read_alongside += read.sample(2)
-        for probe, samples in zip(native_reads, native_alongside):
-            samples += probe.sample(2)
-    # the ceiling: the best of torch's matrix-vector product, a torch streaming read and the native ones
-    matvec_rate, read_rate = matvec.rate_of(alongside), read.rate_of(read_alongside)
-    native_rates = [probe.rate_of(samples) for probe, samples in zip(native_reads, native_alongside)]
-    native_rate = max(native_rates, default=None)
-    bandwidth = max(matvec_rate, read_rate, native_rate or 0.0)
+        ceiling.sample()
+    bandwidth, probe_rates = ceiling.best(), ceiling.rates()
     prefill, matmul_times = _prefill_table(args, base, ids, info, quant_dtype, matmuls)
     rows = {}
     for label, found in results.items():
@@ -283,11 +269,11 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
         "load_average_before": load_before, "load_average_after": None,
         "kernels": {"isa": native_cpu.isa(), "features": list(native_cpu.isa_features()),
                     "forced_by": os.environ.get(native_cpu.ISA_ENV), "matvec": native_cpu.matvec_choices()},
-        "bandwidth": {"ceiling_bytes_per_s": bandwidth, "matvec_bytes_per_s": matvec_rate,
-                      "read_bytes_per_s": read_rate, "native_read_bytes_per_s": native_rate,
-                      "native_read_by_width": {probe.what: rate for probe, rate in zip(native_reads, native_rates)},
-                      "what": "; ".join([f"the best of: {matvec.what}", read.what] + [p.what for p in native_reads]),
-                      "samples": len(alongside)},
+        "bandwidth": {"ceiling_bytes_per_s": bandwidth, "matvec_bytes_per_s": probe_rates["matvec"],
+                      "read_bytes_per_s": probe_rates["read"],
+                      "native_read_bytes_per_s": max(ceiling.native_rates().values(), default=None),
+                      "native_read_by_width": ceiling.native_rates(), "what": ceiling.what(),
+                      "samples": ceiling.samples_per_probe()},
         "contenders": rows, "ratios": ratios,
     }
     if prefill:
@@ -353,12 +339,13 @@ def matmul_probes(dtype: torch.dtype, rows: int) -> list[timing.CeilingProbe]:
     return probes
 
 
-def native_read_probes(nbytes: int) -> list[timing.CeilingProbe]:
+def native_read_probes(nbytes: int) -> dict[str, timing.CeilingProbe]:
     """Returns probes streaming nbytes from 2 MiB pages through the native kernels' read loop (every thread;
     `kernels.cpu.stream_read`), one per load width the process runs (64 bytes with AVX-512, 32 with AVX2, else 8:
-    the widest is not always the fastest), or none without the kernels. Chapter 08."""
+    the widest is not always the fastest), by label ("native read, 32-byte loads"), or none without the kernels.
+    Chapter 08."""
     if not native_cpu.available():
-        return []
+        return {}
     data = huge_page_empty((nbytes,), torch.uint8)
     pages = "2 MiB pages"
     if data is None:
@@ -366,9 +353,55 @@ def native_read_probes(nbytes: int) -> list[timing.CeilingProbe]:
     data.fill_(1)
     features = native_cpu.isa_features()
     widths = [w for w, level in ((64, "avx512"), (32, "avx2")) if level in features] or [8]
-    return [timing.CeilingProbe(lambda w=width: native_cpu.stream_read(data, w), nbytes,
+    return {f"native read, {width}-byte loads":
+            timing.CeilingProbe(lambda w=width: native_cpu.stream_read(data, w), nbytes,
                                 f"native streaming read of {nbytes / 2**20:.0f} MiB on {pages}, {width}-byte loads, "
-                                f"{torch.get_num_threads()} thread(s)", "cpu") for width in widths]
+                                f"{torch.get_num_threads()} thread(s)", "cpu") for width in widths}
+
+
+class BandwidthCeiling:
+    """The probes whose best rate bounds a decode step's bytes per second, sampled between the runs they bound:
+    torch's matrix-vector product and torch's streaming read (from 2 MiB pages, where the fast path keeps its
+    weights) over nbytes, and the native streaming reads (`native_read_probes`) over at least four times the
+    last-level cache. The native read matters: on a Zen 5 the fast path's fp32 decode streamed faster than both
+    torch probes, so against them alone its MBU came out above 1. Shared by both decode benchmarks and chapter
+    08. Chapter 08."""
+
+    def __init__(self, nbytes: int):
+        self.native = native_read_probes(max(nbytes, 4 * last_level_cache_bytes()))
+        self.probes = {"matvec": timing.matvec_probe("cpu", torch.float32, nbytes),
+                       "read": timing.read_probe("cpu", torch.float32, nbytes, huge_pages=True), **self.native}
+        self.samples: dict[str, list[float]] = {label: [] for label in self.probes}
+
+    def warm(self, repeats: int = 2) -> None:
+        """Times each probe without keeping the times (the first calls of a run are slow)."""
+        for probe in self.probes.values():
+            probe.sample(repeats)
+
+    def sample(self, repeats: int = 2) -> None:
+        """Times each probe `repeats` times and keeps the times: call it between the runs it bounds."""
+        for label, probe in self.probes.items():
+            self.samples[label] += probe.sample(repeats)
+
+    def rates(self) -> dict[str, float]:
+        """Bytes per second of each probe, at the median of its kept samples, by label ("matvec", "read",
+        "native read, 64-byte loads", ...)."""
+        return {label: probe.rate_of(self.samples[label]) for label, probe in self.probes.items()}
+
+    def native_rates(self) -> dict[str, float]:
+        """The native probes' rates, by description (empty without the native kernels)."""
+        rates = self.rates()
+        return {probe.what: rates[label] for label, probe in self.native.items()}
+
+    def best(self) -> float:
+        """The ceiling: the best probe's rate."""
+        return max(self.rates().values())
+
+    def what(self) -> str:
+        return "the best of: " + "; ".join(probe.what for probe in self.probes.values())
+
+    def samples_per_probe(self) -> int:
+        return len(self.samples["matvec"])
 
 
 def _prefill_table(args, base, ids, info, quant_dtype, matmuls) -> tuple[dict, dict[str, list[float]]]:

@@ -9,9 +9,9 @@ Both engines decode the same chat prompt greedily from the same weights, at the 
     bf16   the same rounded to bfloat16, both sides
 
 llminfer runs its fast path (fused projections, native CPU kernels, the step compiled unless --no-compile).
-The contenders take turns, one generation each per round, with a streaming-read bandwidth probe the size of the
-float32 weights sampled between rounds, so every tokens/s stands beside a ceiling measured under the same load
-(MBU = bytes read per token × tokens/s ÷ that bandwidth). With real weights the text is no longer one repeated
+The contenders take turns, one generation each per round, with the decode benchmark's bandwidth probes
+(`decode.BandwidthCeiling`, the size of the float32 weights at least) sampled between rounds, so every tokens/s
+stands beside a ceiling measured under the same load (MBU = bytes read per token × tokens/s ÷ the best probe). With real weights the text is no longer one repeated
 token, so the tokens of llminfer and llama.cpp are compared in every round: where they part, and how far they
 agree. Results: the terminal and data/benchmarks/decode-real-<machine>.json.
 """
@@ -27,12 +27,13 @@ from pathlib import Path
 
 import torch
 
-from .. import costs, timing
+from .. import costs
 from ..checkpoint import load_pretrained
 from ..fast import compile_decode
 from ..gguf_reader import INSTALLED, installed_gguf, read_header
 from ..quant.checkpoint import keep_quantized
 from ..quant.gguf_export import llama_cpp_available, llama_cpp_generate, load_llama_cpp, write_gguf
+from .decode import BandwidthCeiling, _cpu_flags, _llama_cpp_version
 
 __all__ = ["FORMATS", "DEFAULT_PROMPT", "compare_tokens", "summarise", "interleave", "file_bytes_by_type",
            "llminfer_contender", "llama_cpp_contender", "run", "table", "main"]
@@ -151,7 +152,6 @@ def _path(model: str) -> Path:
 
 def run(args) -> dict:
     """Returns the report of one interleaved run on the real file (and writes nothing). Chapter 08."""
-    from .decode import _cpu_flags, _llama_cpp_version
     from .report import device_slug, load_average, machine
 
     started, load_before = time.perf_counter(), load_average()
@@ -193,11 +193,10 @@ def run(args) -> dict:
                 contenders[f"llama.cpp {name}"] = llama_cpp_contender(ggufs[name], ids, args.new_tokens, threads)
                 info[f"llama.cpp {name}"] = {"format": name, "weight_bytes": llama_weight_bytes[name],
                                              "kv_element_bytes": 2}    # llama.cpp's default KV cache is f16
-        probe = timing.read_probe("cpu", torch.float32, weight_bytes["f32"], huge_pages=True)
-        probe.sample(2)
-        samples: list[float] = []
-        results = interleave(contenders, args.repeats, between=lambda: samples.extend(probe.sample(2)))
-        bandwidth = probe.rate_of(samples)
+        ceiling = BandwidthCeiling(weight_bytes["f32"])
+        ceiling.warm()
+        results = interleave(contenders, args.repeats, between=ceiling.sample)
+        bandwidth = ceiling.best()
         rows = {}
         for label, found in results.items():
             meta = info[label]
@@ -227,7 +226,8 @@ def run(args) -> dict:
                          "llama_cpp": _llama_cpp_version() if use_llama else None},
             "file_bytes_by_type": by_type,
             "load_average_before": load_before, "load_average_after": load_average(),
-            "bandwidth": {"read_bytes_per_s": bandwidth, "what": probe.what, "samples": len(samples)},
+            "bandwidth": {"ceiling_bytes_per_s": bandwidth, "by_probe": ceiling.rates(), "what": ceiling.what(),
+                          "samples": ceiling.samples_per_probe()},
             "contenders": rows, "token_agreement": agreement, "ratios": ratios,
             "elapsed_s": time.perf_counter() - started,
         }
@@ -236,13 +236,19 @@ def run(args) -> dict:
         workdir.cleanup()
 
 
+def _ceiling(report: dict) -> float:
+    """The bandwidth the MBUs are against (older reports had only the torch read probe)."""
+    band = report["bandwidth"]
+    return band.get("ceiling_bytes_per_s", band.get("read_bytes_per_s"))
+
+
 def table(report: dict) -> str:
     """The run as a text table. Chapter 08."""
     s = report["settings"]
     lines = [f"{report['machine']['cpu']}, {s['threads']} thread(s), {s['file']}, {s['prompt_tokens']}-token chat "
              f"prompt, {s['new_tokens']} new tokens, {s['repeats']} rounds; load {report['load_average_before']} -> "
              f"{report['load_average_after']}",
-             f"bandwidth ceiling {report['bandwidth']['read_bytes_per_s'] / 1e9:.1f} GB/s "
+             f"bandwidth ceiling {_ceiling(report) / 1e9:.1f} GB/s "
              f"({report['bandwidth']['what']})",
              f"{'contender':<18}{'tokens/s':>10}{'MB/token':>10}{'MBU':>7}{'distinct':>10}"]
     for label, row in report["contenders"].items():
