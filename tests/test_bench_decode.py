@@ -30,6 +30,11 @@ def test_a_short_run_writes_its_report(tmp_path, capsys):
     assert band["native_read_bytes_per_s"] == max(by_width.values())
     # each format's decode loops, as chosen here, are in the report
     assert report["kernels"]["matvec"] == kernels.matvec_choices()
+    # timed on the run's own decode steps: the formats it ran, where there was a choice to make
+    for precision in ("fp32", "int8"):
+        entry = report["kernels"]["matvec"].get(decode.MATVEC_FORMAT[precision])
+        if entry and entry["measured"]:
+            assert entry["probe"] == kernels.MATVEC_STEP and len(entry["median_s"]) > 1
     # the kernels' level and, per precision, the prefill on the measured path, on both paths and on the plain model
     from llminfer.kernels import cpu
     assert report["kernels"]["isa"] == cpu.isa()

@@ -490,3 +490,99 @@ def test_measure_matvec_times_every_candidate_in_turn_and_leaves_the_loops_as_th
         cpu.measure_matvec("int8", ("sse9",))
     with pytest.raises(RuntimeError, match="set_matvec_features: kind 7 is not one of 0..4"):
         torch.ops.llminfer.set_matvec_features(7, 1)
+
+
+@pytest.mark.parametrize("level", cpu.matvec_candidates("int4") if cpu.available() else ())
+def test_each_int4_float_loop_keeps_float32_accuracy_on_hard_activations(level):
+    """Every loop for int4 weights with float x, the VNNI one among them (x as three int8 planes per block of 32,
+    exact to 2^-23 of the block's largest |x|), against float64: blocks whose inputs span 40 orders of magnitude, a
+    zero block, tiny and huge values; and an inf or a NaN in x leaves no output finite."""
+    generator = torch.Generator().manual_seed(5)
+    n, k, group = 64, 256, 32
+    nibbles = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
+    scale = (torch.rand(n, k // group, generator=generator) + 0.5).half()
+    offset = (torch.randn(n, k // group, generator=generator)).half()
+    codes = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).reshape(n, k).double()
+    weight = (codes.view(n, -1, group) * scale.double()[..., None] + offset.double()[..., None]).view(n, k)
+    tiled = cpu.tile_int4(nibbles, scale, offset)
+    x = torch.randn(3, k, generator=generator)
+    x[0, :32] *= torch.logspace(-20, 20, 32)                 # one block: 40 orders of magnitude
+    x[0, 32:64] = 0.0                                        # a zero block
+    x[1, 64:96] *= 1e-30                                     # a tiny block, and a huge one
+    x[1, 96:128] *= 1e30
+    x[2] = torch.randn(k, generator=generator)
+    kind = cpu.MATVEC_CANDIDATES["int4"][0]
+    before = int(torch.ops.llminfer.matvec_features(kind))
+    torch.ops.llminfer.set_matvec_features(kind, cpu._level_bits(level, cpu._state["isa"]))
+    try:
+        got = cpu.gemv(x, *tiled, group).double()
+        special = x[2:].clone().repeat(2, 1)
+        special[0, 7], special[1, 200] = float("inf"), float("nan")
+        got_special = cpu.gemv(special, *tiled, group)
+    finally:
+        torch.ops.llminfer.set_matvec_features(kind, before)
+    reference = x.double() @ weight.T
+    for row in range(3):
+        # float32 accuracy: the error within a few roundings of the row's largest product terms
+        bound = 1e-6 * float((x[row].double().abs() @ weight.abs().T).max())
+        assert float((got[row] - reference[row]).abs().max()) < bound, (level, row)
+    # every output reads every input: an inf or a NaN in x leaves no output finite (whether it comes out as inf or
+    # NaN depends on the order of the terms, as in any float loop), never a finite value from a clipped block
+    assert not bool(torch.isfinite(got_special).any()), level
+
+
+def test_a_format_can_be_timed_on_its_own_decode_steps(monkeypatch, tmp_path):
+    """measure_matvec(run=...) times the run with each candidate's loops set in turn; remeasure_matvec(steps) times
+    the formats it is given on their steps (kept with the step's tag, and read back without measuring again), the
+    others on the probe; a step for an unknown format is refused."""
+    import dataclasses
+
+    assert cpu.available(), cpu.why_unavailable()
+    kind = cpu.MATVEC_CANDIDATES["int8"][0]
+    levels = cpu.matvec_candidates("int8")
+    here = cpu._state["isa"]
+    before = int(torch.ops.llminfer.matvec_features(kind))
+    seen = []
+
+    def run() -> float:                                     # the last candidate "fastest": the loops it sees decide
+        bits = int(torch.ops.llminfer.matvec_features(kind))
+        seen.append(bits)
+        return 1.0 if bits == cpu._level_bits(levels[-1], here) else 2.0
+
+    timings = cpu.measure_matvec("int8", levels, repeats=2, run=run)
+    assert {level: t for level, t in timings.items()} == {level: [1.0 if level == levels[-1] else 2.0] * 2
+                                                          for level in levels}
+    assert sorted(set(seen)) == sorted(cpu._level_bits(level, here) for level in levels)
+    assert int(torch.ops.llminfer.matvec_features(kind)) == before
+    with pytest.raises(ValueError, match=r"steps for \['int3'\]: formats are float32"):
+        cpu.remeasure_matvec({"int3": run})
+
+    kinds = {name: k for name, (k, _) in cpu.MATVEC_CANDIDATES.items()}
+    saved_bits = {name: int(torch.ops.llminfer.matvec_features(k)) for name, k in kinds.items()}
+    saved_choices = cpu.matvec_choices()
+    calls = []
+
+    def fake_measure(name, levels, repeats=5, run=None):
+        calls.append((name, run is not None))
+        return {level: [1.0 if level == levels[-1] else 2.0] for level in levels}
+
+    monkeypatch.setattr(cpu, "measure_matvec", fake_measure)
+    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
+    unforced = dataclasses.replace(here, forced=False)
+    several = [name for name in kinds if len(cpu.matvec_candidates(name, unforced)) > 1]
+    try:
+        cpu._choose_matvec(unforced, fresh=True, steps={"int8": run})
+        assert calls == [(name, name == "int8") for name in several]
+        kept = json.loads((tmp_path / "matvec_choices.json").read_text()) if several else {}
+        assert sorted(key.rsplit("|", 1)[1] for key in kept) == sorted(several)
+        for key, answer in kept.items():
+            assert answer["probe"] == (cpu.MATVEC_STEP if key.endswith("|int8") else cpu.MATVEC_PROBE), key
+        calls.clear()
+        cpu._choose_matvec(unforced)                         # both kinds of answer are read back as they are
+        assert calls == []
+        assert all(cpu.matvec_choices()[name]["level"] == cpu.matvec_candidates(name, unforced)[-1]
+                   for name in several)
+    finally:
+        for name, k in kinds.items():
+            torch.ops.llminfer.set_matvec_features(k, saved_bits[name])
+        cpu._matvec["choices"] = saved_choices

@@ -19,10 +19,10 @@ MBU = (weight + KV bytes read per token) × tokens/s ÷ that bandwidth. A conten
 best probe means the ceiling is wrong: the benchmark says so and stops.
 
 The report names the kernels' instruction-set level (`kernels.cpu.isa()`) and, per weight format, which decode
-loops ran, timed again after the warm-up (`kernels.cpu.remeasure_matvec`). Prefill of the prompt runs, per
-precision, on the path measured at first use (`kernels.cpu.prefill_path`), on both paths forced (the blocked
-kernel, torch's matmul), and on the plain model (no fast path), against the best matmul rate for the precision
-sampled alongside (MFU: the fastest sample of torch's square matmul and the native kernel's, square and on a
+loops ran, timed again after the warm-up on each format's own decode steps (`kernels.cpu.remeasure_matvec`).
+Prefill of the prompt runs, per precision, on the path measured at first use (`kernels.cpu.prefill_path`), on
+both paths forced (the blocked kernel, torch's matmul), and on the plain model (no fast path), against the best
+matmul rate for the precision sampled alongside (MFU: the fastest sample of torch's square matmul and the native kernel's, square and on a
 layer's products, in float32, and for bf16 the better of those and the same in bfloat16;
 a prefill above that rate means the ceiling is wrong, and the benchmark says so and stops); beside llama.cpp, the
 prefill is compared by time to the first token. Results: the terminal, data/benchmarks/decode-<machine>.json and a
@@ -61,6 +61,8 @@ PRECISIONS = {"fp32": ("F32", torch.float32, None), "bf16": ("BF16", torch.bfloa
               "int8": ("Q8_0", None, ("int8", None)), "int4": ("Q4_0", None, ("int4", 32)),
               "int4a8": ("Q4_0", None, ("int4", 32))}
 ACTIVATIONS = {"int4a8": "int8"}           # precisions whose activations are rounded to int8 (W4A8)
+# each precision's weight format among the kernels' decode loops (`kernels.cpu.MATVEC_CANDIDATES`)
+MATVEC_FORMAT = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4", "int4a8": "int4a8"}
 
 
 def _parse(argv):
@@ -211,8 +213,11 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     tokens = {}
     for label, runner in contenders.items():
         tokens[label] = runner().token_ids
-    # each format's decode loops, timed again now rather than at load, under the conditions of the rounds
-    choices = native_cpu.remeasure_matvec() if native_cpu.available() else {}
+    # each format's decode loops, timed again now rather than at load, under the conditions of the rounds, and on
+    # what the rounds time: the format's own decode steps (the seconds between its tokens)
+    steps = {MATVEC_FORMAT[info[label]["precision"]]: lambda run=runner: sum(run().itl_s)
+             for label, runner in contenders.items() if label.startswith("llminfer fast ")}
+    choices = native_cpu.remeasure_matvec(steps) if native_cpu.available() else {}
     _log("decode loops: " + ", ".join(f"{name} {entry['level']}" for name, entry in choices.items()))
     ceiling.warm()
     results = {label: [] for label in contenders}
@@ -471,7 +476,9 @@ def table(report: dict) -> str:
              f"native kernels: {kernels.get('isa', '?')} ({'+'.join(kernels.get('features', [])) or 'plain loops'})"
              + (f", forced by LLMINFER_ISA={kernels['forced_by']}" if kernels.get("forced_by") else "")
              + (("; decode loops " + ", ".join(f"{name} {entry['level']}" for name, entry in kernels["matvec"].items())
-                 + (" (measured here)" if any(e.get("measured") for e in kernels["matvec"].values()) else ""))
+                 + (" (measured here" + (", on each format's decode steps" if any(
+                     e.get("probe") == native_cpu.MATVEC_STEP for e in kernels["matvec"].values()) else "") + ")"
+                    if any(e.get("measured") for e in kernels["matvec"].values()) else ""))
                 if kernels.get("matvec") else ""),
              f"bandwidth ceiling {_ceiling(report) / 1e9:.1f} GB/s (matvec "
              f"{report['bandwidth']['matvec_bytes_per_s'] / 1e9:.1f}, read "

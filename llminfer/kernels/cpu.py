@@ -56,6 +56,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -68,7 +69,7 @@ __all__ = ["PreparedStack", "available", "why_unavailable", "load", "isa", "isa_
            "rows_bucket", "stream_read", "PREFILL_PATHS", "PREFILL_ENV", "PREFILL_MARGIN", "MAX_TOKENS",
            "blocked_prefill", "tile_int4", "untile_int4", "cpu_flags", "bfloat16_in_hardware", "MATVEC_CANDIDATES",
            "MATVEC_PROBE_BYTES", "choose_fastest", "matvec_candidates", "measure_matvec", "matvec_choices",
-           "remeasure_matvec", "SOURCES", "HEADERS", "cache_dir"]
+           "remeasure_matvec", "MATVEC_STEP", "SOURCES", "HEADERS", "cache_dir"]
 
 _HERE = Path(__file__).parent
 # the units of the one extension, by job, and the header they share (the build's hash covers all of them)
@@ -351,7 +352,7 @@ MATVEC_CANDIDATES: dict[str, tuple[int, tuple[str, ...]]] = {     # format -> (M
     "float32": (0, ("avx2", "avx512")),
     "bfloat16": (1, ("avx2", "avx512", "avx512_bf16")),
     "int8": (2, ("avx2", "avx512")),
-    "int4": (3, ("avx2", "avx512")),
+    "int4": (3, ("avx2", "avx512", "avx512_vnni")),             # avx512_vnni: float x as three int8 planes
     "int4a8": (4, ("avx2", "avx_vnni", "avx512_vnni")),
 }
 MATVEC_PROBE_BYTES = 64 << 20
@@ -359,6 +360,11 @@ MATVEC_REPEATS = 15                     # turns of each candidate: about 2 ms ea
 # what a kept answer was timed on: an answer timed otherwise (an earlier version's probe) is timed again
 MATVEC_PROBE = (f"{MATVEC_PROBE_BYTES >> 20} MiB as layers of products "
                 + ", ".join(f"{n}x{k}" for n, k in PREFILL_PROBE_SHAPES))
+# what an answer timed on a real decode step was timed on (`remeasure_matvec(steps=...)`, as the decode benchmark
+# times each format's loops on its own contender): a step and the probe can disagree (on a Zen 5 the probe put the
+# W4A8 loop on 512-bit registers, and the step ran 6 % faster on the 256-bit one), and the step is what is served
+MATVEC_STEP = "the decode step of a model in the format"
+MATVEC_STEP_REPEATS = 5                 # turns of each candidate on a step's run (a few tens of tokens each)
 _matvec: dict = {"choices": {}}
 
 
@@ -425,10 +431,12 @@ def _matvec_probe(name: str) -> tuple[list[tuple[torch.Tensor, list]], str]:
     return products, "int8" if name == "int4a8" else "float"
 
 
-def measure_matvec(name: str, levels: tuple[str, ...], repeats: int = MATVEC_REPEATS) -> dict[str, list[float]]:
+def measure_matvec(name: str, levels: tuple[str, ...], repeats: int = MATVEC_REPEATS,
+                   run: Callable[[], float] | None = None) -> dict[str, list[float]]:
     """Returns the seconds to multiply one row by about MATVEC_PROBE_BYTES of weights in format `name` (layers of a
     decode step's products, one after the other), by level, the levels taking turns (after one warm-up each); the
-    format's loops are left as they were. Appendix A1."""
+    format's loops are left as they were. With `run`, the seconds it returns are timed instead (decode steps of a
+    model in the format, say). Appendix A1."""
     _require()
     choice, (kind, _) = _state["isa"], MATVEC_CANDIDATES[name]
     unknown = [level for level in levels if level not in matvec_candidates(name, choice)]
@@ -436,26 +444,32 @@ def measure_matvec(name: str, levels: tuple[str, ...], repeats: int = MATVEC_REP
         raise ValueError(f"{unknown} are not levels this process runs {name} loops at; choose from "
                          f"{matvec_candidates(name, choice)}")
     before = int(torch.ops.llminfer.matvec_features(kind))
-    products, activations = _matvec_probe(name)
+    if run is None:
+        products, activations = _matvec_probe(name)
+
+        def run() -> float:
+            start = time.perf_counter()
+            for x, parts in products:
+                gemv(x, *parts, activations=activations)
+            return time.perf_counter() - start
     timings: dict[str, list[float]] = {level: [] for level in levels}
     try:
         with torch.inference_mode():
             for round_index in range(repeats + 1):
                 for level in levels:
                     torch.ops.llminfer.set_matvec_features(kind, _level_bits(level, choice))
-                    start = time.perf_counter()
-                    for x, parts in products:
-                        gemv(x, *parts, activations=activations)
+                    seconds = run()
                     if round_index:                          # the first round warms up
-                        timings[level].append(time.perf_counter() - start)
+                        timings[level].append(seconds)
     finally:
         torch.ops.llminfer.set_matvec_features(kind, before)
     return timings
 
 
-def _choose_matvec(choice: IsaChoice, fresh: bool = False) -> None:
+def _choose_matvec(choice: IsaChoice, fresh: bool = False, steps: dict[str, Callable[[], float]] | None = None) -> None:
     """Sets each format's matrix-vector loops: measured (or read from the kept answers unless `fresh`), or the forced
-    level's."""
+    level's; the formats in `steps` timed on their run (`measure_matvec`'s run) rather than on the probe."""
+    steps = steps or {}
     _matvec["choices"] = {}
     path = _kept_file("matvec_choices.json")
     kept = {} if choice.forced else _read_kept(path)
@@ -470,9 +484,12 @@ def _choose_matvec(choice: IsaChoice, fresh: bool = False) -> None:
             continue
         key = f"{_machine_key(choice.level)}|{name}"
         if (fresh or key not in kept or kept[key].get("level") not in levels
-                or kept[key].get("probe") != MATVEC_PROBE):
-            timings = measure_matvec(name, levels)
-            kept[key] = {"level": choose_fastest(timings), "probe": MATVEC_PROBE,
+                or kept[key].get("probe") not in (MATVEC_PROBE, MATVEC_STEP)):
+            if name in steps:
+                timings, probe = measure_matvec(name, levels, MATVEC_STEP_REPEATS, run=steps[name]), MATVEC_STEP
+            else:
+                timings, probe = measure_matvec(name, levels), MATVEC_PROBE
+            kept[key] = {"level": choose_fastest(timings), "probe": probe,
                          "median_s": {level: statistics.median(t) for level, t in timings.items()}}
             changed = True
         torch.ops.llminfer.set_matvec_features(kind, _level_bits(kept[key]["level"], choice))
@@ -481,13 +498,18 @@ def _choose_matvec(choice: IsaChoice, fresh: bool = False) -> None:
         _write_kept(path, kept)
 
 
-def remeasure_matvec() -> dict[str, dict]:
+def remeasure_matvec(steps: dict[str, Callable[[], float]] | None = None) -> dict[str, dict]:
     """Times each format's candidate decode loops again now (a benchmark does, so that its choice is made under the
-    same conditions as its rounds, not at load), sets and keeps the winners; returns `matvec_choices()`. With
-    LLMINFER_ISA set, nothing is measured. Appendix A1."""
+    same conditions as its rounds, not at load), sets and keeps the winners; returns `matvec_choices()`. `steps`
+    maps formats (keys of MATVEC_CANDIDATES) to a run that returns the seconds of some decode steps of a model in
+    that format: those formats are timed on their steps, the rest on the probe. With LLMINFER_ISA set, nothing is
+    measured. Appendix A1."""
     _require()
+    unknown = sorted(set(steps or {}) - set(MATVEC_CANDIDATES))
+    if unknown:
+        raise ValueError(f"steps for {unknown}: formats are {', '.join(MATVEC_CANDIDATES)}")
     with _lock:
-        _choose_matvec(_state["isa"], fresh=True)
+        _choose_matvec(_state["isa"], fresh=True, steps=steps)
     return matvec_choices()
 
 

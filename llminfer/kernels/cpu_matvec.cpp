@@ -700,13 +700,18 @@ LLMINFER_INT4T_A8(int4t_a8_avxvnni, "avx2,fma,f16c,avxvnni", , _mm256_dpbusd_avx
 #undef LLMINFER_AS_IS
 #undef LLMINFER_INT4T_A8
 
-// W4A8 on 512-bit registers (AVX512-VNNI): one 64-byte load brings two chunks of a tile, as in the weight-only
-// loop above. The x bytes each half multiplies are laid out once per product (`int4t_a8_spread_avx512`: per 16
-// inputs, 64 bytes of the even fours, lanes 0-7 the first chunk's and 8-15 the second's, then 64 of the odd ones),
-// so the two vpdpbusd read them straight from L1. Per 32 inputs a tile then takes 14 instructions (a prefetch two
-// tiles ahead, a load, the nibbles by AND and shift, and two vpdpbusd, twice; the per-tile permutes and loads of x
-// made it 20) and one conversion and one FMA by dx on all 16 lanes; per group one FMA by the 8 rows' scales (both
-// halves), and the halves are summed once, at the end.
+// int8 dot products on 512-bit registers (AVX512-VNNI), for W4A8 and for int4 with float x. One 64-byte load
+// brings two chunks of a tile, as in the weight-only loop above. The x bytes each half multiplies are laid out once
+// per product (`int4t_a8_spread_avx512`: per 16 inputs, 64 bytes of the even fours, lanes 0-7 the first chunk's and
+// 8-15 the second's, then 64 of the odd ones), so the vpdpbusd read them straight from L1.
+//   Planes = 1 (W4A8): x ≈ xq·dx, one int8 plane. Per 32 inputs a tile takes a prefetch two tiles ahead, a load,
+//     the nibbles by AND and shift, and two vpdpbusd (into two sums, so that no instruction waits on the one
+//     before), twice; then one conversion and one FMA by dx on all 16 lanes.
+//   Planes = 3 (int4 with float x, `int4_x_planes`): x = (a·2^16 + b·2^8 + c)·dx exactly to within 2^-23 of the
+//     block's largest |x|, three int8 planes, so the nibbles meet six vpdpbusd instead of sixteen conversions and
+//     sixteen FMAs. The plane sums stay exact in int32 (|a| ≤ 65, |b|, |c| ≤ 128: at most 15·128·32 a block), and
+//     65536·A + (256·B + C) is formed in float32 from two exact conversions: one rounding, as an FMA's.
+// Per group one FMA by the 8 rows' scales (both halves), and the halves are summed once, at the end.
 __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_a8_spread_avx512(const int8_t* xq, int64_t K,
                                                                           int8_t* spread) {
   const __m512i pick_even = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
@@ -718,13 +723,15 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_a8_spread_avx512(const
   }
 }
 
-template <int T>
-__attribute__((target(LLMINFER_AVX512_TILES ",avx512vnni"))) void int4t_a8_avx512(
+// spread: Planes planes of K·8 bytes, one after the other; dx: a step per block of 32 inputs
+template <int Planes>
+__attribute__((target(LLMINFER_AVX512_TILES ",avx512vnni"))) void int4t_dp_avx512(
     const int8_t* spread, const float* dx, const float* xsum, int64_t K, const uint8_t* w, Terms terms, int64_t group,
     int64_t tile, float* out) {
-  static_assert(T == 1, "one tile at a time");
+  static_assert(Planes == 1 || Planes == 3, "one plane (W4A8) or three (float x)");
   const int64_t G = K / group;
   const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512 place = _mm512_set1_ps(65536.f);
   const uint8_t* codes = w + tile * (K / 8) * 32;
   const int64_t ahead = 2 * (K / 8) * 32;                 // bytes from a tile to the one after the next
   __m512 total = _mm512_setzero_ps();                     // lanes 0-7 and 8-15: the 8 rows, a half each
@@ -732,15 +739,28 @@ __attribute__((target(LLMINFER_AVX512_TILES ",avx512vnni"))) void int4t_a8_avx51
   for (int64_t g = 0; g < G; ++g) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = g * group; b < (g + 1) * group; b += 32) {
-      __m512i sum = _mm512_setzero_si512();
+      __m512i sum[Planes][2];                             // per plane, the even and the odd inputs' sums
+      for (int p = 0; p < Planes; ++p) sum[p][0] = sum[p][1] = _mm512_setzero_si512();
       for (int64_t k = b; k < b + 32; k += 16) {
         _mm_prefetch(reinterpret_cast<const char*>(codes + ahead + k * 4), _MM_HINT_T0);   // the next tile's line
         const __m512i v = _mm512_loadu_si512(codes + k * 4);
-        const int8_t* xk = spread + k * 8;
-        sum = _mm512_dpbusd_epi32(sum, _mm512_and_si512(v, low), _mm512_loadu_si512(xk));
-        sum = _mm512_dpbusd_epi32(sum, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_loadu_si512(xk + 64));
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int p = 0; p < Planes; ++p) {
+          const int8_t* xk = spread + p * K * 8 + k * 8;
+          sum[p][0] = _mm512_dpbusd_epi32(sum[p][0], lo, _mm512_loadu_si512(xk));
+          sum[p][1] = _mm512_dpbusd_epi32(sum[p][1], hi, _mm512_loadu_si512(xk + 64));
+        }
       }
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dx[b / 32]), acc);
+      __m512 dot;
+      if constexpr (Planes == 1) {
+        dot = _mm512_cvtepi32_ps(_mm512_add_epi32(sum[0][0], sum[0][1]));
+      } else {
+        const __m512i high = _mm512_add_epi32(sum[0][0], sum[0][1]);
+        const __m512i rest = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(sum[1][0], sum[1][1]), 8),
+                                              _mm512_add_epi32(sum[2][0], sum[2][1]));
+        dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), place, _mm512_cvtepi32_ps(rest));
+      }
+      acc = _mm512_fmadd_ps(dot, _mm512_set1_ps(dx[b / 32]), acc);
     }
     const int64_t at = (tile * G + g) * 8;
     const __m256 scale8 = terms8(terms.scale, terms.half, at);
@@ -1164,7 +1184,7 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y) {
 #ifdef LLMINFER_X86
   std::vector<int8_t> spread;                              // the 512-bit tile loop's layout of xq
   if (bits & kAVX512VNNI) {
-    tiles = rows_int4t_a8<int4t_a8_avx512<1>, 8>;
+    tiles = rows_int4t_a8<int4t_dp_avx512<1>, 8>;
     if (W.tiled) {
       spread.resize(M * K * 8);
       for (int64_t m = 0; m < M; ++m) int4t_a8_spread_avx512(xq.data() + m * K, K, spread.data() + m * K * 8);
@@ -1187,6 +1207,66 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y) {
   });
 }
 
+#ifdef LLMINFER_X86
+// x as three int8 planes for `int4t_dp_avx512<3>`, per block of 32 inputs: with 2^(E-1) ≤ max |x| < 2^E, X =
+// round(x·2^(22-E)) (|X| ≤ 2^22: the block's largest input keeps 23 bits, as float32 keeps 24) is split into
+// balanced base-256 digits, X = a·2^16 + b·2^8 + c, and dx = 2^(E-22) (exact: powers of two). The digits are in the
+// tiled order (each chunk of 8 as its 4 even, then its 4 odd inputs), then spread as the loop reads them: spread
+// holds, per row of x, the a, b and c planes of K·8 bytes each. x must be finite.
+__attribute__((target(LLMINFER_AVX512_TILES))) void int4_x_planes(const float* x, int64_t M, int64_t K,
+                                                                 int8_t* spread, float* dx) {
+  const __m512i chunks = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  const __m512i half = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
+  thread_local std::vector<int8_t> digits;
+  digits.resize(3 * K);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* xb = x + m * K + b * 32;
+      const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+      int E;
+      std::frexp(amax, &E);                                                      // amax < 2^E (0 for amax = 0)
+      E = std::max(E, -100);                                                     // 2^(22-E) a normal float
+      const __m512 to_int = _mm512_set1_ps(std::ldexp(1.f, 22 - E));
+      dx[m * (K / 32) + b] = std::ldexp(1.f, E - 22);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutexvar_ps(chunks, v[h]), to_int));
+        const __m512i c = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, half), byte), half);
+        const __m512i X1 = _mm512_srai_epi32(_mm512_sub_epi32(X, c), 8);
+        const __m512i bb = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X1, half), byte), half);
+        const __m512i a = _mm512_srai_epi32(_mm512_sub_epi32(X1, bb), 8);
+        const int64_t at = b * 32 + h * 16;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(digits.data() + at), _mm512_cvtepi32_epi8(a));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(digits.data() + K + at), _mm512_cvtepi32_epi8(bb));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(digits.data() + 2 * K + at), _mm512_cvtepi32_epi8(c));
+      }
+    }
+    for (int p = 0; p < 3; ++p) int4t_a8_spread_avx512(digits.data() + p * K, K, spread + (m * 3 + p) * K * 8);
+  }
+}
+
+// y (M, N) = x · Wᵀ for int4 tiles with float x by three int8 planes (VNNI); false, having done nothing, where x
+// has an inf or a NaN (then a group's sum of x has one too). Each thread lays out its own planes: they are 24 bytes
+// an input, and read from the core that wrote them they cost more than writing them again.
+bool linear_rows_planes(const Weight& W, const float* x, int64_t M, float* y) {
+  const int64_t N = W.N, K = W.K;
+  const Int4X sums = int4_x(x, M, K, W.group, 0);
+  for (const float sum : sums.xsum)
+    if (!std::isfinite(sum)) return false;
+  const uint8_t* wp = static_cast<const uint8_t*>(W.w);
+  at::parallel_for(0, N / 8, kGrain / 8, [&](int64_t a, int64_t b) {
+    thread_local std::vector<int8_t> spread;
+    thread_local std::vector<float> dx;
+    spread.resize(M * 3 * K * 8);
+    dx.resize(M * (K / 32));
+    int4_x_planes(x, M, K, spread.data(), dx.data());
+    rows_int4t_a8<int4t_dp_avx512<3>, 24>(spread.data(), dx.data(), sums.xsum.data(), M, K, wp, W.terms, W.group, y,
+                                          N, a, b);
+  });
+  return true;
+}
+#endif
+
 // y (M, N) = x (M, K) · Wᵀ, all float32 and contiguous; rows of W split over torch's threads
 void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
   const int64_t N = W.N, K = W.K;
@@ -1197,6 +1277,11 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
   const bool avx2 = bits & kAVX2, avx512 = bits & kAVX512;
   if (W.format == Weight::I4 && W.int8_activations && M <= kMatvecMaxRows) return linear_rows_a8(W, x, M, y);
   if (W.format == Weight::I4 && W.tiled) {
+#ifdef LLMINFER_X86
+    // int4 with float x by VNNI (three int8 planes of x) where it was measured fastest and the groups hold whole
+    // blocks of 32; else the float loops (and always for an x with an inf or a NaN)
+    if ((bits & kAVX512VNNI) && W.group % 32 == 0 && linear_rows_planes(W, x, M, y)) return;
+#endif
     const Int4TX sums = int4t_x(x, M, K, W.group);
     const uint8_t* wp = static_cast<const uint8_t*>(W.w);
     at::parallel_for(0, N / 8, kGrain / 8, [&](int64_t t0, int64_t t1) {
