@@ -556,6 +556,20 @@ def test_a_format_can_be_timed_on_its_own_decode_steps(monkeypatch, tmp_path):
     assert int(torch.ops.llminfer.matvec_features(kind)) == before
     with pytest.raises(ValueError, match=r"steps for \['int3'\]: formats are float32"):
         cpu.remeasure_matvec({"int3": run})
+    # a decode step timed while the choice holds the kernels' lock loads them and asks for the prefill path: the
+    # lock is re-entered, not waited on forever (a daemon thread, so that a deadlock fails the test)
+    import threading
+
+    done = threading.Event()
+
+    def under_the_lock():
+        with cpu._lock:
+            cpu.load()
+            cpu.prefill_path(torch.float32, 16)
+            done.set()
+
+    threading.Thread(target=under_the_lock, daemon=True).start()
+    assert done.wait(60), "a step timed under the kernels' lock deadlocked"
 
     kinds = {name: k for name, (k, _) in cpu.MATVEC_CANDIDATES.items()}
     saved_bits = {name: int(torch.ops.llminfer.matvec_features(k)) for name, k in kinds.items()}

@@ -82,7 +82,7 @@ HEADERS = (_HERE / "cpu_kernels.h",)
 # torch.ops.llminfer.matvec_max_rows() reads it back.
 MAX_TOKENS = 8
 
-_lock = threading.Lock()
+_lock = threading.RLock()          # re-entrant: a decode step timed while it is held (remeasure_matvec) loads
 _state: dict = {"loaded": False, "error": None}
 
 ISA_ENV = "LLMINFER_ISA"
