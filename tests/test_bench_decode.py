@@ -4,15 +4,31 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from llminfer import device
 from llminfer.bench import decode
 
 
-def test_a_short_run_writes_its_report(tmp_path, capsys):
-    code = decode.main(["--precisions", "fp32,int8", "--prompt-len", "8", "--new-tokens", "3", "--repeats", "1",
-                        "--threads", "1", "--no-compile", "--no-transformers", "--no-llama-cpp",
-                        "--out", str(tmp_path)])
+def test_a_short_run_writes_its_report(tmp_path, capsys, monkeypatch):
+    from llminfer.kernels import cpu as kernels
+
+    # a run this short times its decode loops on 3-token steps: its answers are kept aside, not for the machine,
+    # and the process's loops are put back afterwards (loaded first: the build sets where answers are kept)
+    assert kernels.load(), kernels.why_unavailable()
+    (tmp_path / "kept").mkdir()
+    monkeypatch.setitem(kernels._state, "build", str(tmp_path / "kept"))
+    kinds = [kind for kind, _ in kernels.MATVEC_CANDIDATES.values()]
+    bits, choices = {k: int(torch.ops.llminfer.matvec_features(k)) for k in kinds}, kernels.matvec_choices()
+    try:
+        code = decode.main(["--precisions", "fp32,int8", "--prompt-len", "8", "--new-tokens", "3", "--repeats", "1",
+                            "--threads", "1", "--no-compile", "--no-transformers", "--no-llama-cpp",
+                            "--out", str(tmp_path)])
+        report_choices = kernels.matvec_choices()
+    finally:
+        for k, b in bits.items():
+            torch.ops.llminfer.set_matvec_features(k, b)
+        kernels._matvec["choices"] = choices
     assert code == 0
     (path,) = tmp_path.glob("decode-*.json")
     report = json.loads(path.read_text())
@@ -22,14 +38,13 @@ def test_a_short_run_writes_its_report(tmp_path, capsys):
                                               band["native_read_bytes_per_s"]) > 0
     assert "native streaming read" in band["what"] and "2 MiB pages" in band["what"]
     # one native probe per load width this process runs (the widest is not always the fastest), the best reported
-    from llminfer.kernels import cpu as kernels
     by_width = band["native_read_by_width"]
     widths = sorted(int(what.split(", ")[1].split("-byte")[0]) for what in by_width)
     features = kernels.isa_features()
     assert widths == sorted([w for w, level in ((64, "avx512"), (32, "avx2")) if level in features] or [8])
     assert band["native_read_bytes_per_s"] == max(by_width.values())
     # each format's decode loops, as chosen here, are in the report
-    assert report["kernels"]["matvec"] == kernels.matvec_choices()
+    assert report["kernels"]["matvec"] == report_choices
     # timed on the run's own decode steps: the formats it ran, where there was a choice to make
     for precision in ("fp32", "int8"):
         entry = report["kernels"]["matvec"].get(decode.MATVEC_FORMAT[precision])
