@@ -56,8 +56,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import torch
 

@@ -771,9 +771,11 @@ __attribute__((target(LLMINFER_AVX512_TILES ",avx512vnni"))) void int4t_dp_avx51
   _mm256_storeu_ps(out, _mm256_add_ps(halves_sum(total), off));
 }
 
-// tiles [t0, t1) of y (M, N) for W4A8, one tile at a time: its loop is short enough that two tiles' streams at
-// once (as the float loops read them) slowed it from memory, to below one tile's pace, on a Zen 4
-// (xq: each row of x as `Tile` reads it, `spread` bytes an input: 1 for xq itself, 8 for the 512-bit loop's layout)
+// tiles [t0, t1) of y (M, N) for the int8 dot-product loops (W4A8; int4 with float x as three planes), one tile at
+// a time: W4A8's loop is short enough that two tiles' streams at once (as the float loops read them) slowed it from
+// memory, to below one tile's pace, on a Zen 4; for the three planes, two tiles at once were slower too (Zen 5)
+// (xq: each row of x as `Tile` reads it, `spread` bytes an input: 1 for xq itself, 8 for the 512-bit loop's layout,
+// 24 for its three planes)
 template <void (*Tile)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, Terms, int64_t, int64_t,
                        float*), int64_t spread = 1>
 void rows_int4t_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
