@@ -51,8 +51,7 @@ def test_a_short_run_writes_its_report(tmp_path, capsys, monkeypatch):
         if entry and entry["measured"]:
             assert entry["probe"] == kernels.MATVEC_STEP and len(entry["median_s"]) > 1
     # the kernels' level and, per precision, the prefill on the measured path, on both paths and on the plain model
-    from llminfer.kernels import cpu
-    assert report["kernels"]["isa"] == cpu.isa()
+    assert report["kernels"]["isa"] == kernels.isa()
     prefill = report["prefill"]["by_precision"]
     assert set(prefill) == {"fp32", "int8"}
     rates = report["prefill"]["matmul_flop_per_s_alongside"]

@@ -13,7 +13,8 @@ The contenders take turns, one generation each per round, with the decode benchm
 (`decode.BandwidthCeiling`, the size of the float32 weights at least) sampled between rounds, so every tokens/s
 stands beside a ceiling measured under the same load (MBU = bytes read per token × tokens/s ÷ the best probe).
 With real weights the text is no longer one repeated token, so the tokens of llminfer and llama.cpp are compared
-in every round: where they part, and how far they agree. Results: the terminal and data/benchmarks/decode-real-<machine>.json.
+in every round: where they part, and how far they agree. Results: the terminal and
+data/benchmarks/decode-real-<machine>.json.
 """
 from __future__ import annotations
 
