@@ -57,16 +57,22 @@ MICRO = llminfer.ModelConfig(vocab_size=61, dim=16, n_layers=1, n_heads=2, n_kv_
 
 def test_schedule_widget_runs_the_engine():
     model = random_model(MICRO)
+    # every request arrives at once, so continuous batching must share steps however fast this CPU runs the
+    # micro model (at 100 arrivals/s a fast CPU finished each request before the next one came)
+    together = make_workload(n_requests=6, rate=float("inf"), vocab_size=model.config.vocab_size, seed=3,
+                             prompt_median=8, max_prompt=24, output_median=4, max_output=8)
+    rates = []
+
     def workload(rate):
-        return make_workload(n_requests=6, rate=rate, vocab_size=model.config.vocab_size, seed=3, prompt_median=8,
-                             max_prompt=24, output_median=4, max_output=8)
+        rates.append(rate)
+        return together
 
     box = schedule.build_schedule_widget(model, workload, settings=("continuous", 64, 4, 100.0))
     assert box.summary.value == "" and box.chart.value == b""              # nothing drawn before Run
     box.policy.value = "sequential"
     box.on_run()
     result, _, stats, counts = box.last
-    assert counts["steps"] == sum(workload(100.0).output_lens)             # sequential: one token per step
+    assert counts["steps"] == sum(together.output_lens)                 # sequential: one token per step
     assert box.summary.value.startswith("sequential · 6 requests · ") and len(box.chart.value) > 1000
     box.policy.value = "continuous"
     box.on_run()
@@ -75,7 +81,7 @@ def test_schedule_widget_runs_the_engine():
     box.seqs.value = 1
     box.rate.value = 20.0
     box.on_run()                                                           # one at a time, small chunks
-    assert box.last[2]["requests"] == 6
+    assert box.last[2]["requests"] == 6 and rates == [100.0, 100.0, 20.0]   # the slider's rate reaches the workload
 
 
 def test_pool_snapshots_of_the_vllm_example():
