@@ -85,12 +85,18 @@ def test_fixed_concurrency_caps_requests_in_flight(server):
     result = bench.run_benchmark(server.url + "/v1", MODEL, requests, max_concurrency=2)
     records = result.records
     assert len(records) == 8 and all(r.success for r in records)
-    events = sorted([(r.send_s, 1) for r in records] + [(r.end_s, -1) for r in records], key=lambda e: (e[0], e[1]))
-    in_flight, most = 0, 0
-    for _, change in events:
-        in_flight += change
-        most = max(most, in_flight)
-    assert most == 2
+    assert bench.max_in_flight(records) == 2 == result.summary["max_in_flight"]
+
+
+def test_requests_in_flight_from_hand_made_timestamps():
+    def rec(send, end):
+        return bench.RequestRecord(index=0, send_s=send, end_s=end, success=end == end)
+
+    # 0: [0, 3), 1: [1, 2), 2: [2, 5) (sent as 1 ends), 3: [2.5, 4), 4 failed without an end
+    records = [rec(0, 3), rec(1, 2), rec(2, 5), rec(2.5, 4), rec(0.5, float("nan"))]
+    assert bench.max_in_flight(records) == 3                 # at 2.5: requests 0, 2 and 3
+    assert bench.max_in_flight(records[:2]) == 2 and bench.max_in_flight([]) == 0
+    assert bench.summarize(records)["max_in_flight"] == 3
 
 
 def test_runs_are_bounded_in_time(server):

@@ -190,6 +190,19 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: 
 
 # --- the figures -------------------------------------------------------------------------------------------
 
+def max_in_flight(records: list[RequestRecord]) -> int:
+    """The most requests sent and not yet answered at any moment of a run (from the client's timestamps; a request
+    that ends as another is sent is not counted with it). A server that runs at most max_num_seqs requests at once
+    holds the rest of them in its queue. Chapter 11."""
+    ended = [r for r in records if math.isfinite(r.end_s)]
+    events = sorted([(r.send_s, 1) for r in ended] + [(r.end_s, -1) for r in ended])
+    in_flight = most = 0
+    for _, change in events:
+        in_flight += change
+        most = max(most, in_flight)
+    return most
+
+
 def summarize(records: list[RequestRecord], slo: dict | None = None) -> dict:
     """Throughput, latency percentiles and goodput, from the raw per-request records alone. Chapter 11.
 
@@ -215,7 +228,7 @@ def summarize(records: list[RequestRecord], slo: dict | None = None) -> dict:
         "request_throughput": len(done) / duration if duration > 0 else float("nan"),
         "output_throughput": output_tokens / duration if duration > 0 else float("nan"),
         "total_token_throughput": (prompt_tokens + output_tokens) / duration if duration > 0 else float("nan"),
-        "slo_s": slo, "good_requests": good,
+        "max_in_flight": max_in_flight(records), "slo_s": slo, "good_requests": good,
         "goodput": goodput if slo else float("nan"),
     }
     for name, values in (("ttft", [r.ttft_s for r in done]), ("tpot", [r.tpot_s for r in done]),
