@@ -77,6 +77,44 @@ def test_one_call_per_step_gives_the_modules_numbers(name, fmt, native_calls):
             torch.testing.assert_close(nat_cache.get(layer)[1], ref_cache.get(layer)[1], atol=tolerance, rtol=tolerance)
 
 
+THREAD_CASES = [("llama-gqa-tied", "fp32"), ("qwen2-bias-tied", "fp32"), ("qwen2-bias-gqa", "bf16"),
+                ("llama-mha-untied", "bf16"), ("llama-gqa-tied", "int8"), ("llama-gqa-tied", "int4"),
+                ("qwen2-bias-gqa", "int4a8")]
+
+
+@pytest.mark.parametrize("name,fmt", THREAD_CASES)
+def test_the_steps_threads_share_the_layers_without_changing_a_bit(name, fmt, native_calls):
+    """A decode step's few tokens run every layer in one parallel region: each thread its rows of each product
+    and its K/V heads of attention. One thread, two, and more threads than K/V heads (qwen2-bias-tied has one,
+    llama-gqa-tied two) give the same bits, logits and caches, as each row and head is computed the same way."""
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+    model = random_model(SMALL_CONFIGS[name]).to(dtype)
+    if fmt.startswith("int"):
+        llminfer.quant.quantize(model, "int4" if fmt.startswith("int4") else "int8",
+                                group_size=32 if fmt.startswith("int4") else None,
+                                activations="int8" if fmt == "int4a8" else "float")
+    fast.optimize_decode(model)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, vocab, (2, 5), generator=g)
+    steps = [torch.randint(0, vocab, (2, n), generator=g) for n in (1, 3, 1, 2)]
+    runs = []
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 5):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                cache = model.new_cache(2, 40)
+                logits = [model(prompt, cache=cache)] + [model(ids, cache=cache) for ids in steps]
+            runs.append((logits, [cache.get(layer) for layer in range(model.config.n_layers)]))
+    finally:
+        torch.set_num_threads(saved)
+    assert native_calls[-4:] == [True] * 4                     # the steps ran as one call each
+    for logits, kv in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(logits, runs[0][0]))
+        assert all(torch.equal(a, b) for pair, first in zip(kv, runs[0][1]) for a, b in zip(pair, first))
+
+
 def test_greedy_decoding_picks_the_same_tokens(native_calls):
     reference, native = _pair("llama-gqa-tied", "fp32")
     ids = torch.randint(0, reference.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))

@@ -199,9 +199,36 @@ Weight int4_weight(const at::Tensor& w, const at::Tensor& scale, const at::Tenso
 // int8 activations; the marker is any tensor: the layers pass their codes again, which makes no new tensor a step).
 Weight weight_from_parts(at::TensorList parts, const char* op);
 
+// The threads of a decode step's one parallel region (run_layers): this is thread `id` of `size`. A loop given a
+// Team runs only this thread's share of its range, the share at::parallel_for would give it; a loop given none
+// splits its range over torch's threads itself (a parallel region of its own).
+struct Team {
+  int64_t id, size;
+};
+
+// fn(a, b) over [begin, end): this thread's share where there is a team, else split over torch's threads
+template <typename Fn>
+void split_range(const Team* team, int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
+  if (!team) return at::parallel_for(begin, end, grain, fn);
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  const int64_t used = std::max<int64_t>(1, std::min<int64_t>(team->size, (n + grain - 1) / grain));
+  const int64_t chunk = (n + used - 1) / used, first = begin + team->id * chunk;
+  if (team->id < used && first < end) fn(first, std::min(end, first + chunk));
+}
+
+// A residual add after a product: x (M, N) += y, where y's columns are done (each term and the sum rounded to
+// bfloat16 where the model is; y is rounded in place). Each thread adds the columns it computed.
+struct Residual {
+  float* x;
+  bool bf16;
+};
+
 // y (M, N) = x (M, K) · Wᵀ, all float32 and contiguous: the matrix-vector loops for a few rows, the blocked
-// kernel for many
-void linear_rows(const Weight& W, const float* x, int64_t M, float* y);
+// kernel for many. With a team (a few rows only), this thread's share of W's rows; with a residual, then
+// residual.x += y on them.
+void linear_rows(const Weight& W, const float* x, int64_t M, float* y, const Team* team = nullptr,
+                 const Residual* residual = nullptr);
 
 // Products of up to this many rows of x take the matrix-vector loops, more rows the blocked kernel. The value
 // is set in one place, llminfer/kernels/cpu.py (MAX_TOKENS), which passes it to the compiler.
@@ -267,7 +294,8 @@ at::Tensor gemv_int4_a8(const at::Tensor& x, const at::Tensor& w, const at::Tens
 // returns a checksum (the bandwidth probe)
 int64_t stream_read(const at::Tensor& data, int64_t width);
 // y (M, N) = x · Wᵀ for the int8-activation path of an int4 weight (cpu_matvec.cpp)
-void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y);
+void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y, const Team* team = nullptr,
+                    const Residual* residual = nullptr);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
                             const c10::optional<at::Tensor>& mask_in, double scale);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,

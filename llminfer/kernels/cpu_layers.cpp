@@ -2,6 +2,8 @@
 
 #include "cpu_kernels.h"
 
+#include <omp.h>
+
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -199,55 +201,53 @@ Layer check_layer(const Step& st, const at::Tensor& input_norm, double eps1, con
   return L;
 }
 
-// x += y over M rows of dim, each term and the sum rounded to the model's dtype (the residual adds; a bfloat16
-// y is rounded in place)
-void add_rows(float* x, float* y, int64_t M, int64_t dim, bool bf16) {
-  for_rows(M, [&](int64_t m) {
-    float* xr = x + m * dim;
-    float* yr = y + m * dim;
-    if (bf16) {
-      round_bf16(yr, dim);
-      for (int64_t i = 0; i < dim; ++i) xr[i] += yr[i];
-      round_bf16(xr, dim);
-    } else
-      for (int64_t i = 0; i < dim; ++i) xr[i] += yr[i];
-  });
-}
-
-// The layers' intermediate rows, made once for a call's layers, as large as the largest layer needs (each buffer
-// is written before it is read)
+// The layers' intermediate rows shared by the threads, made once for a call's layers, as large as the largest
+// layer needs (each buffer is written before it is read)
 struct Workspace {
-  std::vector<float> h, qkv, att, proj, gu, act;
+  std::vector<float> qkv, att, proj, gu;
+  int64_t gate_up_n = 0;
   Workspace(const Step& st, const std::vector<Layer>& layers) {
     const int64_t M = st.B * st.T;
-    int64_t qkv_n = 0, gate_up_n = 0;
+    int64_t qkv_n = 0;
     for (const Layer& L : layers) qkv_n = std::max(qkv_n, L.qkv.N), gate_up_n = std::max(gate_up_n, L.gate_up.N);
-    h.resize(M * st.dim), qkv.resize(M * qkv_n), att.resize(M * st.H * st.D), proj.resize(M * st.dim);
-    gu.resize(M * gate_up_n), act.resize(M * gate_up_n / 2);
+    qkv.resize(M * qkv_n), att.resize(M * st.H * st.D), proj.resize(M * st.dim), gu.resize(M * gate_up_n);
   }
 };
 
-// x (B·T, dim) float32, rounded to the model's dtype, through one layer in place
-void run_layer(const Step& st, const Layer& L, std::vector<float>& x, Workspace& ws) {
+// The rows each thread makes for itself from shared ones: the normed x, and the MLP's activations and (bfloat16)
+// its up half rounded
+struct Own {
+  std::vector<float> h, act, up;
+  Own(const Step& st, const Workspace& ws)
+      : h(st.B * st.T * st.dim), act(st.B * st.T * ws.gate_up_n / 2), up(st.dtype == at::kBFloat16 ? act.size() : 0) {}
+};
+
+// This thread's part of a layer's attention: K/V heads [k0, k1) of every token, their query heads with them.
+// Each row of qkv is rounded (and its bias added) on these heads' columns, RoPE turns their q and k, their k and v
+// go into the cache at the tokens' positions, and their queries attend, writing their columns of att.
+void attend_heads(const Step& st, const Layer& L, float* qkv, float* att, int64_t k0, int64_t k1) {
   const bool bf16 = st.dtype == at::kBFloat16;
-  const int64_t B = st.B, T = st.T, M = B * T, dim = st.dim, H = st.H, Hkv = st.Hkv, S = st.S, D = st.D;
-  const int64_t qsize = H * D, kvsize = Hkv * D, N = L.qkv.N, hidden = L.gate_up.N / 2;
-  std::vector<float> &h = ws.h, &qkv = ws.qkv, &att = ws.att, &proj = ws.proj, &gu = ws.gu, &act = ws.act;
-  // attention
-  rms_norm(x.data(), M, dim, *L.input_norm, L.eps1, bf16, h.data());
-  linear_rows(L.qkv, h.data(), M, qkv.data());
-  const int64_t half = D / 2;
+  const int64_t T = st.T, M = st.B * T, H = st.H, Hkv = st.Hkv, S = st.S, D = st.D, group = H / Hkv;
+  const int64_t qsize = H * D, kvsize = Hkv * D, N = L.qkv.N, half = D / 2;
+  // this thread's columns of a qkv row: its q heads, k heads and v heads
+  const int64_t spans[3][2] = {{k0 * group * D, k1 * group * D}, {qsize + k0 * D, qsize + k1 * D},
+                               {qsize + kvsize + k0 * D, qsize + kvsize + k1 * D}};
   for_rows(M, [&](int64_t m) {
     std::vector<float> rotated(bf16 ? 2 * D : D);            // (bfloat16: the second half, rotate_half(v)·sin)
     float* turned = rotated.data() + D;
-    float* row = qkv.data() + m * N;
+    float* row = qkv + m * N;
     const float *c = st.cos.data() + (m % T) * D, *s = st.sin.data() + (m % T) * D;
-    if (bf16) round_bf16(row, N);
-    if (!L.bias.empty()) {
-      for (int64_t i = 0; i < N; ++i) row[i] += L.bias[i];
-      if (bf16) round_bf16(row, N);
+    for (const auto& span : spans) {
+      float* part = row + span[0];
+      const int64_t n = span[1] - span[0];
+      if (bf16) round_bf16(part, n);
+      if (!L.bias.empty()) {
+        for (int64_t i = 0; i < n; ++i) part[i] += L.bias[span[0] + i];
+        if (bf16) round_bf16(part, n);
+      }
     }
     for (int64_t head = 0; head < H + Hkv; ++head) {        // the q heads, then the k heads
+      if (head < H ? head / group < k0 || head / group >= k1 : head - H < k0 || head - H >= k1) continue;
       float* v = row + head * D;
       if (bf16) {                                           // v·cos and rotate_half(v)·sin rounded, then their sum
         for (int64_t d = 0; d < D; ++d) {
@@ -268,11 +268,11 @@ void run_layer(const Step& st, const Layer& L, std::vector<float>& x, Workspace&
   });
   for (int64_t m = 0; m < M; ++m) {                          // k, v into the cache at their positions
     const int64_t b = m / T, t = m % T;
-    const float* row = qkv.data() + m * N;
+    const float* row = qkv + m * N;
     // where position pos[t] of this token's sequence lives: its row of the contiguous cache, or of the pool
     const int64_t row_of_pool = st.paged ? st.tables[st.seq[t] * st.table_width + st.pos[t] / st.block_size] *
                                                st.block_size + st.pos[t] % st.block_size : 0;
-    for (int64_t hk = 0; hk < Hkv; ++hk) {
+    for (int64_t hk = k0; hk < k1; ++hk) {
       const int64_t slot = st.paged ? (row_of_pool * Hkv + hk) * D : ((b * Hkv + hk) * S + st.pos[t]) * D;
       const float *kr = row + qsize + hk * D, *vr = row + qsize + kvsize + hk * D;
       if (bf16) {
@@ -284,7 +284,9 @@ void run_layer(const Step& st, const Layer& L, std::vector<float>& x, Workspace&
       }
     }
   }
-  AttentionProblem P{B, H, Hkv, T, D, st.last_pos + 1, qkv.data(), T * N, D, N,
+  // the attention of K/V heads [k0, k1): the problem of all heads, its pointers moved to head k0
+  const int64_t esize = bf16 ? 2 : 4;
+  AttentionProblem P{st.B, (k1 - k0) * group, k1 - k0, T, D, st.last_pos + 1, qkv + k0 * group * D, T * N, D, N,
                      static_cast<const char*>(L.k_cache->data_ptr()), static_cast<const char*>(L.v_cache->data_ptr()),
                      Hkv * S * D, S * D, D, Hkv * S * D, S * D, D};
   P.last = st.pos;
@@ -292,37 +294,81 @@ void run_layer(const Step& st, const Layer& L, std::vector<float>& x, Workspace&
     P.ks0 = P.vs0 = 0, P.ks1 = P.vs1 = D, P.ks2 = P.vs2 = Hkv * D;
     P.tables = st.tables, P.seq = st.seq, P.table_stride = st.table_width, P.block_size = st.block_size;
   }
+  P.k += k0 * P.ks1 * esize, P.v += k0 * P.vs1 * esize;
   P.scale = st.scale;
-  P.out = att.data();
+  P.out = att + k0 * group * D;
   P.os0 = T * qsize, P.os1 = D, P.os2 = qsize;
   if (bf16) attend<WKind::BF16>(P);
   else attend<WKind::F32>(P);
-  if (bf16) round_bf16(att.data(), M * H * D);
-  linear_rows(L.o, att.data(), M, proj.data());
-  add_rows(x.data(), proj.data(), M, dim, bf16);
+  if (bf16)
+    for (int64_t m = 0; m < M; ++m) round_bf16(att + m * qsize + k0 * group * D, (k1 - k0) * group * D);
+}
+
+// x (B·T, dim) float32, rounded to the model's dtype, through one layer in place. With a team (a decode step's few
+// tokens, run_layers), every thread of the step's parallel region runs this: each product is shared by rows of W,
+// attention by K/V heads, and a barrier separates what one thread writes from what the others then read; the norm
+// and the activations, a few rows, each thread makes for itself. Without one, each part splits over the threads.
+void run_layer(const Step& st, const Layer& L, float* x, Workspace& ws, Own& own, const Team* team) {
+  const bool bf16 = st.dtype == at::kBFloat16;
+  const int64_t M = st.B * st.T, dim = st.dim, hidden = L.gate_up.N / 2;
+  const Residual into_x{x, bf16};
+  const auto barrier = [team] {
+    if (team) {
+#pragma omp barrier
+    }
+  };
+  // attention
+  rms_norm(x, M, dim, *L.input_norm, L.eps1, bf16, own.h.data());
+  linear_rows(L.qkv, own.h.data(), M, ws.qkv.data(), team);
+  barrier();                                                 // qkv complete
+  int64_t k0 = 0, k1 = st.Hkv;
+  if (team) {
+    k1 = k0;                                                 // none, where the team outnumbers the heads
+    split_range(team, 0, st.Hkv, 1, [&](int64_t a, int64_t b) { k0 = a, k1 = b; });
+  }
+  if (k1 > k0) attend_heads(st, L, ws.qkv.data(), ws.att.data(), k0, k1);
+  barrier();                                                 // every head's attention complete
+  linear_rows(L.o, ws.att.data(), M, ws.proj.data(), team, &into_x);
+  barrier();                                                 // x complete
   // MLP
-  rms_norm(x.data(), M, dim, *L.post_norm, L.eps2, bf16, h.data());
-  linear_rows(L.gate_up, h.data(), M, gu.data());
+  rms_norm(x, M, dim, *L.post_norm, L.eps2, bf16, own.h.data());
+  linear_rows(L.gate_up, own.h.data(), M, ws.gu.data(), team);
+  barrier();                                                 // gate and up complete
   for_rows(M, [&](int64_t m) {
-    float *g = gu.data() + m * L.gate_up.N, *u = g + hidden;
-    float* a = act.data() + m * hidden;
+    float *g = ws.gu.data() + m * L.gate_up.N, *u = g + hidden;
+    float* a = own.act.data() + m * hidden;
     silu(g, hidden, a);
     if (bf16) {                                              // silu(g) and u rounded, then their product
+      float* up = own.up.data() + m * hidden;                // (u rounded in a copy: every thread reads gu)
+      std::copy_n(u, hidden, up);
       round_bf16(a, hidden);
-      round_bf16(u, hidden);
-      for (int64_t i = 0; i < hidden; ++i) a[i] *= u[i];
+      round_bf16(up, hidden);
+      for (int64_t i = 0; i < hidden; ++i) a[i] *= up[i];
       round_bf16(a, hidden);
     } else
       for (int64_t i = 0; i < hidden; ++i) a[i] *= u[i];
   });
-  linear_rows(L.down, act.data(), M, proj.data());
-  add_rows(x.data(), proj.data(), M, dim, bf16);
+  linear_rows(L.down, own.act.data(), M, ws.proj.data(), team, &into_x);
+  barrier();                                                 // x complete
 }
 
-// x through every layer of a stack, in place
+// x through every layer of a stack, in place. A decode step's few tokens run in one parallel region of torch's
+// threads for all the layers (a region for each product and each attention cost more than the products of a small
+// model's layer take); a prefill's many rows split each part over the threads.
 void run_layers(const Step& st, const std::vector<Layer>& layers, std::vector<float>& x) {
   Workspace ws(st, layers);
-  for (const Layer& L : layers) run_layer(st, L, x, ws);
+  const int threads = at::get_num_threads();
+  if (st.B * st.T > kMatvecMaxRows || threads < 2 || at::in_parallel_region()) {
+    Own own(st, ws);
+    for (const Layer& L : layers) run_layer(st, L, x.data(), ws, own, nullptr);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    const Team team{omp_get_thread_num(), omp_get_num_threads()};
+    Own own(st, ws);
+    for (const Layer& L : layers) run_layer(st, L, x.data(), ws, own, &team);
+  }
 }
 
 at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, double eps1,

@@ -992,6 +992,29 @@ void rows_int4_avx512(const float* xp, const float* xsum, int64_t M, int64_t K, 
 
 constexpr int64_t kGrain = 64;   // output rows a thread takes at least
 
+// rows [m0, m1) and columns [n0, n1) of y (M, N) added into the residual's x (M, N)
+void add_residual(const Residual& r, float* y, int64_t N, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t n = n1 - n0;
+  for (int64_t m = m0; m < m1; ++m) {
+    float* yr = y + m * N + n0;
+    float* xr = r.x + m * N + n0;
+    if (r.bf16) round_bf16(yr, n);
+    for (int64_t i = 0; i < n; ++i) xr[i] += yr[i];
+    if (r.bf16) round_bf16(xr, n);
+  }
+}
+
+// fn(a, b) over [0, count) units of `unit` output rows of y (M, N): this thread's share with a team, else split over
+// torch's threads; then the residual add of the rows of W that fn computed
+template <typename Fn>
+void split_rows(const Team* team, int64_t count, int64_t grain, int64_t unit, float* y, int64_t M, int64_t N,
+                const Residual* residual, const Fn& fn) {
+  split_range(team, 0, count, grain, [&](int64_t a, int64_t b) {
+    fn(a, b);
+    if (residual) add_residual(*residual, y, N, 0, M, a * unit, b * unit);
+  });
+}
+
 Weight dense_weight(const at::Tensor& w, const char* op) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), op, ": the weight must be a contiguous (N, K) matrix, got ",
               w.sizes());
@@ -1165,7 +1188,8 @@ __attribute__((target("avx2,fma"))) void quantize_x_blocks_avx2(const float* x, 
 #endif
 
 // y (M, N) = x · Wᵀ for an int4 weight with x rounded to int8 per block of 32 (W4A8)
-void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y) {
+void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y, const Team* team,
+                    const Residual* residual) {
   const int64_t N = W.N, K = W.K, B = K / 32;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * B);
@@ -1202,7 +1226,7 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y) {
 #endif
   const int64_t unit = W.tiled ? 8 : 1;                    // the loops take tiles of 8 rows, or rows
   const uint8_t* wp = static_cast<const uint8_t*>(W.w);
-  at::parallel_for(0, N / unit, kGrain / unit, [&](int64_t a, int64_t b) {
+  split_rows(team, N / unit, kGrain / unit, unit, y, M, N, residual, [&](int64_t a, int64_t b) {
     if (W.tiled) tiles(spread.empty() ? xq.data() : spread.data(), dx.data(), sums.xsum.data(), M, K, wp, W.terms,
                        W.group, y, N, a, b);
     else rows(xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, a, b);
@@ -1250,13 +1274,14 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4_x_planes(const float* x
 // y (M, N) = x · Wᵀ for int4 tiles with float x by three int8 planes (VNNI); false, having done nothing, where x
 // has an inf or a NaN (then a group's sum of x has one too). Each thread lays out its own planes: they are 24 bytes
 // an input, and read from the core that wrote them they cost more than writing them again.
-bool linear_rows_planes(const Weight& W, const float* x, int64_t M, float* y) {
+bool linear_rows_planes(const Weight& W, const float* x, int64_t M, float* y, const Team* team,
+                        const Residual* residual) {
   const int64_t N = W.N, K = W.K;
   const Int4X sums = int4_x(x, M, K, W.group, 0);
   for (const float sum : sums.xsum)
     if (!std::isfinite(sum)) return false;
   const uint8_t* wp = static_cast<const uint8_t*>(W.w);
-  at::parallel_for(0, N / 8, kGrain / 8, [&](int64_t a, int64_t b) {
+  split_rows(team, N / 8, kGrain / 8, 8, y, M, N, residual, [&](int64_t a, int64_t b) {
     thread_local std::vector<int8_t> spread;
     thread_local std::vector<float> dx;
     spread.resize(M * 3 * K * 8);
@@ -1269,24 +1294,31 @@ bool linear_rows_planes(const Weight& W, const float* x, int64_t M, float* y) {
 }
 #endif
 
-// y (M, N) = x (M, K) · Wᵀ, all float32 and contiguous; rows of W split over torch's threads
-void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
+// y (M, N) = x (M, K) · Wᵀ, all float32 and contiguous; rows of W split over torch's threads, or this thread's
+// share of them in a team
+void linear_rows(const Weight& W, const float* x, int64_t M, float* y, const Team* team, const Residual* residual) {
   const int64_t N = W.N, K = W.K;
+  TORCH_INTERNAL_ASSERT(!team || M <= kMatvecMaxRows, "linear_rows: a team shares only the matrix-vector loops");
 #ifdef LLMINFER_X86
-  if (has_avx2() && M > kMatvecMaxRows) return gemm_blocked(x, M, W, y);
+  if (has_avx2() && M > kMatvecMaxRows) {
+    gemm_blocked(x, M, W, y);
+    if (residual)
+      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { add_residual(*residual, y, N, m0, m1, 0, N); });
+    return;
+  }
 #endif
   const int64_t bits = matvec_features(matvec_kind(W));    // the loops measured fastest for this format here
   const bool avx2 = bits & kAVX2, avx512 = bits & kAVX512;
-  if (W.format == Weight::I4 && W.int8_activations && M <= kMatvecMaxRows) return linear_rows_a8(W, x, M, y);
+  if (W.format == Weight::I4 && W.int8_activations && M <= kMatvecMaxRows) return linear_rows_a8(W, x, M, y, team, residual);
   if (W.format == Weight::I4 && W.tiled) {
 #ifdef LLMINFER_X86
     // int4 with float x by VNNI (three int8 planes of x) where it was measured fastest and the groups hold whole
     // blocks of 32; else the float loops (and always for an x with an inf or a NaN)
-    if ((bits & kAVX512VNNI) && W.group % 32 == 0 && linear_rows_planes(W, x, M, y)) return;
+    if ((bits & kAVX512VNNI) && W.group % 32 == 0 && linear_rows_planes(W, x, M, y, team, residual)) return;
 #endif
     const Int4TX sums = int4t_x(x, M, K, W.group);
     const uint8_t* wp = static_cast<const uint8_t*>(W.w);
-    at::parallel_for(0, N / 8, kGrain / 8, [&](int64_t t0, int64_t t1) {
+    split_rows(team, N / 8, kGrain / 8, 8, y, M, N, residual, [&](int64_t t0, int64_t t1) {
 #ifdef LLMINFER_X86
       if (avx512)
         return rows_int4t<int4t_tiles_avx512<2>, int4t_tiles_avx512<1>>(sums.xs.data(), sums.xsum.data(), M, K, wp,
@@ -1303,7 +1335,7 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
     const int64_t G = K / W.group;
     const Int4X sums = int4_x(x, M, K, W.group, avx512 ? 32 : avx2 ? 16 : 0);
     const uint8_t* wp = static_cast<const uint8_t*>(W.w);
-    at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+    split_rows(team, N, kGrain, 1, y, M, N, residual, [&](int64_t n0, int64_t n1) {
 #ifdef LLMINFER_X86
       if (avx512) return rows_int4_avx512(sums.xp.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group,
                                           y, N, n0, n1);
@@ -1322,7 +1354,7 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y) {
   const bool split = W.format == Weight::BF16 && !x_bf16 && avx512;
   std::vector<float> xp;
   if (split) xp = even_odd(x, M, K, 32);
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+  split_rows(team, N, kGrain, 1, y, M, N, residual, [&](int64_t n0, int64_t n1) {
 #ifdef LLMINFER_X86
     if (split)
       return rows_bf16<float, bf16_rows_avx512<4>, bf16_rows_avx512<1>>(xp.data(), M, K,
