@@ -127,6 +127,24 @@ def test_a_prefill_above_the_matmul_ceiling_stops_the_benchmark_and_records_noth
     assert not list(tmp_path.iterdir())
 
 
+def test_the_bandwidth_ceiling_is_the_fastest_sample_of_any_probe():
+    from llminfer.bench.decode import BandwidthCeiling
+
+    ceiling = BandwidthCeiling(1 << 20)
+    ceiling.warm(1)
+    ceiling.sample(2)
+    assert ceiling.samples_per_probe() == 2
+    work = {label: probe.work for label, probe in ceiling.probes.items()}
+    # hand-set times: "read" has the fastest single sample, "matvec" the fastest median
+    for label in ceiling.samples:
+        ceiling.samples[label] = [1.0, 1.0, 1.0]
+    ceiling.samples["matvec"] = [0.5, 0.5, 0.6]
+    ceiling.samples["read"] = [2.0, 0.25, 2.0]
+    assert ceiling.rates()["read"] == work["read"] / 0.25 and ceiling.medians()["read"] == work["read"] / 2.0
+    assert ceiling.medians()["matvec"] == work["matvec"] / 0.5
+    assert ceiling.best() == max(work[label] / min(times) for label, times in ceiling.samples.items())
+
+
 def test_the_matmul_ceiling_is_the_fastest_sample_and_the_median_rate_stays_the_median():
     from llminfer.timing import CeilingProbe
 

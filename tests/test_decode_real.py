@@ -51,8 +51,11 @@ def test_interleave_warms_up_then_takes_turns():
     results = decode_real.interleave({"a": runner("a"), "b": runner("b")}, repeats=2,
                                      between=lambda: probes.append(len(calls)))
     assert calls == ["a", "b", "a", "b", "a", "b"]           # one warm-up each, then one per contender a round
-    assert probes == [4, 6]                                   # the probe runs after every round
+    assert probes == [3, 4, 5, 6]                             # the probes run after every timed run
     assert [r.token_ids for r in results["a"]] == [[3], [5]]  # the warm-up is not kept
+    calls.clear()
+    results = decode_real.interleave({"a": runner("a")}, repeats=2, warm=False)
+    assert calls == ["a", "a"] and [r.token_ids for r in results["a"]] == [[1], [2]]   # warmed by the caller
     with pytest.raises(ValueError, match="repeats=0"):
         decode_real.interleave({"a": runner("a")}, repeats=0)
 

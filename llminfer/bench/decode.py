@@ -10,12 +10,12 @@ One random-weight model of a published shape (SmolLM2-135M by default) runs as:
     transformers     `generate` on the same weights, fp32 and bf16
     llama.cpp        the same weights as GGUF (F32, BF16, Q8_0, Q4_0), if llama-cpp-python is installed
 
-The contenders take turns, one generation each per round; between rounds the bandwidth probes
-(`BandwidthCeiling`) are sampled, so every tokens/s has a ceiling measured under the same load: the best of
-torch's matrix-vector product and torch's streaming read from 2 MiB pages (as the fast path's weights are read),
-both the size of the fp32 weights, and the native reads, where every thread streams a working set several times
-the last-level cache from 2 MiB pages with the widest loads the kernels use (`kernels.cpu.stream_read`).
-MBU = (weight + KV bytes read per token) × tokens/s ÷ that bandwidth. A contender that streams faster than the
+The contenders take turns, one generation each per round; after each generation the bandwidth probes
+(`BandwidthCeiling`) are sampled, so every tokens/s has a ceiling measured under the same load: the fastest
+sample of torch's matrix-vector product and torch's streaming read from 2 MiB pages (as the fast path's weights
+are read), both the size of the fp32 weights, and the native reads, where every thread streams a working set
+several times the last-level cache from 2 MiB pages with the widest loads the kernels use
+(`kernels.cpu.stream_read`). MBU = (weight + KV bytes read per token) × tokens/s ÷ that bandwidth. A contender that streams faster than the
 best probe means the ceiling is wrong: the benchmark says so and stops.
 
 The report names the kernels' instruction-set level (`kernels.cpu.isa()`) and, per weight format, which decode
@@ -220,12 +220,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     choices = native_cpu.remeasure_matvec(steps) if native_cpu.available() else {}
     _log("decode loops: " + ", ".join(f"{name} {entry['level']}" for name, entry in choices.items()))
     ceiling.warm()
-    results = {label: [] for label in contenders}
-    for round_index in range(args.repeats):
-        _log(f"round {round_index + 1}/{args.repeats}")
-        for label, runner in contenders.items():
-            results[label].append(runner())
-        ceiling.sample()
+    results = interleave(contenders, args.repeats, between=ceiling.sample, warm=False)
     bandwidth, probe_rates = ceiling.best(), ceiling.rates()
     prefill, matmul_times = _prefill_table(args, base, ids, info, quant_dtype, matmuls)
     rows = {}
@@ -277,7 +272,8 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
         "bandwidth": {"ceiling_bytes_per_s": bandwidth, "matvec_bytes_per_s": probe_rates["matvec"],
                       "read_bytes_per_s": probe_rates["read"],
                       "native_read_bytes_per_s": max(ceiling.native_rates().values(), default=None),
-                      "native_read_by_width": ceiling.native_rates(), "what": ceiling.what(),
+                      "native_read_by_width": ceiling.native_rates(), "median_by_probe": ceiling.medians(),
+                      "what": ceiling.what(),
                       "samples": ceiling.samples_per_probe()},
         "contenders": rows, "ratios": ratios,
     }
@@ -364,13 +360,34 @@ def native_read_probes(nbytes: int) -> dict[str, timing.CeilingProbe]:
                                 f"{torch.get_num_threads()} thread(s)", "cpu") for width in widths}
 
 
+def interleave(contenders: dict, repeats: int, between=None, warm: bool = True) -> dict[str, list]:
+    """Runs every contender once per round, in turn, `repeats` rounds (after one untimed warm-up each, unless `warm`
+    is false: the caller warmed them); calls between() after every run (the ceiling probes, sampled alongside each
+    contender). Returns label -> the rounds' GenerationResults. Chapter 08."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be at least 1")
+    if warm:
+        for runner in contenders.values():
+            runner()
+    results = {label: [] for label in contenders}
+    for round_index in range(repeats):
+        _log(f"round {round_index + 1}/{repeats}")
+        for label, runner in contenders.items():
+            results[label].append(runner())
+            if between is not None:
+                between()
+    return results
+
+
 class BandwidthCeiling:
-    """The probes whose best rate bounds a decode step's bytes per second, sampled between the runs they bound:
-    torch's matrix-vector product and torch's streaming read (from 2 MiB pages, where the fast path keeps its
+    """The probes whose fastest sample bounds a decode step's bytes per second, sampled alongside the runs they
+    bound: torch's matrix-vector product and torch's streaming read (from 2 MiB pages, where the fast path keeps its
     weights) over nbytes, and the native streaming reads (`native_read_probes`) over at least four times the
     last-level cache. The native read matters: on a Zen 5 the fast path's fp32 decode streamed faster than both
-    torch probes, so against them alone its MBU came out above 1. Shared by both decode benchmarks and chapter
-    08. Chapter 08."""
+    torch probes, so against them alone its MBU came out above 1. The fastest sample, not the median, because the
+    bandwidth a shared machine gives moves within minutes (the same Zen 5 read 49.5 GB/s in one run and 78-84 a few
+    minutes later): a contender timed in a fast minute outran the median of probes timed in slower ones. Shared by
+    both decode benchmarks and chapter 08. Chapter 08."""
 
     def __init__(self, nbytes: int):
         self.native = native_read_probes(max(nbytes, 4 * last_level_cache_bytes()))
@@ -383,14 +400,18 @@ class BandwidthCeiling:
         for probe in self.probes.values():
             probe.sample(repeats)
 
-    def sample(self, repeats: int = 2) -> None:
-        """Times each probe `repeats` times and keeps the times: call it between the runs it bounds."""
+    def sample(self, repeats: int = 1) -> None:
+        """Times each probe `repeats` times and keeps the times: call it after each run it bounds."""
         for label, probe in self.probes.items():
             self.samples[label] += probe.sample(repeats)
 
     def rates(self) -> dict[str, float]:
-        """Bytes per second of each probe, at the median of its kept samples, by label ("matvec", "read",
+        """Bytes per second of each probe, at the fastest of its kept samples, by label ("matvec", "read",
         "native read, 64-byte loads", ...)."""
+        return {label: probe.peak_rate_of(self.samples[label]) for label, probe in self.probes.items()}
+
+    def medians(self) -> dict[str, float]:
+        """Bytes per second of each probe at the median of its kept samples, by label (how much the rate moved)."""
         return {label: probe.rate_of(self.samples[label]) for label, probe in self.probes.items()}
 
     def native_rates(self) -> dict[str, float]:

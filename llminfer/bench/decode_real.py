@@ -10,8 +10,9 @@ Both engines decode the same chat prompt greedily from the same weights, at the 
 
 llminfer runs its fast path (fused projections, native CPU kernels, the step compiled unless --no-compile).
 The contenders take turns, one generation each per round, with the decode benchmark's bandwidth probes
-(`decode.BandwidthCeiling`, the size of the float32 weights at least) sampled between rounds, so every tokens/s
-stands beside a ceiling measured under the same load (MBU = bytes read per token × tokens/s ÷ the best probe).
+(`decode.BandwidthCeiling`, the size of the float32 weights at least) sampled after each generation, so every
+tokens/s stands beside a ceiling measured under the same load (MBU = bytes read per token × tokens/s ÷ the fastest
+probe sample).
 With real weights the text is no longer one repeated token, so the tokens of llminfer and llama.cpp are compared
 in every round: where they part, and how far they agree. Results: the terminal and
 data/benchmarks/decode-real-<machine>.json.
@@ -34,7 +35,7 @@ from ..fast import compile_decode
 from ..gguf_reader import INSTALLED, installed_gguf, read_header
 from ..quant.checkpoint import keep_quantized
 from ..quant.gguf_export import llama_cpp_available, llama_cpp_generate, load_llama_cpp, write_gguf
-from .decode import BandwidthCeiling, _cpu_flags, _llama_cpp_version
+from .decode import BandwidthCeiling, _cpu_flags, _llama_cpp_version, interleave
 
 __all__ = ["FORMATS", "DEFAULT_PROMPT", "compare_tokens", "summarise", "interleave", "file_bytes_by_type",
            "llminfer_contender", "llama_cpp_contender", "run", "table", "main"]
@@ -75,23 +76,6 @@ def summarise(results) -> dict:
             "round_tokens_per_s": [1.0 / statistics.median(r.itl_s) for r in results if r.itl_s],
             "ttft_median_s": statistics.median(r.ttft_s for r in results),
             "distinct_tokens": len(set(results[0].token_ids)), "rounds": len(results)}
-
-
-def interleave(contenders: dict, repeats: int, between=None) -> dict[str, list]:
-    """Runs every contender once per round, in turn, `repeats` rounds after one untimed warm-up each; calls
-    between() after each round (a ceiling probe). Returns label -> the rounds' GenerationResults. Chapter 08."""
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats} must be at least 1")
-    for runner in contenders.values():
-        runner()
-    results = {label: [] for label in contenders}
-    for round_index in range(repeats):
-        _log(f"round {round_index + 1}/{repeats}")
-        for label, runner in contenders.items():
-            results[label].append(runner())
-        if between is not None:
-            between()
-    return results
 
 
 def file_bytes_by_type(path) -> dict[str, int]:
@@ -227,7 +211,8 @@ def run(args) -> dict:
                          "llama_cpp": _llama_cpp_version() if use_llama else None},
             "file_bytes_by_type": by_type,
             "load_average_before": load_before, "load_average_after": load_average(),
-            "bandwidth": {"ceiling_bytes_per_s": bandwidth, "by_probe": ceiling.rates(), "what": ceiling.what(),
+            "bandwidth": {"ceiling_bytes_per_s": bandwidth, "by_probe": ceiling.rates(),
+                          "median_by_probe": ceiling.medians(), "what": ceiling.what(),
                           "samples": ceiling.samples_per_probe()},
             "contenders": rows, "token_agreement": agreement, "ratios": ratios,
             "elapsed_s": time.perf_counter() - started,
