@@ -15,8 +15,8 @@ The contenders take turns, one generation each per round; after each generation 
 sample of torch's matrix-vector product and torch's streaming read from 2 MiB pages (as the fast path's weights
 are read), both the size of the fp32 weights, and the native reads, where every thread streams a working set
 several times the last-level cache from 2 MiB pages with the widest loads the kernels use
-(`kernels.cpu.stream_read`). MBU = (weight + KV bytes read per token) × tokens/s ÷ that bandwidth. A contender that streams faster than the
-best probe means the ceiling is wrong: the benchmark says so and stops.
+(`kernels.cpu.stream_read`). MBU = (weight + KV bytes read per token) × tokens/s ÷ that bandwidth. A contender
+that streams faster than the best probe means the ceiling is wrong: the benchmark says so and stops.
 
 The report names the kernels' instruction-set level (`kernels.cpu.isa()`) and, per weight format, which decode
 loops ran, timed again after the warm-up on each format's own decode steps (`kernels.cpu.remeasure_matvec`).

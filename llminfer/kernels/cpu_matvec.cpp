@@ -1309,7 +1309,8 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y, const Tea
 #endif
   const int64_t bits = matvec_features(matvec_kind(W));    // the loops measured fastest for this format here
   const bool avx2 = bits & kAVX2, avx512 = bits & kAVX512;
-  if (W.format == Weight::I4 && W.int8_activations && M <= kMatvecMaxRows) return linear_rows_a8(W, x, M, y, team, residual);
+  if (W.format == Weight::I4 && W.int8_activations && M <= kMatvecMaxRows)
+    return linear_rows_a8(W, x, M, y, team, residual);
   if (W.format == Weight::I4 && W.tiled) {
 #ifdef LLMINFER_X86
     // int4 with float x by VNNI (three int8 planes of x) where it was measured fastest and the groups hold whole
