@@ -25,8 +25,8 @@ both paths forced (the blocked kernel, torch's matmul), and on the plain model (
 matmul rate for the precision sampled alongside (MFU: the fastest sample of torch's square matmul and the native
 kernel's, square and on a layer's products, in float32, and for bf16 the better of those and the same in
 bfloat16; a prefill above that rate means the ceiling is wrong, and the benchmark says so and stops); beside
-llama.cpp, the prefill is compared by time to the first token. Results: the terminal, data/benchmarks/decode-<machine>.json and a
-PNG of tokens/s against bytes per token.
+llama.cpp, the prefill is compared by time to the first token. Results: the terminal,
+data/benchmarks/decode-<machine>.json and a PNG of tokens/s against bytes per token.
 """
 from __future__ import annotations
 
@@ -492,15 +492,17 @@ def _ceiling(report: dict) -> float:
 def table(report: dict) -> str:
     """The run as a text table. Chapter 08."""
     kernels = report.get("kernels", {})
+    loops = kernels.get("matvec") or {}
+    decode_loops = ""
+    if loops:
+        decode_loops = "; decode loops " + ", ".join(f"{name} {entry['level']}" for name, entry in loops.items())
+        if any(entry.get("measured") for entry in loops.values()):
+            on_steps = any(entry.get("probe") == native_cpu.MATVEC_STEP for entry in loops.values())
+            decode_loops += " (measured here" + (", on each format's decode steps" if on_steps else "") + ")"
     lines = [f"{report['machine']['cpu']}, {report['settings']['threads']} thread(s), load "
              f"{report['load_average_before']} -> {report['load_average_after']}",
              f"native kernels: {kernels.get('isa', '?')} ({'+'.join(kernels.get('features', [])) or 'plain loops'})"
-             + (f", forced by LLMINFER_ISA={kernels['forced_by']}" if kernels.get("forced_by") else "")
-             + (("; decode loops " + ", ".join(f"{name} {entry['level']}" for name, entry in kernels["matvec"].items())
-                 + (" (measured here" + (", on each format's decode steps" if any(
-                     e.get("probe") == native_cpu.MATVEC_STEP for e in kernels["matvec"].values()) else "") + ")"
-                    if any(e.get("measured") for e in kernels["matvec"].values()) else ""))
-                if kernels.get("matvec") else ""),
+             + (f", forced by LLMINFER_ISA={kernels['forced_by']}" if kernels.get("forced_by") else "") + decode_loops,
              f"bandwidth ceiling {_ceiling(report) / 1e9:.1f} GB/s (matvec "
              f"{report['bandwidth']['matvec_bytes_per_s'] / 1e9:.1f}, read "
              f"{report['bandwidth'].get('read_bytes_per_s', float('nan')) / 1e9:.1f}, native read "

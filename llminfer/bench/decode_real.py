@@ -12,9 +12,8 @@ llminfer runs its fast path (fused projections, native CPU kernels, the step com
 The contenders take turns, one generation each per round, with the decode benchmark's bandwidth probes
 (`decode.BandwidthCeiling`, the size of the float32 weights at least) sampled after each generation, so every
 tokens/s stands beside a ceiling measured under the same load (MBU = bytes read per token × tokens/s ÷ the fastest
-probe sample).
-With real weights the text is no longer one repeated token, so the tokens of llminfer and llama.cpp are compared
-in every round: where they part, and how far they agree. Results: the terminal and
+probe sample). With real weights the text is no longer one repeated token, so the tokens of llminfer and
+llama.cpp are compared in every round: where they part, and how far they agree. Results: the terminal and
 data/benchmarks/decode-real-<machine>.json.
 """
 from __future__ import annotations
