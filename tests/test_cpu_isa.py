@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from llminfer import quant
+from llminfer.attention import attention
 from llminfer.device import cpu_capabilities, parse_cpuinfo
 from llminfer.kernels import cpu
 from llminfer.quant.linear import QuantizedLinear
@@ -121,7 +122,7 @@ _RUN_LEVEL = textwrap.dedent("""
     import json, sys, torch
     from llminfer.kernels import cpu
     sys.path.insert(0, sys.argv[2])
-    from test_cpu_isa import _cases
+    from test_cpu_isa import _attention_cases, _cases
     x, cases = _cases(torch.Generator().manual_seed(0))
     out = {"isa": cpu.isa()}
     for rows in (1, 3, 20):                  # the matrix-vector loops, and (20 rows) the blocked kernel
@@ -132,8 +133,22 @@ _RUN_LEVEL = textwrap.dedent("""
             out[f"w4a8/{name}/{rows}"] = cpu.gemv(xr, *cases[name][0], activations="int8").tolist()
         # x already bfloat16 (a bfloat16 model's activations): the vdpbf16ps loops take it where the CPU has them
         out[f"bf16_x/{rows}"] = cpu.gemv(xr.bfloat16().float(), *cases["bf16"][0]).tolist()
+    for name, (q, k, v) in _attention_cases(torch.Generator().manual_seed(1)).items():
+        out[f"attention/{name}"] = cpu.decode_attention(q, k, v).float().tolist()
     print(json.dumps(out))
 """)
+
+
+def _attention_cases(generator):
+    """Decode attention problems (q, k, v): query heads a K/V head shares 3, 4 and 6 (more than one pass of four),
+    head sizes 64, 32 and 16 (each a different register width of the 16-lane loops), keys not a multiple of 4."""
+    cases = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, h, hkv, tq, tk, d in ((1, 9, 3, 1, 203, 64), (2, 8, 2, 3, 37, 32), (1, 6, 1, 1, 50, 16)):
+            q, k, v = (torch.randn(b, heads, t, d, generator=generator).to(dtype)
+                       for heads, t in ((h, tq), (hkv, tk), (hkv, tk)))
+            cases[f"{str(dtype)[6:]}/{h}x{hkv}/{tk}/{d}"] = (q, k, v)
+    return cases
 
 
 def _levels_here() -> list[str]:
@@ -181,6 +196,11 @@ def test_every_level_this_cpu_runs_matches_the_float64_reference(level):
         rowmajor = cpu.gemv(x.repeat(7, 1)[:rows], nibbles, scale.float(), offset.float(), 32,
                             activations="int8").double()
         assert float((tiled16 - rowmajor).abs().max()) < 1e-5 * float(rowmajor.abs().max()), (level, rows)
+    # decode attention (the 16-lane loops take a K/V head's query heads together; the others one at a time)
+    for name, (q, k, v) in _attention_cases(torch.Generator().manual_seed(1)).items():
+        reference = attention(q.double(), k.double(), v.double(), causal=True)[0]
+        got = torch.tensor(there[f"attention/{name}"], dtype=torch.float64)
+        assert float((got - reference).abs().max()) < (1e-5 if name.startswith("float32") else 1e-2), (level, name)
 
 
 def test_int4_tiles_round_trip_and_the_layers_keep_their_codes():

@@ -130,6 +130,25 @@ __attribute__((target("avx2,fma"))) inline __m256i bf16_bits8(__m256 v) {
                                               _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
 }
 
+// AVX-512 F/BW/VL, the target of the 16-lane loops (compiled for it; they run only where the CPU has it)
+#define LLMINFER_AVX512 "avx2,fma,avx512f,avx512bw,avx512vl"
+
+__attribute__((target(LLMINFER_AVX512))) inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// 16 weights from element i of w, widened to float32
+template <WKind kind>
+__attribute__((target(LLMINFER_AVX512))) inline __m512 wload16(const void* w, int64_t i) {
+  if constexpr (kind == WKind::F32) {
+    return _mm512_loadu_ps(static_cast<const float*>(w) + i);
+  } else if constexpr (kind == WKind::BF16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w) + i));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }
+}
+
 // exp(x) for 8 floats: the Cephes polynomial (relative error about 1e-7)
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));

@@ -817,25 +817,11 @@ void rows_int4t_a8_portable(const int8_t* xq, const float* dx, const float* xsum
 
 // ---------------------------------------------------------------------------------------------------
 // AVX-512: the same loops, 16 floats a register (compiled for it; they run only where the CPU has it)
-#define LLMINFER_AVX512 "avx2,fma,avx512f,avx512bw,avx512vl"
-
-__attribute__((target(LLMINFER_AVX512))) inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
-
 // float32 or int8 weights (bfloat16 ones take the split loop, bf16_rows_avx512)
-template <WKind kind>
-__attribute__((target(LLMINFER_AVX512))) inline __m512 wload16(const void* w, int64_t i) {
-  static_assert(kind != WKind::BF16, "bfloat16 rows run bf16_rows_avx512");
-  if constexpr (kind == WKind::F32) {
-    return _mm512_loadu_ps(static_cast<const float*>(w) + i);
-  } else {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w) + i));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-  }
-}
-
 template <WKind kind, int R>
 __attribute__((target(LLMINFER_AVX512))) void dot_rows_avx512(const float* x, int64_t K, const void* w, int64_t n,
                                                                float* out, const char* ahead) {
+  static_assert(kind != WKind::BF16, "bfloat16 rows run bf16_rows_avx512");
   __m512 a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
   constexpr int64_t step_bytes = 32 * wbytes<kind>() * R;
