@@ -86,7 +86,8 @@ THREAD_CASES = [("llama-gqa-tied", "fp32"), ("qwen2-bias-tied", "fp32"), ("qwen2
 def test_the_steps_threads_share_the_layers_without_changing_a_bit(name, fmt, native_calls):
     """A decode step's few tokens run every layer in one parallel region: each thread its rows of each product
     and its K/V heads of attention. One thread, two, and more threads than K/V heads (qwen2-bias-tied has one,
-    llama-gqa-tied two) give the same bits, logits and caches, as each row and head is computed the same way."""
+    llama-gqa-tied two) give the same bits, logits and caches, as each row and head is computed the same way:
+    also past 64 positions, where attention once split a query's keys into blocks by the number of threads."""
     dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
     model = random_model(SMALL_CONFIGS[name]).to(dtype)
     if fmt.startswith("int"):
@@ -96,7 +97,7 @@ def test_the_steps_threads_share_the_layers_without_changing_a_bit(name, fmt, na
     fast.optimize_decode(model)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(5)
-    prompt = torch.randint(0, vocab, (2, 5), generator=g)
+    prompt = torch.randint(0, vocab, (2, 70), generator=g)
     steps = [torch.randint(0, vocab, (2, n), generator=g) for n in (1, 3, 1, 2)]
     runs = []
     saved = torch.get_num_threads()
@@ -104,7 +105,7 @@ def test_the_steps_threads_share_the_layers_without_changing_a_bit(name, fmt, na
         for threads in (1, 2, 5):
             torch.set_num_threads(threads)
             with torch.inference_mode():
-                cache = model.new_cache(2, 40)
+                cache = model.new_cache(2, 80)
                 logits = [model(prompt, cache=cache)] + [model(ids, cache=cache) for ids in steps]
             runs.append((logits, [cache.get(layer) for layer in range(model.config.n_layers)]))
     finally:

@@ -274,8 +274,8 @@ void attend(const AttentionProblem& P) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t rows = P.B * P.Hkv * P.Tq;
   // about four tasks a thread, blocks of at least 64 keys
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((4 * at::get_num_threads() + rows - 1) / rows,
-                                                                  (Tk + 63) / 64));
+  const int64_t blocks = P.whole ? 1 : std::max<int64_t>(1, std::min<int64_t>((4 * at::get_num_threads() + rows - 1) /
+                                                                                  rows, (Tk + 63) / 64));
   const int64_t block = (Tk + blocks - 1) / blocks;
   std::vector<float> part_best(rows * blocks * group), part_total(rows * blocks * group),
       part_acc(rows * blocks * group * D);

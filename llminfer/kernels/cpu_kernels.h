@@ -288,6 +288,8 @@ struct AttentionProblem {
   const int64_t* tables = nullptr;
   const int64_t* seq = nullptr;
   int64_t table_stride = 0, block_size = 0;
+  // each query's keys in one task, not split into blocks over the threads (the caller shares out the queries)
+  bool whole = false;
   float scale;
   float* out;
   int64_t os0, os1, os2;

@@ -296,6 +296,7 @@ void attend_heads(const Step& st, const Layer& L, float* qkv, float* att, int64_
     P.tables = st.tables, P.seq = st.seq, P.table_stride = st.table_width, P.block_size = st.block_size;
   }
   P.k += k0 * P.ks1 * esize, P.v += k0 * P.vs1 * esize;
+  P.whole = true;                            // a head's numbers the same however the heads were shared out
   P.scale = st.scale;
   P.out = att + k0 * group * D;
   P.os0 = T * qsize, P.os1 = D, P.os2 = qsize;
@@ -327,6 +328,9 @@ void run_layer(const Step& st, const Layer& L, float* x, Workspace& ws, Own& own
     k1 = k0;                                                 // none, where the team outnumbers the heads
     split_range(team, 0, st.Hkv, 1, [&](int64_t a, int64_t b) { k0 = a, k1 = b; });
   }
+  // (Sharing out the query heads instead, 5 and 4 of 9 where K/V heads go 2 and 1, took a barrier more, between
+  // the cache writes and attention, and on a Zen 5 gained nothing: both threads then read two K/V heads' cache, and
+  // those reads, from memory, are what attention waits on.)
   if (k1 > k0) attend_heads(st, L, ws.qkv.data(), ws.att.data(), k0, k1);
   barrier();                                                 // every head's attention complete
   linear_rows(L.o, ws.att.data(), M, ws.proj.data(), team, &into_x);
