@@ -96,14 +96,10 @@ __attribute__((target("avx2,fma"))) float exp_shifted_avx2(float* s, int64_t n, 
 // AVX-512: the query heads that share a K/V head, up to four at once, against each key and value row loaded and
 // widened once for all of them (the loops above take one head at a time)
 
-// the 16 lanes of v folded to 8
-__attribute__((target(LLMINFER_AVX512))) inline __m256 fold16(__m512 v) {
-  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-
 // [Σ a, Σ b, Σ c, Σ d] over each vector's lanes, in one tree of adds
 __attribute__((target(LLMINFER_AVX512))) inline __m128 sum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold16(a), fold16(b)), _mm256_hadd_ps(fold16(c), fold16(d)));
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(halves_sum(a), halves_sum(b)),
+                                  _mm256_hadd_ps(halves_sum(c), halves_sum(d)));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 

@@ -135,6 +135,11 @@ __attribute__((target("avx2,fma"))) inline __m256i bf16_bits8(__m256 v) {
 
 __attribute__((target(LLMINFER_AVX512))) inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
 
+// the two 256-bit halves of v added
+__attribute__((target(LLMINFER_AVX512))) inline __m256 halves_sum(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
 // 16 weights from element i of w, widened to float32
 template <WKind kind>
 __attribute__((target(LLMINFER_AVX512))) inline __m512 wload16(const void* w, int64_t i) {

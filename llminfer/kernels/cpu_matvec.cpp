@@ -452,24 +452,25 @@ void rows_int4_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t 
 
 // xs (M, K): x with input 8c+i multiplied by 16^-i (i < 7), and x itself for i = 7, whose code is shifted down to
 // the bottom (q·2^28 does not fit a positive int32; one shift isolates it, where an AND would follow any other);
-// xsum (M, G) the group sums of x
+// made only where `placed` (for the AVX2 loop: the AVX-512 and portable ones read x itself); xsum (M, G) the
+// group sums of x
 struct Int4TX {
   std::vector<float> xs, xsum;
 };
 
-Int4TX int4t_x(const float* x, int64_t M, int64_t K, int64_t group) {
+Int4TX int4t_x(const float* x, int64_t M, int64_t K, int64_t group, bool placed) {
   static const float kPlace[8] = {1.f, 1.f / 16, 1.f / 256, 1.f / 4096, 1.f / 65536, 1.f / 1048576,
                                   1.f / 16777216, 1.f};
   const int64_t G = K / group;
   Int4TX out;
-  out.xs.resize(M * K);
+  if (placed) out.xs.resize(M * K);
   out.xsum.assign(M * G, 0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {                    // (groups outside: no division per input)
       float sum = 0.f;
       for (int64_t k = g * group; k < (g + 1) * group; k += 8)
         for (int i = 0; i < 8; ++i) {
-          out.xs[m * K + k + i] = x[m * K + k + i] * kPlace[i];
+          if (placed) out.xs[m * K + k + i] = x[m * K + k + i] * kPlace[i];
           sum += x[m * K + k + i];
         }
       out.xsum[m * G + g] = sum;
@@ -551,7 +552,8 @@ __attribute__((target("avx2,fma,f16c"))) void int4t_tiles_avx2(const float* xs, 
   for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(total[t], off[t]));
 }
 
-// tiles [t0, t1) of y (M, N) for float x, two tiles at a time (`Tiles2`), a last odd one alone (`Tiles1`)
+// tiles [t0, t1) of y (M, N) for float x, two tiles at a time (`Tiles2`), a last odd one alone (`Tiles1`); xs is x
+// as the loops read it
 using Int4TTiles = void (*)(const float*, const float*, int64_t, const uint8_t*, Terms, int64_t, int64_t, float*);
 template <Int4TTiles Tiles2, Int4TTiles Tiles1>
 void rows_int4t(const float* xs, const float* xsum, int64_t M, int64_t K, const uint8_t* w, Terms terms,
@@ -574,20 +576,16 @@ void rows_int4t(const float* xs, const float* xsum, int64_t M, int64_t K, const 
 // on AVX2, against x whose lanes 0-7 hold input 8c+i and lanes 8-15 input 8c+8+i (one vpermps of the 16 inputs,
 // shared by the tiles). The two halves are summed at the end: twice the work per instruction of the AVX2 loop.
 #define LLMINFER_AVX512_TILES "avx2,fma,f16c,avx512f,avx512bw,avx512vl"
-__attribute__((target(LLMINFER_AVX512_TILES))) inline __m256 halves_sum(__m512 v) {
-  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
 
-template <int T>
-__attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const float* xs, const float* xsum, int64_t K,
+template <int T, bool Magic = false>
+__attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const float* x, const float* xsum, int64_t K,
                                                                        const uint8_t* w, Terms terms, int64_t group,
                                                                        int64_t tile, float* out) {
   const int64_t G = K / group;
-  __m512i mask[7], pick[8];
-  for (int i = 0; i < 8; ++i) {
-    if (i < 7) mask[i] = _mm512_set1_epi32(0xF << (4 * i));
+  __m512i pick[8];
+  for (int i = 0; i < 8; ++i)
     pick[i] = _mm512_setr_epi32(i, i, i, i, i, i, i, i, 8 + i, 8 + i, 8 + i, 8 + i, 8 + i, 8 + i, 8 + i, 8 + i);
-  }
+  const __m512i field = _mm512_set1_epi32(0x00780000), one = _mm512_set1_epi32(0x3F800000);
   const uint8_t* codes[T];
   for (int t = 0; t < T; ++t) codes[t] = w + (tile + t) * (K / 8) * 32;
   const int64_t ahead = T * (K / 8) * 32;
@@ -606,27 +604,26 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const flo
         _mm_prefetch(reinterpret_cast<const char*>(codes[t] + ahead + k * 4), _MM_HINT_T0);
         v[t] = _mm512_loadu_si512(codes[t] + k * 4);
       }
-      const __m512 xk = _mm512_loadu_ps(xs + k);
-      for (int i = 0; i < 7; ++i) {
+      const __m512 xk = _mm512_loadu_ps(x + k);
+      for (int i = 0; i < 8; ++i) {
         const __m512 xb = _mm512_permutexvar_ps(pick[i], xk);
         for (int t = 0; t < T; ++t) {
-          const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(v[t], mask[i]));
+          // code i (bits 4i..4i+3) to bits 19..22, then (moved AND field) OR one: the float 1 + q/16
+          const __m512i moved = 4 * i <= 19 ? _mm512_slli_epi32(v[t], 19 - 4 * i) : _mm512_srli_epi32(v[t], 4 * i - 19);
+          const __m512 q = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(moved, field, one, 0xEA));
           __m512& chain = i % 4 == 0 ? a[t] : i % 4 == 1 ? b[t] : i % 4 == 2 ? c[t] : d[t];
           chain = _mm512_fmadd_ps(q, xb, chain);
         }
       }
-      const __m512 xb = _mm512_permutexvar_ps(pick[7], xk);
-      for (int t = 0; t < T; ++t)
-        d[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v[t], 28)), xb, d[t]);
     }
     const __m256 xg = _mm256_broadcast_ss(xsum + g);
     for (int t = 0; t < T; ++t) {
       const int64_t at = ((tile + t) * G + g) * 8;
-      const __m256 scale8 = terms8(terms.scale, terms.half, at);
-      const __m512 scales = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(scale8)));
+      const __m256 scale16 = _mm256_mul_ps(terms8(terms.scale, terms.half, at), _mm256_set1_ps(16.f));
+      const __m512 scales = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(scale16)));
       const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[t], b[t]), _mm512_add_ps(c[t], d[t]));
-      total[t] = _mm512_fmadd_ps(sum, scales, total[t]);                 // the 8 rows' scales, both halves
-      off[t] = _mm256_fmadd_ps(terms8(terms.offset, terms.half, at), xg, off[t]);
+      total[t] = _mm512_fmadd_ps(sum, scales, total[t]);                 // the 8 rows' scales ×16, both halves
+      off[t] = _mm256_fmadd_ps(_mm256_sub_ps(terms8(terms.offset, terms.half, at), scale16), xg, off[t]);
     }
   }
   for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(halves_sum(total[t]), off[t]));
@@ -1303,13 +1300,13 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y, const Tea
     // blocks of 32; else the float loops (and always for an x with an inf or a NaN)
     if ((bits & kAVX512VNNI) && W.group % 32 == 0 && linear_rows_planes(W, x, M, y, team, residual)) return;
 #endif
-    const Int4TX sums = int4t_x(x, M, K, W.group);
+    const Int4TX sums = int4t_x(x, M, K, W.group, avx2 && !avx512);
     const uint8_t* wp = static_cast<const uint8_t*>(W.w);
     split_rows(team, N / 8, kGrain / 8, 8, y, M, N, residual, [&](int64_t t0, int64_t t1) {
 #ifdef LLMINFER_X86
-      if (avx512)
-        return rows_int4t<int4t_tiles_avx512<2>, int4t_tiles_avx512<1>>(sums.xs.data(), sums.xsum.data(), M, K, wp,
-                                                                         W.terms, W.group, y, N, t0, t1);
+      if (avx512)                                          // x itself, not scaled by place
+        return rows_int4t<int4t_tiles_avx512<2>, int4t_tiles_avx512<1>>(x, sums.xsum.data(), M, K, wp, W.terms,
+                                                                         W.group, y, N, t0, t1);
       if (avx2)
         return rows_int4t<int4t_tiles_avx2<2>, int4t_tiles_avx2<1>>(sums.xs.data(), sums.xsum.data(), M, K, wp,
                                                                      W.terms, W.group, y, N, t0, t1);
