@@ -55,15 +55,19 @@ def test_a_short_run_writes_its_report(tmp_path, capsys, monkeypatch):
     prefill = report["prefill"]["by_precision"]
     assert set(prefill) == {"fp32", "int8"}
     rates = report["prefill"]["matmul_flop_per_s_alongside"]
-    assert set(rates) == {"float32"} and rates["float32"] == report["prefill"]["sgemm_flop_per_s_alongside"] > 0
-    # the yardstick is the best of torch's square matmul and the native kernel's, square and on a layer's products
+    assert set(rates) == {"float32", "int8"} and rates["float32"] == report["prefill"]["sgemm_flop_per_s_alongside"] > 0
+    # float32's yardstick is the best of torch's square matmul and the native kernel's, square and on a layer's
+    # products; int8's own products by the blocked kernel are a fourth probe, which int8's yardstick takes too
     probes = report["prefill"]["matmul_flop_per_s_by_probe"]
-    assert len(probes) == 3 and rates["float32"] == max(probes.values())
-    assert sum("native blocked kernel" in what for what in probes) == 2
-    for entry in prefill.values():
+    assert len(probes) == 4 and sum("native blocked kernel" in what for what in probes) == 3
+    (int8_probe,) = [what for what in probes if what.endswith("blocked kernel, int8")]
+    assert rates["int8"] == probes[int8_probe] > 0
+    assert rates["float32"] == max(rate for what, rate in probes.items() if what != int8_probe)
+    yardstick = {"fp32": rates["float32"], "int8": max(rates["float32"], rates["int8"])}
+    for name, entry in prefill.items():
         assert entry["measured_path"] in ("blocked", "torch")
-        assert entry["mfu_against_flop_per_s"] == rates["float32"]        # no bf16 here: sgemm for every format
-        assert entry["chosen_mfu"] == pytest.approx(report["prefill"]["flops"] / entry["chosen_s"] / rates["float32"])
+        assert entry["mfu_against_flop_per_s"] == yardstick[name]
+        assert entry["chosen_mfu"] == pytest.approx(report["prefill"]["flops"] / entry["chosen_s"] / yardstick[name])
         assert all(entry[f"{path}_s"] > 0 for path in ("chosen", "blocked", "torch", "plain"))
     rows = report["contenders"]
     assert {"llminfer fast fp32", "llminfer fast int8", "llminfer eager fp32"} <= set(rows)

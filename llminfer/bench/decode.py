@@ -23,8 +23,9 @@ loops ran, timed again after the warm-up on each format's own decode steps (`ker
 Prefill of the prompt runs, per precision, on the path measured at first use (`kernels.cpu.prefill_path`), on
 both paths forced (the blocked kernel, torch's matmul), and on the plain model (no fast path), against the best
 matmul rate for the precision sampled alongside (MFU: the fastest sample of torch's square matmul and the native
-kernel's, square and on a layer's products, in float32, and for bf16 the better of those and the same in
-bfloat16; a prefill above that rate means the ceiling is wrong, and the benchmark says so and stops); beside
+kernel's, square and on a layer's products, in float32; for bf16 the better of those and the same in bfloat16,
+for int8 and int4 the better of those and the blocked kernel on the format's own layer products; a prefill above
+that rate means the ceiling is wrong, and the benchmark says so and stops); beside
 llama.cpp, the prefill is compared by time to the first token. Results: the terminal,
 data/benchmarks/decode-<machine>.json and a PNG of tokens/s against bytes per token.
 """
@@ -209,6 +210,9 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     matmuls = {"float32": matmul_probes(torch.float32, args.prompt_len)}
     if "bf16" in args.precisions:
         matmuls["bfloat16"] = matmul_probes(torch.bfloat16, args.prompt_len)
+    if native_cpu.available():                  # and each quantized format's own products by the blocked kernel
+        for fmt in sorted({PRECISIONS[name][2][0] for name in args.precisions if PRECISIONS[name][2]}):
+            matmuls[fmt] = [layer_probe(QUANT_WEIGHTS[fmt], args.prompt_len)]
     _log("warm-up")
     tokens = {}
     for label, runner in contenders.items():
@@ -284,9 +288,12 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
         rates = {dtype: max(by_probe[probe.what] for probe in probes) for dtype, probes in matmuls.items()}
         sgemm = rates["float32"]
         for name, entry in prefill.items():
-            # MFU against the best matmul rate measured alongside for the precision's arithmetic: bfloat16 weights
-            # can be multiplied in bfloat16 (torch's matmul, or vdpbf16ps), every other format in float32
-            best = max(sgemm, rates.get("bfloat16", 0.0)) if name == "bf16" else sgemm
+            # MFU against the best matmul rate measured alongside for the precision: bfloat16 weights can be
+            # multiplied in bfloat16 (torch's matmul, or vdpbf16ps), every other format in float32; a quantized
+            # format's own products by the blocked kernel count too
+            scheme = PRECISIONS[name][2]
+            own = rates.get("bfloat16", 0.0) if name == "bf16" else rates.get(scheme[0], 0.0) if scheme else 0.0
+            best = max(sgemm, own)
             entry["mfu_against_flop_per_s"] = best
             for path in ("chosen", "blocked", "torch", "plain"):
                 if entry.get(f"{path}_s"):
@@ -333,11 +340,25 @@ def matmul_probes(dtype: torch.dtype, rows: int) -> list[timing.CeilingProbe]:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         probes.append(timing.CeilingProbe(lambda: native_cpu.gemv(a, b), 2 * n ** 3,
                                           f"({n} x {n}) @ ({n} x {n}) by the native blocked kernel, {name}", "cpu"))
-        run, flops = native_cpu.layer_products(dtype, rows)
-        shapes = ", ".join(f"{k}x{n}" for n, k in native_cpu.PREFILL_PROBE_SHAPES)
-        probes.append(timing.CeilingProbe(run["blocked"], flops, f"{rows} rows by a layer's products ({shapes}) "
-                                          f"by the native blocked kernel, {name}", "cpu"))
+        probes.append(layer_probe(dtype, rows))
     return probes
+
+
+# the weights of a quantized format's prefill probe: int8 codes, int4 nibbles
+QUANT_WEIGHTS = {"int8": torch.int8, "int4": torch.uint8}
+
+
+def layer_probe(weight_dtype: torch.dtype, rows: int) -> timing.CeilingProbe:
+    """Returns the probe of `rows` rows by a layer's products (SmolLM2-135M's shapes, `kernels.cpu.layer_products`)
+    with weights of weight_dtype (torch.int8: int8 codes, torch.uint8: int4 nibbles) by the native blocked kernel.
+    A quantized format's prefill multiplies in float32, its weights widened a block at a time: it reads fewer bytes
+    than float32's, so its own products bound it too (on a Zen 5 an int8 prefill ran 305 GFLOP/s against 302 for
+    float32's products). Chapter 08."""
+    name = {torch.int8: "int8", torch.uint8: "int4"}.get(weight_dtype, str(weight_dtype).removeprefix("torch."))
+    run, flops = native_cpu.layer_products(weight_dtype, rows)
+    shapes = ", ".join(f"{k}x{n}" for n, k in native_cpu.PREFILL_PROBE_SHAPES)
+    return timing.CeilingProbe(run["blocked"], flops, f"{rows} rows by a layer's products ({shapes}) by the native "
+                               f"blocked kernel, {name}", "cpu")
 
 
 def native_read_probes(nbytes: int) -> dict[str, timing.CeilingProbe]:
