@@ -572,12 +572,16 @@ void rows_int4t(const float* xs, const float* xsum, int64_t M, int64_t K, const 
 }
 
 // AVX-512, 16 lanes: one 64-byte load brings two chunks of a tile (inputs 8c..8c+15: lanes 0-7 the 8 rows' codes
-// for the first 8 inputs, lanes 8-15 for the next 8). Code i of each half is isolated in place and converted as
-// on AVX2, against x whose lanes 0-7 hold input 8c+i and lanes 8-15 input 8c+8+i (one vpermps of the 16 inputs,
-// shared by the tiles). The two halves are summed at the end: twice the work per instruction of the AVX2 loop.
+// for the first 8 inputs, lanes 8-15 for the next 8). Code i of each half takes no conversion: one shift moves it
+// to the top 4 bits of a float's mantissa and one vpternlogd keeps them under the exponent of 1.0, so the lane
+// holds 1 + q/16 exactly. That is multiplied into a chain against x (plain, not scaled) whose lanes 0-7 hold input
+// 8c+i and lanes 8-15 input 8c+8+i (one vpermps of the 16 inputs, shared by the tiles). A group's chains then hold
+// Σ(1 + q/16)·x = Σx + Σq·x/16, so its scale is taken 16 times and its offset less those 16 scales:
+// 16s·(Σx + Σq·x/16) + (o - 16s)·Σx = s·Σq·x + o·Σx. The two halves are summed at the end. (On a Zen 5, against
+// one AND and one vcvtdq2ps a code, a (49152 x 576) product ran 1.03 to 1.04 times as fast.)
 #define LLMINFER_AVX512_TILES "avx2,fma,f16c,avx512f,avx512bw,avx512vl"
 
-template <int T, bool Magic = false>
+template <int T>
 __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const float* x, const float* xsum, int64_t K,
                                                                        const uint8_t* w, Terms terms, int64_t group,
                                                                        int64_t tile, float* out) {
