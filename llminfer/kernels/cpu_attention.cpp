@@ -265,8 +265,10 @@ template <WKind kind>
 void attend(const AttentionProblem& P) {
   const int64_t group = P.H / P.Hkv, D = P.D, Tk = P.n_keys, esize = wbytes<kind>();
   const bool avx2 = has_avx2() && D % 8 == 0;
+#ifdef LLMINFER_X86
   // the AVX-512 loops that take the heads of a group together, where every key up to a query's own is visible
   const bool wide = has(kAVX512) && D % 16 == 0 && !P.mask;
+#endif
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t rows = P.B * P.Hkv * P.Tq;
   // about four tasks a thread, blocks of at least 64 keys
