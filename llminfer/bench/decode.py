@@ -292,8 +292,8 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
             # multiplied in bfloat16 (torch's matmul, or vdpbf16ps), every other format in float32; a quantized
             # format's own products by the blocked kernel count too
             scheme = PRECISIONS[name][2]
-            own = rates.get("bfloat16", 0.0) if name == "bf16" else rates.get(scheme[0], 0.0) if scheme else 0.0
-            best = max(sgemm, own)
+            own = "bfloat16" if name == "bf16" else scheme[0] if scheme else "float32"
+            best = max(sgemm, rates.get(own, 0.0))
             entry["mfu_against_flop_per_s"] = best
             for path in ("chosen", "blocked", "torch", "plain"):
                 if entry.get(f"{path}_s"):
@@ -354,7 +354,8 @@ def layer_probe(weight_dtype: torch.dtype, rows: int) -> timing.CeilingProbe:
     A quantized format's prefill multiplies in float32, its weights widened a block at a time: it reads fewer bytes
     than float32's, so its own products bound it too (on a Zen 5 an int8 prefill ran 305 GFLOP/s against 302 for
     float32's products). Chapter 08."""
-    name = {torch.int8: "int8", torch.uint8: "int4"}.get(weight_dtype, str(weight_dtype).removeprefix("torch."))
+    name = {dtype: fmt for fmt, dtype in QUANT_WEIGHTS.items()}.get(weight_dtype,
+                                                                     str(weight_dtype).removeprefix("torch."))
     run, flops = native_cpu.layer_products(weight_dtype, rows)
     shapes = ", ".join(f"{k}x{n}" for n, k in native_cpu.PREFILL_PROBE_SHAPES)
     return timing.CeilingProbe(run["blocked"], flops, f"{rows} rows by a layer's products ({shapes}) by the native "
@@ -472,7 +473,7 @@ def _prefill_table(args, base, ids, info, quant_dtype, matmuls) -> tuple[dict, d
         if decoder is None:
             continue
         kind, dtype, scheme = PRECISIONS[name]
-        weight_dtype = {None: dtype, "int8": torch.int8, "int4": torch.uint8}[scheme[0] if scheme else None]
+        weight_dtype = QUANT_WEIGHTS[scheme[0]] if scheme else dtype
         entry = {"measured_path": native_cpu.prefill_path(weight_dtype, args.prompt_len)}
         with torch.inference_mode():
             entry["chosen_s"] = median_of(lambda: decoder.prefill(ids))
