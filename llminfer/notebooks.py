@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import queue
 import re
 import sys
 import tempfile
@@ -201,12 +202,47 @@ def normalise(nb: nbformat.NotebookNode, replacements: list[tuple[str, str]] | N
     return nb
 
 
+# How long one wait on a kernel channel lasts before it looks at the socket again
+POLL_SLICE_S = 0.25
+
+
+def poll_in_slices(channel, slice_s: float = POLL_SLICE_S) -> None:
+    """Makes an async kernel-client channel wait for a message in waits of at most slice_s seconds, each looking at
+    the socket afresh, up to the caller's timeout (queue.Empty after it; none: for ever). A wait on the socket can
+    miss a message that has arrived and see it only when the wait times out: in two full test runs of five, the
+    execute reply of a one-cell notebook with an Output widget was read at 600.8 and 601.0 s, the cell's timeout,
+    and the cell then passed."""
+    get_msg = channel.get_msg
+
+    async def sliced(timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = slice_s if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return await get_msg(timeout=min(slice_s, left))
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    channel.get_msg = sliced
+
+
+class _Client(NotebookClient):
+    """nbclient's client, its shell and IOPub channels waiting in slices (`poll_in_slices`)."""
+
+    async def async_start_new_kernel_client(self):
+        kc = await super().async_start_new_kernel_client()
+        for channel in (kc.shell_channel, kc.iopub_channel):
+            poll_in_slices(channel)
+        return kc
+
+
 def execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int = 600, kernel_name: str = "python3",
             allow_errors: bool = False) -> nbformat.NotebookNode:
     """Return nb executed top to bottom in a fresh kernel whose working directory is cwd."""
-    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name, allow_errors=allow_errors,
-                            record_timing=False, store_widget_state=True,  # Output widgets need it; normalise drops it
-                            resources={"metadata": {"path": str(cwd)}})
+    client = _Client(nb, timeout=timeout, kernel_name=kernel_name, allow_errors=allow_errors,
+                     record_timing=False, store_widget_state=True,  # Output widgets need it; normalise drops it
+                     resources={"metadata": {"path": str(cwd)}})
     client.execute()
     return nb
 

@@ -1,5 +1,7 @@
 """The notebook runner: executes in place, normalises outputs, reports failures without touching the file."""
 
+import asyncio
+import queue
 import subprocess
 import sys
 import time
@@ -124,6 +126,47 @@ def test_progress_bar_text_is_kept_and_output_widgets_execute(tmp_path):
     saved = nbformat.read(path, as_version=4)
     assert "widgets" not in saved.metadata
     assert saved.cells[0].outputs[0].data == {"text/plain": notebooks.WIDGET_PLACEHOLDER}
+
+
+class _LateChannel:
+    """A channel whose wait sees a message only when it starts or when it times out (a missed wake-up)."""
+
+    def __init__(self, arrives_s):
+        self.arrives = None if arrives_s is None else time.monotonic() + arrives_s
+        self.waits = []
+
+    def _here(self):
+        return self.arrives is not None and time.monotonic() >= self.arrives
+
+    async def get_msg(self, timeout=None):
+        self.waits.append(timeout)
+        if self._here():
+            return {"msg": 1}
+        await asyncio.sleep(timeout)                # never woken by the arrival itself
+        if self._here():
+            return {"msg": 1}
+        raise queue.Empty
+
+
+def test_channel_waits_in_slices_see_a_message_soon_after_it_arrives():
+    channel = _LateChannel(arrives_s=0.3)
+    notebooks.poll_in_slices(channel, slice_s=0.1)
+    start = time.monotonic()
+    assert asyncio.run(channel.get_msg(timeout=30)) == {"msg": 1}
+    assert time.monotonic() - start < 2.0           # not at the 30 s timeout
+    assert max(channel.waits) <= 0.1 and len(channel.waits) >= 3
+    # nothing arrives: Empty at the caller's timeout, not before
+    silent = _LateChannel(arrives_s=None)
+    notebooks.poll_in_slices(silent, slice_s=0.1)
+    start = time.monotonic()
+    with pytest.raises(queue.Empty):
+        asyncio.run(silent.get_msg(timeout=0.5))
+    assert 0.5 <= time.monotonic() - start < 2.0
+    # no timeout: it keeps waiting until the message comes
+    later = _LateChannel(arrives_s=0.4)
+    notebooks.poll_in_slices(later, slice_s=0.1)
+    assert asyncio.run(later.get_msg()) == {"msg": 1}
+    assert all(wait == 0.1 for wait in later.waits)
 
 
 def test_load_meter_counts_its_own_children_as_its_own():
