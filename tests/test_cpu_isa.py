@@ -203,6 +203,31 @@ def test_every_level_this_cpu_runs_matches_the_float64_reference(level):
         assert float((got - reference).abs().max()) < (1e-5 if name.startswith("float32") else 1e-2), (level, name)
 
 
+def test_the_blocked_bfloat16_products_pack_every_input_and_fall_back_on_one_that_is_not_bfloat16():
+    """A prefill's bfloat16 products by the blocked kernel (vdpbf16ps where the CPU has AVX512-BF16): x is packed in
+    blocks of 16 input pairs and 16 tokens, so the shapes here leave 4 pairs over (K = 584), a second token tile of
+    8 tokens (40 rows) and a last block of W with 1 row (N = 37). An x with one input that is not a bfloat16 value,
+    in the pairs left over or in a block, takes the float32 tile: the sum of float32 products, not of that input
+    rounded."""
+    g = torch.Generator().manual_seed(3)
+    n, k, rows = 37, 584, 40
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16().float()
+    reference = x.double() @ w.double().T
+    got = cpu.gemv(x, w).double()
+    assert float((got - reference).abs().max()) < 1e-5 * float(reference.abs().max())
+    for row, col in ((39, 583), (5, 100)):                   # in the pairs left over; in a block of 16
+        off = x.clone()
+        off[row, col] = off[row, col] * (1 + 2 ** -12)       # no longer a bfloat16 value
+        assert off[row, col].bfloat16().float() != off[row, col]
+        reference = off.double() @ w.double().T
+        got = cpu.gemv(off, w).double()
+        assert float((got - reference).abs().max()) < 1e-5 * float(reference.abs().max()), (row, col)
+        # the element's own product, not its rounded one: its row differs from the exact x's by that much
+        moved = float((got[row] - (x.double() @ w.double().T)[row]).abs().max())
+        assert moved > 0.5 * float((off[row, col] - x[row, col]).abs() * w[:, col].double().abs().max()), (row, col)
+
+
 def test_int4_tiles_round_trip_and_the_layers_keep_their_codes():
     """tile_int4 puts row 8t+j's bytes for inputs 8c..8c+7 at [t, c, 4j:4j+4]; layers tile and read back the same."""
     nibbles = torch.randint(0, 256, (16, 64), dtype=torch.uint8)

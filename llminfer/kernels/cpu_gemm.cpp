@@ -1,5 +1,7 @@
 // The blocked matrix multiply of the native CPU kernels: products for many rows of x. Chapter 08.
 
+#include <atomic>
+
 #include "cpu_kernels.h"
 
 namespace llminfer_cpu {
@@ -221,15 +223,22 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) void gemm_tile_6x32_avx512(const f
 }
 
 // w: R bfloat16 rows `ldw` elements apart; xp: kc / 2 steps of 32 tokens' input pairs (64 bfloat16 a step). 12 rows:
-// 24 accumulators, so each pair of x registers loaded serves 24 vdpbf16ps
+// 24 accumulators, so each pair of x registers loaded serves 24 vdpbf16ps. `next`, where not null: the same inputs of
+// the next block of R rows, fetched into L1 a line of each row every 16 steps, as far ahead as this tile reads. The
+// driver passes it on a block's first token tile, so that the next block's first tile finds its rows in L1 and not
+// in memory (on a Zen 5 the layer's products ran 1.19 times faster on one thread, 1.04 on two).
 template <int R>
 __attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) void gemm_tile_x32_bf16dp(
     const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t kc, float* y, int64_t ldy, int64_t rows,
-    bool accumulate) {
+    bool accumulate, const uint16_t* next) {
   __m512 a[R], b[R];
 #pragma GCC unroll 12
   for (int i = 0; i < R; ++i) a[i] = b[i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kc; k += 2) {
+    if (next && (k & 31) == 0) {
+#pragma GCC unroll 12
+      for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + i * ldw + k), _MM_HINT_T0);
+    }
     const __m512bh x0 = (__m512bh)_mm512_load_si512(xp + k * 32), x1 = (__m512bh)_mm512_load_si512(xp + k * 32 + 32);
 #pragma GCC unroll 12
     for (int i = 0; i < R; ++i) {
@@ -243,27 +252,98 @@ __attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) void gemm_tile_x32_b
   store_tile_x32<R>(a, b, y, ldy, rows, accumulate);
 }
 
+// the 64-bit lanes of a and b interleaved: the low ones of each 128-bit lane (pd_lo), or the high ones (pd_hi)
+__attribute__((target(LLMINFER_GEMM_AVX512))) inline __m512 pd_lo(__m512 a, __m512 b) {
+  return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+}
+__attribute__((target(LLMINFER_GEMM_AVX512))) inline __m512 pd_hi(__m512 a, __m512 b) {
+  return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+}
+
+// r[i] <- column i of the 16 x 16 block of 32-bit lanes whose row j is r[j]
+__attribute__((target(LLMINFER_GEMM_AVX512))) inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {                          // pairs of rows interleaved
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {                          // then fours: a 128-bit lane holds a column of 4 rows
+    r[g] = pd_lo(t[g], t[g + 2]), r[g + 1] = pd_hi(t[g], t[g + 2]);
+    r[g + 2] = pd_lo(t[g + 1], t[g + 3]), r[g + 3] = pd_hi(t[g + 1], t[g + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {                              // then the four groups of rows' 128-bit lanes gathered
+    const __m512 v = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x88), v2 = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xDD);
+    const __m512 w = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x88), w2 = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xDD);
+    t[m] = _mm512_shuffle_f32x4(v, w, 0x88), t[8 + m] = _mm512_shuffle_f32x4(v, w, 0xDD);
+    t[4 + m] = _mm512_shuffle_f32x4(v2, w2, 0x88), t[12 + m] = _mm512_shuffle_f32x4(v2, w2, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// Tokens [0, rows) of x (rows <= 32, K inputs, bfloat16 values held as float32) as a packed tile of the bfloat16
+// kernel: word [pair][j] holds inputs 2·pair and 2·pair + 1 of token j. 16 pairs of 16 tokens at a time: each
+// token's 32 inputs made 16 words by vcvtne2ps2bf16 (exact on bfloat16 values), the 16 x 16 words then transposed
+// in registers (a word at a time, this took a tenth of a prefill's products). Returns false, the tile unfinished,
+// where an input is not a bfloat16 value: the check the caller would otherwise make on all of x first.
+__attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) bool pack_bf16_pairs(const float* src, int64_t rows,
+                                                                              int64_t K, uint32_t* words) {
+  const int64_t pairs = K / 2, whole = pairs - pairs % 16;
+  __m512i low = _mm512_setzero_si512();                      // every input's low 16 bits, or-ed
+  for (int64_t j0 = 0; j0 < rows; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, rows - j0);
+    for (int64_t p0 = 0; p0 < whole; p0 += 16) {
+      __m512 r[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j >= n) {
+          r[j] = _mm512_setzero_ps();
+          continue;
+        }
+        const float* at = src + (j0 + j) * K + 2 * p0;
+        const __m512 a = _mm512_loadu_ps(at), b = _mm512_loadu_ps(at + 16);
+        low = _mm512_or_si512(low, _mm512_or_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+        r[j] = _mm512_castsi512_ps((__m512i)_mm512_cvtne2ps_pbh(b, a));
+      }
+      transpose16(r);
+      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_ps(reinterpret_cast<float*>(words + (p0 + i) * 32 + j0), r[i]);
+    }
+  }
+  if (_mm512_test_epi32_mask(low, _mm512_set1_epi32(0xFFFF))) return false;
+  for (int64_t pair = whole; pair < pairs; ++pair)           // the last pairs, a word at a time
+    for (int64_t j = 0; j < rows; ++j) {
+      uint32_t a, b;
+      std::memcpy(&a, src + j * K + 2 * pair, 4);
+      std::memcpy(&b, src + j * K + 2 * pair + 1, 4);
+      if ((a | b) & 0xFFFFu) return false;
+      words[pair * 32 + j] = (a >> 16) | (b & 0xFFFF0000u);
+    }
+  return true;
+}
+
 // The three tile kernels, as the driver below takes them: tokens a tile, the element type of packed x and of the
 // rows of W the tile reads (P inputs a packed step: 1 for float32, 2 for bfloat16 pairs)
+// (`next`: the next block's rows, which the bfloat16 tile fetches ahead; the float tiles take them as they come)
 struct TileAVX2 {
   using T = float;
   static constexpr int64_t kTokens = 16, kPair = 1, kRows = 6;
-  static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc) {
+  static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc,
+                   const T*) {
     gemm_tile_6x16(w, ldw, xp, kc, y, ldy, rows, acc);
   }
 };
 struct TileAVX512 {
   using T = float;
   static constexpr int64_t kTokens = 32, kPair = 1, kRows = 6;
-  static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc) {
+  static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc,
+                   const T*) {
     gemm_tile_6x32_avx512(w, ldw, xp, kc, y, ldy, rows, acc);
   }
 };
 struct TileBF16DP {
   using T = uint16_t;
   static constexpr int64_t kTokens = 32, kPair = 2, kRows = 12;
-  static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc) {
-    gemm_tile_x32_bf16dp<12>(w, ldw, xp, kc, y, ldy, rows, acc);
+  static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc,
+                   const T* next) {
+    gemm_tile_x32_bf16dp<12>(w, ldw, xp, kc, y, ldy, rows, acc, next);
   }
 };
 
@@ -281,9 +361,10 @@ struct AlignedBuffer {
 
 // y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, by tiles of `Tile`: x packed once (tile t: element
 // (k, j) at [k / P][j][k % P]), W read in place where the tile takes its format as it is (float32 for the float
-// tiles, bfloat16 for the bfloat16 one) and widened (or copied) a block of 6 rows at a time otherwise
+// tiles, bfloat16 for the bfloat16 one) and widened (or copied) a block of 6 rows at a time otherwise. Returns false,
+// having computed nothing, where the bfloat16 tile finds an input of x that is not a bfloat16 value.
 template <class Tile>
-void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
+bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
   using T = typename Tile::T;
   constexpr int64_t TT = Tile::kTokens, P = Tile::kPair, RW = Tile::kRows;
   constexpr bool kBF16 = std::is_same_v<T, uint16_t>;
@@ -291,18 +372,15 @@ void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
   const int64_t tiles = (M + TT - 1) / TT;
   AlignedBuffer<T> packed(static_cast<size_t>(tiles * K * TT));
   T* xp = packed.data;
+  std::atomic<bool> exact{true};
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       T* dst = xp + t * K * TT;
       const int64_t rows = std::min<int64_t>(TT, M - t * TT);
       if (rows < TT) std::fill(dst, dst + K * TT, T(0));
       const float* src = x + t * TT * K;
-      if constexpr (kBF16) {                    // each row as bfloat16, then its pairs of inputs as 32-bit words
-        std::vector<uint16_t> wide(rows * K);
-        to_bf16(src, rows * K, wide.data());
-        uint32_t* words = reinterpret_cast<uint32_t*>(dst);
-        for (int64_t pair = 0; pair < K / 2; ++pair)
-          for (int64_t j = 0; j < rows; ++j) std::memcpy(words + pair * TT + j, wide.data() + j * K + 2 * pair, 4);
+      if constexpr (kBF16) {
+        if (!pack_bf16_pairs(src, rows, K, reinterpret_cast<uint32_t*>(dst))) exact = false;
       } else {
         int64_t k = 0;
         if (has_avx2() && rows % 8 == 0)         // 8 tokens by 8 inputs at a time, transposed in registers
@@ -313,6 +391,7 @@ void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
       }
     }
   });
+  if (!exact) return false;
   const bool in_place = kBF16 ? W.format == Weight::BF16 : W.format == Weight::F32;
   const int64_t blocks = (N + RW - 1) / RW;        // the last may hold fewer than RW rows
   const int64_t chunk = gemm_chunk(M, K, TT);
@@ -325,6 +404,9 @@ void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
         const int64_t n = b * RW, r = std::min<int64_t>(RW, N - n);
         const T* rows_of_w = wide.data;
         int64_t ldw = kc;
+        // the rows of this thread's next block, read in place, for the first token tile to fetch ahead
+        const T* next = in_place && b + 1 < b1 && n + 2 * RW <= N ? static_cast<const T*>(W.w) + (n + RW) * K + k0
+                                                                    : nullptr;
         if (in_place && r == RW) {
           rows_of_w = static_cast<const T*>(W.w) + n * K + k0;
           ldw = K;
@@ -342,9 +424,9 @@ void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
           const T* xt = xp + (t * K + k0) * TT;
           float* yt = y + t * TT * N + n;
           if (r == RW) {
-            Tile::tile(rows_of_w, ldw, xt, kc, yt, N, rows, k0 > 0);
+            Tile::tile(rows_of_w, ldw, xt, kc, yt, N, rows, k0 > 0, t == 0 ? next : nullptr);
           } else {                                // the last rows of W: through a small buffer
-            Tile::tile(rows_of_w, ldw, xt, kc, part, RW, rows, false);
+            Tile::tile(rows_of_w, ldw, xt, kc, part, RW, rows, false, nullptr);
             for (int64_t j = 0; j < rows; ++j)
               for (int64_t i = 0; i < r; ++i)
                 yt[j * N + i] = (k0 > 0 ? yt[j * N + i] : 0.f) + part[j * RW + i];
@@ -353,15 +435,18 @@ void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
       }
     }
   });
+  return true;
 }
 
 // y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, W in any format: the widest tile this process runs
 // (bfloat16 weights by vdpbf16ps where AVX512-BF16 runs, K is even and x is bfloat16 already)
 void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
   const int64_t bits = features();
-  if (W.format == Weight::BF16 && (bits & kAVX512BF16) && W.K % 2 == 0 && bfloat16_exact(x, M * W.K))
-    return gemm_blocked<TileBF16DP>(x, M, W, y);
-  if (bits & kAVX512) return gemm_blocked<TileAVX512>(x, M, W, y);
+  if (W.format == Weight::BF16 && (bits & kAVX512BF16) && W.K % 2 == 0 && gemm_blocked<TileBF16DP>(x, M, W, y)) return;
+  if (bits & kAVX512) {
+    gemm_blocked<TileAVX512>(x, M, W, y);
+    return;
+  }
   gemm_blocked<TileAVX2>(x, M, W, y);
 }
 #endif
