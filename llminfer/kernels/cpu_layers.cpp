@@ -22,24 +22,76 @@ namespace llminfer_cpu {
 template <typename T>
 inline const T* ptr_as(const at::Tensor& t) { return static_cast<const T*>(t.data_ptr()); }
 
+inline float bf16_round(float v) { return static_cast<float>(c10::BFloat16(v)); }
+
 #ifdef LLMINFER_X86
-__attribute__((target("avx2,fma"))) void silu_avx2(const float* g, int64_t n, float* out) {
+__attribute__((target("avx2,fma"))) inline __m256 bf16_round8(__m256 x) { return _mm256_castsi256_ps(bf16_bits8(x)); }
+
+// gated() on 8 inputs at a time; returns how many it did
+__attribute__((target("avx2,fma"))) int64_t gated_avx2(const float* g, const float* u, int64_t n, bool bf16,
+                                                     float* out) {
   const __m256 one = _mm256_set1_ps(1.f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(g + i);
-    _mm256_storeu_ps(out + i, _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v)))));
+    __m256 a = _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v))));
+    __m256 up = _mm256_loadu_ps(u + i);
+    if (bf16) {
+      a = bf16_round8(_mm256_mul_ps(bf16_round8(a), bf16_round8(up)));
+    } else {
+      a = _mm256_mul_ps(a, up);
+    }
+    _mm256_storeu_ps(out + i, a);
   }
-  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(std::min(-g[i], 88.f)));
+  return i;
+}
+
+// rope() on 8 dimensions of each half at a time: D / 2 a multiple of 8
+__attribute__((target("avx2,fma"))) void rope_avx2(float* v, const float* c, const float* s, int64_t D, bool bf16) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; d += 8) {
+    const __m256 lo = _mm256_loadu_ps(v + d), hi = _mm256_loadu_ps(v + half + d);
+    // first half: v·cos - v[d + half]·sin; second: v·cos + v[d - half]·sin
+    __m256 a0 = _mm256_mul_ps(lo, _mm256_loadu_ps(c + d)), a1 = _mm256_mul_ps(hi, _mm256_loadu_ps(c + half + d));
+    __m256 b0 = _mm256_mul_ps(_mm256_xor_ps(hi, _mm256_set1_ps(-0.f)), _mm256_loadu_ps(s + d));   // -hi
+    __m256 b1 = _mm256_mul_ps(lo, _mm256_loadu_ps(s + half + d));
+    if (bf16) {
+      a0 = bf16_round8(a0), a1 = bf16_round8(a1), b0 = bf16_round8(b0), b1 = bf16_round8(b1);
+      _mm256_storeu_ps(v + d, bf16_round8(_mm256_add_ps(a0, b0)));
+      _mm256_storeu_ps(v + half + d, bf16_round8(_mm256_add_ps(a1, b1)));
+    } else {
+      _mm256_storeu_ps(v + d, _mm256_add_ps(a0, b0));
+      _mm256_storeu_ps(v + half + d, _mm256_add_ps(a1, b1));
+    }
+  }
 }
 #endif
 
-// out = g · sigmoid(g); exp's argument is capped (glibc's exp is slow on overflow, and g/inf is 0 anyway)
-void silu(const float* g, int64_t n, float* out) {
+// out = silu(g) · u, one row of the MLP's activations; in bfloat16 silu(g) and u each rounded, then their product,
+// as the modules round. silu's exp argument is capped (glibc's exp is slow on overflow, and g/inf is 0 anyway).
+void gated(const float* g, const float* u, int64_t n, bool bf16, float* out) {
+  int64_t i = 0;
 #ifdef LLMINFER_X86
-  if (has_avx2()) return silu_avx2(g, n, out);
+  if (has_avx2()) i = gated_avx2(g, u, n, bf16, out);
 #endif
-  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + std::exp(std::min(-g[i], 88.f)));
+  for (; i < n; ++i) {
+    const float a = g[i] / (1.f + std::exp(std::min(-g[i], 88.f)));
+    out[i] = bf16 ? bf16_round(bf16_round(a) * bf16_round(u[i])) : a * u[i];
+  }
+}
+
+// RoPE on one head's D values in place: v·cos + rotate_half(v)·sin; in bfloat16 both terms rounded, then their sum
+void rope(float* v, const float* c, const float* s, int64_t D, bool bf16) {
+#ifdef LLMINFER_X86
+  if (has_avx2() && D % 16 == 0) return rope_avx2(v, c, s, D, bf16);
+#endif
+  const int64_t half = D / 2;
+  std::vector<float> rotated(D);
+  for (int64_t d = 0; d < D; ++d) {
+    const float a = v[d] * c[d], b = (d < half ? -v[d + half] : v[d - half]) * s[d];
+    rotated[d] = bf16 ? bf16_round(bf16_round(a) + bf16_round(b)) : a + b;
+  }
+  std::copy_n(rotated.data(), D, v);
 }
 
 // fn(m) for every row m < M: inline for a decode step's few rows, split over the threads for a prefill's
@@ -214,13 +266,10 @@ struct Workspace {
   }
 };
 
-// The rows each thread makes for itself from shared ones: the normed x, and the MLP's activations and (bfloat16)
-// its up half rounded
+// The rows each thread makes for itself from shared ones: the normed x and the MLP's activations
 struct Own {
-  std::vector<float> h, act, up;
-  Own(const Step& st, const Workspace& ws)
-      : h(st.B * st.T * st.dim), act(st.B * st.T * ws.gate_up_n / 2),
-        up(st.dtype == at::kBFloat16 ? act.size() : 0) {}
+  std::vector<float> h, act;
+  Own(const Step& st, const Workspace& ws) : h(st.B * st.T * st.dim), act(st.B * st.T * ws.gate_up_n / 2) {}
 };
 
 // This thread's part of a layer's attention: K/V heads [k0, k1) of every token, their query heads with them.
@@ -229,13 +278,11 @@ struct Own {
 void attend_heads(const Step& st, const Layer& L, float* qkv, float* att, int64_t k0, int64_t k1) {
   const bool bf16 = st.dtype == at::kBFloat16;
   const int64_t T = st.T, M = st.B * T, H = st.H, Hkv = st.Hkv, S = st.S, D = st.D, group = H / Hkv;
-  const int64_t qsize = H * D, kvsize = Hkv * D, N = L.qkv.N, half = D / 2;
+  const int64_t qsize = H * D, kvsize = Hkv * D, N = L.qkv.N;
   // this thread's columns of a qkv row: its q heads, k heads and v heads
   const int64_t spans[3][2] = {{k0 * group * D, k1 * group * D}, {qsize + k0 * D, qsize + k1 * D},
                                {qsize + kvsize + k0 * D, qsize + kvsize + k1 * D}};
   for_rows(M, [&](int64_t m) {
-    std::vector<float> rotated(bf16 ? 2 * D : D);            // (bfloat16: the second half, rotate_half(v)·sin)
-    float* turned = rotated.data() + D;
     float* row = qkv + m * N;
     const float *c = st.cos.data() + (m % T) * D, *s = st.sin.data() + (m % T) * D;
     for (const auto& span : spans) {
@@ -249,25 +296,10 @@ void attend_heads(const Step& st, const Layer& L, float* qkv, float* att, int64_
     }
     for (int64_t head = 0; head < H + Hkv; ++head) {        // the q heads, then the k heads
       if (head < H ? head / group < k0 || head / group >= k1 : head - H < k0 || head - H >= k1) continue;
-      float* v = row + head * D;
-      if (bf16) {                                           // v·cos and rotate_half(v)·sin rounded, then their sum
-        for (int64_t d = 0; d < D; ++d) {
-          rotated[d] = v[d] * c[d];
-          turned[d] = (d < half ? -v[d + half] : v[d - half]) * s[d];
-        }
-        round_bf16(rotated.data(), 2 * D);
-        for (int64_t d = 0; d < D; ++d) rotated[d] += turned[d];
-        round_bf16(rotated.data(), D);
-      } else {
-        for (int64_t d = 0; d < D; ++d) {
-          const float other = d < half ? -v[d + half] : v[d - half];
-          rotated[d] = v[d] * c[d] + other * s[d];
-        }
-      }
-      std::copy_n(rotated.data(), D, v);
+      rope(row + head * D, c, s, D, bf16);
     }
   });
-  for (int64_t m = 0; m < M; ++m) {                          // k, v into the cache at their positions
+  for_rows(M, [&](int64_t m) {                               // k, v into the cache at their positions
     const int64_t b = m / T, t = m % T;
     const float* row = qkv + m * N;
     // where position pos[t] of this token's sequence lives: its row of the contiguous cache, or of the pool
@@ -284,7 +316,7 @@ void attend_heads(const Step& st, const Layer& L, float* qkv, float* att, int64_
         std::memcpy(L.v_cache->data_ptr<float>() + slot, vr, D * sizeof(float));
       }
     }
-  }
+  });
   // the attention of K/V heads [k0, k1): the problem of all heads, its pointers moved to head k0
   const int64_t esize = bf16 ? 2 : 4;
   AttentionProblem P{st.B, (k1 - k0) * group, k1 - k0, T, D, st.last_pos + 1, qkv + k0 * group * D, T * N, D, N,
@@ -340,18 +372,8 @@ void run_layer(const Step& st, const Layer& L, float* x, Workspace& ws, Own& own
   linear_rows(L.gate_up, own.h.data(), M, ws.gu.data(), team);
   barrier();                                                 // gate and up complete
   for_rows(M, [&](int64_t m) {
-    float *g = ws.gu.data() + m * L.gate_up.N, *u = g + hidden;
-    float* a = own.act.data() + m * hidden;
-    silu(g, hidden, a);
-    if (bf16) {                                              // silu(g) and u rounded, then their product
-      float* up = own.up.data() + m * hidden;                // (u rounded in a copy: every thread reads gu)
-      std::copy_n(u, hidden, up);
-      round_bf16(a, hidden);
-      round_bf16(up, hidden);
-      for (int64_t i = 0; i < hidden; ++i) a[i] *= up[i];
-      round_bf16(a, hidden);
-    } else
-      for (int64_t i = 0; i < hidden; ++i) a[i] *= u[i];
+    const float* g = ws.gu.data() + m * L.gate_up.N;
+    gated(g, g + hidden, hidden, bf16, own.act.data() + m * hidden);
   });
   linear_rows(L.down, own.act.data(), M, ws.proj.data(), team, &into_x);
   barrier();                                                 // x complete
