@@ -141,13 +141,18 @@ _RUN_LEVEL = textwrap.dedent("""
 
 def _attention_cases(generator):
     """Decode attention problems (q, k, v): query heads a K/V head shares 3, 4 and 6 (more than one pass of four),
-    head sizes 64, 32 and 16 (each a different register width of the 16-lane loops), keys not a multiple of 4."""
+    head sizes 64, 32 and 16 (each a different register width of the 16-lane loops), keys not a multiple of 4. And
+    prefills (16 query positions or more: with AVX-512, blocks of 16 positions as small matrix products): 40 positions
+    (a last block of 8), 37 after 8 cached ones in two sequences, 20 with 6 query heads a K/V head (96 query rows a
+    block), 17 with one query head a K/V head and head size 128 (two passes of 64 columns)."""
     cases = {}
     for dtype in (torch.float32, torch.bfloat16):
-        for b, h, hkv, tq, tk, d in ((1, 9, 3, 1, 203, 64), (2, 8, 2, 3, 37, 32), (1, 6, 1, 1, 50, 16)):
+        for b, h, hkv, tq, tk, d in ((1, 9, 3, 1, 203, 64), (2, 8, 2, 3, 37, 32), (1, 6, 1, 1, 50, 16),
+                                     (1, 9, 3, 40, 40, 64), (2, 8, 2, 37, 45, 32), (1, 6, 1, 20, 20, 16),
+                                     (1, 4, 4, 17, 17, 128)):
             q, k, v = (torch.randn(b, heads, t, d, generator=generator).to(dtype)
                        for heads, t in ((h, tq), (hkv, tk), (hkv, tk)))
-            cases[f"{str(dtype)[6:]}/{h}x{hkv}/{tk}/{d}"] = (q, k, v)
+            cases[f"{str(dtype)[6:]}/{h}x{hkv}/{tq}x{tk}/{d}"] = (q, k, v)
     return cases
 
 

@@ -1,6 +1,8 @@
 // Decode attention of the native CPU kernels: a few queries against a K/V cache read in place, contiguous or
 // paged (through block tables). Chapters 06 and 08.
 
+#include <atomic>
+
 #include "cpu_kernels.h"
 
 namespace llminfer_cpu {
@@ -253,6 +255,145 @@ inline void for_key_runs(const AttentionProblem& P, int64_t b, int64_t hk, int64
   }
 }
 
+#ifdef LLMINFER_X86
+// A prefill's attention: many query positions of a sequence against its cache, read in place (contiguous, no mask).
+// One query at a time (below) reads every visible K and V row once per query position; here a task takes a K/V head
+// and a block of 16 positions, its query rows (the group's heads at each position) side by side, and does the two
+// products as small matrix products with the rows in registers:
+//   scores  S (rows, keys) = Q · Kᵀ · scale, 12 query rows by 32 keys a tile: K transposed once per K/V head (keys
+//           along the lanes), each step of d broadcasting one element of each of the 12 query rows
+//   softmax each row over the keys up to its own position, as the loop below does (exp_shifted_avx2)
+//   output  O (rows, D) = softmax(S) · V, 6 rows by 64 columns a tile: each value row widened once for the 6 rows
+// Tasks go to the threads as they free up, the longest (last positions) first; each is one thread's, so the numbers
+// do not depend on the number of threads.
+constexpr int64_t kPrefillBlock = 16;   // query positions of a task
+
+// S[i·ss + j] = scale · Σ_d q[i][d] · kt[d·kts + j] for R rows and 32 keys j
+template <int R>
+__attribute__((target(LLMINFER_AVX512))) inline void prefill_scores_tile(const float* const* q, const float* kt,
+                                                                          int64_t kts, int64_t D, float scale,
+                                                                          float* S, int64_t ss) {
+  __m512 a[R], b[R];
+  for (int i = 0; i < R; ++i) a[i] = b[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 k0 = _mm512_loadu_ps(kt + d * kts), k1 = _mm512_loadu_ps(kt + d * kts + 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512 qd = _mm512_set1_ps(q[i][d]);
+      a[i] = _mm512_fmadd_ps(qd, k0, a[i]);
+      b[i] = _mm512_fmadd_ps(qd, k1, b[i]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(S + i * ss, _mm512_mul_ps(a[i], sc));
+    _mm512_storeu_ps(S + i * ss + 16, _mm512_mul_ps(b[i], sc));
+  }
+}
+
+// O[i·os + d0 ..] = Σ_j p[i·ps + j] · v_j[d0 .. d0 + 16·C) for R rows over n value rows `stride` bytes apart
+template <WKind kind, int R, int C>
+__attribute__((target(LLMINFER_AVX512))) inline void prefill_values_tile(const float* p, int64_t ps, const char* v,
+                                                                          int64_t stride, int64_t n, int64_t d0,
+                                                                          float* const* o) {
+  __m512 a[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) a[i][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 row[C];
+    for (int c = 0; c < C; ++c) row[c] = wload16<kind>(v + j * stride, d0 + 16 * c);
+    for (int i = 0; i < R; ++i) {
+      const __m512 pj = _mm512_set1_ps(p[i * ps + j]);
+      for (int c = 0; c < C; ++c) a[i][c] = _mm512_fmadd_ps(row[c], pj, a[i][c]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o[i] + d0 + 16 * c, a[i][c]);
+}
+
+// dst[d·kts + j] = k_j[d] for keys j < n (rows `stride` bytes apart), 0 for n <= j < kts (a multiple of 16): 16 keys
+// by 16 dimensions at a time, transposed in registers; D a multiple of 16
+template <WKind kind>
+__attribute__((target(LLMINFER_AVX512))) void transpose_keys(const char* k, int64_t stride, int64_t n, int64_t D,
+                                                              float* dst, int64_t kts) {
+  for (int64_t j0 = 0; j0 < kts; j0 += 16)
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 r[16];
+      for (int64_t j = 0; j < 16; ++j) r[j] = j0 + j < n ? wload16<kind>(k + (j0 + j) * stride, d0) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_ps(dst + (d0 + i) * kts + j0, r[i]);
+    }
+}
+
+template <WKind kind>
+void attend_prefill(const AttentionProblem& P) {
+  const int64_t group = P.H / P.Hkv, D = P.D, esize = wbytes<kind>();
+  int64_t n_keys = 0;                                          // the keys any query sees
+  for (int64_t t = 0; t < P.Tq; ++t) n_keys = std::max(n_keys, std::min(P.n_keys, P.last[t] + 1));
+  const int64_t kts = (n_keys + 31) / 32 * 32;                 // keys of a transposed K row, padded to a tile
+  const int64_t heads = P.B * P.Hkv, blocks = (P.Tq + kPrefillBlock - 1) / kPrefillBlock;
+  // K of each (batch, K/V head) as float32, transposed: kt[d][j]
+  std::vector<float> kt(heads * D * kts);
+  at::parallel_for(0, heads, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const char* k = P.k + ((h / P.Hkv) * P.ks0 + (h % P.Hkv) * P.ks1) * esize;
+      transpose_keys<kind>(k, P.ks2 * esize, n_keys, D, kt.data() + h * D * kts, kts);
+    }
+  });
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t tasks = heads * blocks;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const int64_t max_rows = group * kPrefillBlock;
+    std::vector<float> S((max_rows + 12) * kts), zero(D, 0.f), sums(max_rows);
+    std::vector<const float*> q(max_rows + 12);
+    std::vector<float*> o(max_rows + 6);
+    std::vector<float> spill(6 * D);                          // the outputs of a tile's rows past the last
+    for (int64_t task; (task = next++) < tasks;) {
+      // the last blocks first (they see the most keys), every head of a block before the next block
+      const int64_t blk = blocks - 1 - task / heads, h = task % heads, b = h / P.Hkv, hk = h % P.Hkv;
+      const int64_t t0 = blk * kPrefillBlock, t1 = std::min(P.Tq, t0 + kPrefillBlock), rows = (t1 - t0) * group;
+      int64_t n = 0;                                           // the keys this block sees
+      for (int64_t t = t0; t < t1; ++t) n = std::max(n, std::min(P.n_keys, P.last[t] + 1));
+      const int64_t nt = (n + 31) / 32 * 32;
+      for (int64_t r = 0; r < rows; ++r) {                     // row r: position t0 + r / group, head r % group
+        const int64_t t = t0 + r / group, head = hk * group + r % group;
+        q[r] = P.q + b * P.qs0 + head * P.qs1 + t * P.qs2;
+        o[r] = P.out + b * P.os0 + head * P.os1 + t * P.os2;
+      }
+      for (int64_t r = rows; r < rows + 12; ++r) q[r] = zero.data();
+      for (int64_t r = rows; r < rows + 6; ++r) o[r] = spill.data() + (r - rows) * D;
+      const float* ktile = kt.data() + h * D * kts;
+      for (int64_t r0 = 0; r0 < rows; r0 += 12)
+        for (int64_t j0 = 0; j0 < nt; j0 += 32)
+          prefill_scores_tile<12>(q.data() + r0, ktile + j0, kts, D, P.scale, S.data() + r0 * kts + j0, kts);
+      for (int64_t r = 0; r < rows; ++r) {                     // softmax over the keys up to the row's position
+        float* row = S.data() + r * kts;
+        const int64_t seen = std::min(P.n_keys, P.last[t0 + r / group] + 1);
+        float best = neg_inf;
+        for (int64_t j = 0; j < seen; ++j) best = std::max(best, row[j]);
+        sums[r] = best == neg_inf ? 0.f : softmax_numerators(row, seen, best, true);
+        std::fill(row + std::max<int64_t>(seen, 0), row + n, 0.f);
+      }
+      const char* v = P.v + (b * P.vs0 + hk * P.vs1) * esize;
+      for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+          float* const* out = o.data() + r0;
+          const float* p = S.data() + r0 * kts;
+          const int64_t left = D - d0;
+          if (left >= 64) prefill_values_tile<kind, 6, 4>(p, kts, v, P.vs2 * esize, n, d0, out);
+          else if (left >= 32) prefill_values_tile<kind, 6, 2>(p, kts, v, P.vs2 * esize, n, d0, out);
+          else prefill_values_tile<kind, 6, 1>(p, kts, v, P.vs2 * esize, n, d0, out);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = sums[r] > 0.f ? 1.f / sums[r] : std::numeric_limits<float>::quiet_NaN();
+        for (int64_t d = 0; d < D; ++d) o[r][d] *= inv;
+      }
+    }
+  });
+}
+#endif
+
 // The work is split into tasks of (batch, K/V head, query position, block of keys): the query heads that
 // share the K/V head are done together, so each key and value row is read once for all of them, and the
 // keys are split into blocks so that both a long cache and a few heads spread over every thread. Each task
@@ -268,6 +409,7 @@ void attend(const AttentionProblem& P) {
 #ifdef LLMINFER_X86
   // the AVX-512 loops that take the heads of a group together, where every key up to a query's own is visible
   const bool wide = has(kAVX512) && D % 16 == 0 && !P.mask;
+  if (wide && P.tables == nullptr && P.Tq >= kPrefillBlock) return attend_prefill<kind>(P);
 #endif
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t rows = P.B * P.Hkv * P.Tq;

@@ -154,6 +154,34 @@ __attribute__((target(LLMINFER_AVX512))) inline __m512 wload16(const void* w, in
   }
 }
 
+// the 64-bit lanes of a and b interleaved: the low ones of each 128-bit lane (pd_lo), or the high ones (pd_hi)
+__attribute__((target(LLMINFER_AVX512))) inline __m512 pd_lo(__m512 a, __m512 b) {
+  return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+}
+__attribute__((target(LLMINFER_AVX512))) inline __m512 pd_hi(__m512 a, __m512 b) {
+  return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+}
+
+// r[i] <- column i of the 16 x 16 block of 32-bit lanes whose row j is r[j]
+__attribute__((target(LLMINFER_AVX512))) inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {                          // pairs of rows interleaved
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {                          // then fours: a 128-bit lane holds a column of 4 rows
+    r[g] = pd_lo(t[g], t[g + 2]), r[g + 1] = pd_hi(t[g], t[g + 2]);
+    r[g + 2] = pd_lo(t[g + 1], t[g + 3]), r[g + 3] = pd_hi(t[g + 1], t[g + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {                              // then the four groups of rows' 128-bit lanes gathered
+    const __m512 v = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x88), v2 = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xDD);
+    const __m512 w = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x88), w2 = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xDD);
+    t[m] = _mm512_shuffle_f32x4(v, w, 0x88), t[8 + m] = _mm512_shuffle_f32x4(v, w, 0xDD);
+    t[4 + m] = _mm512_shuffle_f32x4(v2, w2, 0x88), t[12 + m] = _mm512_shuffle_f32x4(v2, w2, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
 // exp(x) for 8 floats: the Cephes polynomial (relative error about 1e-7)
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
