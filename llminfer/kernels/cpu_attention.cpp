@@ -324,6 +324,32 @@ __attribute__((target(LLMINFER_AVX512))) void transpose_keys(const char* k, int6
     }
 }
 
+// s[0 .. n) <- exp(s - max s), 16 at a time; returns their sum, or 0 (s untouched) where every score is -inf
+__attribute__((target(LLMINFER_AVX512))) float softmax_numerators_avx512(float* s, int64_t n) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  __m512 top = _mm512_set1_ps(neg_inf);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+  float best = _mm512_reduce_max_ps(top);
+  for (int64_t i = j; i < n; ++i) best = std::max(best, s[i]);
+  if (best == neg_inf) return 0.f;
+  const __m512 shift = _mm512_set1_ps(best);
+  __m512 sum = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(s + j);
+    const __mmask16 seen = _mm512_cmp_ps_mask(v, _mm512_set1_ps(neg_inf), _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(v, shift)));
+    _mm512_storeu_ps(s + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  float total = _mm512_reduce_add_ps(sum);
+  for (; j < n; ++j) {
+    s[j] = std::isinf(s[j]) ? 0.f : std::exp(s[j] - best);
+    total += s[j];
+  }
+  return total;
+}
+
 template <WKind kind>
 void attend_prefill(const AttentionProblem& P) {
   const int64_t group = P.H / P.Hkv, D = P.D, esize = wbytes<kind>();
@@ -339,7 +365,6 @@ void attend_prefill(const AttentionProblem& P) {
       transpose_keys<kind>(k, P.ks2 * esize, n_keys, D, kt.data() + h * D * kts, kts);
     }
   });
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t tasks = heads * blocks;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
@@ -368,11 +393,9 @@ void attend_prefill(const AttentionProblem& P) {
           prefill_scores_tile<12>(q.data() + r0, ktile + j0, kts, D, P.scale, S.data() + r0 * kts + j0, kts);
       for (int64_t r = 0; r < rows; ++r) {                     // softmax over the keys up to the row's position
         float* row = S.data() + r * kts;
-        const int64_t seen = std::min(P.n_keys, P.last[t0 + r / group] + 1);
-        float best = neg_inf;
-        for (int64_t j = 0; j < seen; ++j) best = std::max(best, row[j]);
-        sums[r] = best == neg_inf ? 0.f : softmax_numerators(row, seen, best, true);
-        std::fill(row + std::max<int64_t>(seen, 0), row + n, 0.f);
+        const int64_t seen = std::max<int64_t>(0, std::min(P.n_keys, P.last[t0 + r / group] + 1));
+        sums[r] = softmax_numerators_avx512(row, seen);
+        std::fill(row + seen, row + n, 0.f);
       }
       const char* v = P.v + (b * P.vs0 + hk * P.vs1) * esize;
       for (int64_t r0 = 0; r0 < rows; r0 += 6) {

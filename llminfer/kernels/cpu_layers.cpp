@@ -46,6 +46,21 @@ __attribute__((target("avx2,fma"))) int64_t gated_avx2(const float* g, const flo
   return i;
 }
 
+// gated() on 16 inputs at a time, the same operations as gated_avx2; returns how many it did
+__attribute__((target(LLMINFER_AVX512))) int64_t gated_avx512(const float* g, const float* u, int64_t n, bool bf16,
+                                                            float* out) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(g + i);
+    __m512 a = _mm512_div_ps(v, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+    const __m512 up = _mm512_loadu_ps(u + i);
+    a = bf16 ? bf16_round16(_mm512_mul_ps(bf16_round16(a), bf16_round16(up))) : _mm512_mul_ps(a, up);
+    _mm512_storeu_ps(out + i, a);
+  }
+  return i;
+}
+
 // rope() on 8 dimensions of each half at a time: D / 2 a multiple of 8
 __attribute__((target("avx2,fma"))) void rope_avx2(float* v, const float* c, const float* s, int64_t D, bool bf16) {
   const int64_t half = D / 2;
@@ -72,7 +87,8 @@ __attribute__((target("avx2,fma"))) void rope_avx2(float* v, const float* c, con
 void gated(const float* g, const float* u, int64_t n, bool bf16, float* out) {
   int64_t i = 0;
 #ifdef LLMINFER_X86
-  if (has_avx2()) i = gated_avx2(g, u, n, bf16, out);
+  if (has(kAVX512)) i = gated_avx512(g, u, n, bf16, out);
+  if (has_avx2()) i += gated_avx2(g + i, u + i, n - i, bf16, out + i);
 #endif
   for (; i < n; ++i) {
     const float a = g[i] / (1.f + std::exp(std::min(-g[i], 88.f)));
@@ -334,8 +350,7 @@ void attend_heads(const Step& st, const Layer& L, float* qkv, float* att, int64_
   P.os0 = T * qsize, P.os1 = D, P.os2 = qsize;
   if (bf16) attend<WKind::BF16>(P);
   else attend<WKind::F32>(P);
-  if (bf16)
-    for (int64_t m = 0; m < M; ++m) round_bf16(att + m * qsize + k0 * group * D, (k1 - k0) * group * D);
+  if (bf16) for_rows(M, [&](int64_t m) { round_bf16(att + m * qsize + k0 * group * D, (k1 - k0) * group * D); });
 }
 
 // x (B·T, dim) float32, rounded to the model's dtype, through one layer in place. With a team (a decode step's few
