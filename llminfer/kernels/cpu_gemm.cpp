@@ -237,22 +237,31 @@ template <int R>
 __attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) void gemm_tile_x32_bf16dp(
     const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t kc, float* y, int64_t ldy, int64_t rows,
     bool accumulate, const uint16_t* next) {
+  static_assert(R % 3 == 0);
   __m512 a[R], b[R];
 #pragma GCC unroll 12
   for (int i = 0; i < R; ++i) a[i] = b[i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kc; k += 2) {
-    if (next && (k & 31) == 0) {
-#pragma GCC unroll 12
-      for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + i * ldw + k), _MM_HINT_T0);
+  // row i's pair at rows[i / 3] + (i % 3)·L: a pointer for each three rows and one register for L, so that the loop's
+  // addresses fit the registers (a pointer a row had GCC keep some on the stack, stepped there every step)
+  const int64_t L = ldw * 2;
+  const char* rows3[R / 3];
+  for (int g = 0; g < R / 3; ++g) rows3[g] = reinterpret_cast<const char*>(w) + 3 * g * L;
+  for (int64_t k0 = 0; k0 < kc; k0 += 32) {
+    if (next) {                                 // a line of each of the next block's rows, 32 inputs on
+      const char* at = reinterpret_cast<const char*>(next + k0);
+      for (int i = 0; i < R; ++i, at += L) _mm_prefetch(at, _MM_HINT_T0);
     }
-    const __m512bh x0 = (__m512bh)_mm512_load_si512(xp + k * 32), x1 = (__m512bh)_mm512_load_si512(xp + k * 32 + 32);
+    const int64_t k1 = std::min<int64_t>(kc, k0 + 32);
+    for (int64_t k = k0; k < k1; k += 2) {
+      const __m512bh x0 = (__m512bh)_mm512_load_si512(xp + k * 32), x1 = (__m512bh)_mm512_load_si512(xp + k * 32 + 32);
 #pragma GCC unroll 12
-    for (int i = 0; i < R; ++i) {
-      int32_t pair;
-      std::memcpy(&pair, w + i * ldw + k, 4);
-      const __m512bh s = (__m512bh)_mm512_set1_epi32(pair);
-      a[i] = _mm512_dpbf16_ps(a[i], s, x0);
-      b[i] = _mm512_dpbf16_ps(b[i], s, x1);
+      for (int i = 0; i < R; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, rows3[i / 3] + (i % 3) * L + 2 * k, 4);
+        const __m512bh s = (__m512bh)_mm512_set1_epi32(pair);
+        a[i] = _mm512_dpbf16_ps(a[i], s, x0);
+        b[i] = _mm512_dpbf16_ps(b[i], s, x1);
+      }
     }
   }
   store_tile_x32<R>(a, b, y, ldy, rows, accumulate);
