@@ -297,9 +297,13 @@ Layer check_layer(const Step& st, const at::Tensor& input_norm, double eps1, con
 struct Workspace {
   std::vector<float> qkv, att, proj, gu;
   int64_t gate_up_n = 0;
-  Workspace(const Step& st, const std::vector<Layer>& layers) {
+  Workspace() = default;
+  Workspace(const Step& st, const std::vector<Layer>& layers) { fit(st, layers); }
+  // sized for the step (a kept workspace keeps its pages: resizing within its capacity allocates nothing)
+  void fit(const Step& st, const std::vector<Layer>& layers) {
     const int64_t M = st.B * st.T;
     int64_t qkv_n = 0;
+    gate_up_n = 0;
     for (const Layer& L : layers) qkv_n = std::max(qkv_n, L.qkv.N), gate_up_n = std::max(gate_up_n, L.gate_up.N);
     qkv.resize(M * qkv_n), att.resize(M * st.H * st.D), proj.resize(M * st.dim), gu.resize(M * gate_up_n);
   }
@@ -308,7 +312,11 @@ struct Workspace {
 // The rows each thread makes for itself from shared ones: the normed x and the MLP's activations
 struct Own {
   std::vector<float> h, act;
-  Own(const Step& st, const Workspace& ws) : h(st.B * st.T * st.dim), act(st.B * st.T * ws.gate_up_n / 2) {}
+  Own() = default;
+  Own(const Step& st, const Workspace& ws) { fit(st, ws); }
+  void fit(const Step& st, const Workspace& ws) {
+    h.resize(st.B * st.T * st.dim), act.resize(st.B * st.T * ws.gate_up_n / 2);
+  }
 };
 
 // This thread's part of a layer's attention: K/V heads [k0, k1) of every token, their query heads with them.
@@ -422,18 +430,30 @@ void run_layer(const Step& st, const Layer& L, float* x, Workspace& ws, Own& own
 // the work between them (on a Zen 5 a compiled step ran from as fast, W4A8, to 8 % faster, int8); a prefill's many
 // rows split each part over the threads.
 void run_layers(const Step& st, const std::vector<Layer>& layers, std::vector<float>& x) {
-  Workspace ws(st, layers);
+  // the calling thread's workspace, kept between calls while it holds at most 16 MiB (a prefill's were fresh pages,
+  // which the kernel zeroed at first touch); a longer prompt's is let go after its call
+  thread_local Workspace ws;
+  thread_local Own own;
+  ws.fit(st, layers);
+  struct Release {
+    ~Release() {
+      if ((ws.qkv.size() + ws.att.size() + ws.proj.size() + ws.gu.size() + own.h.size() + own.act.size()) * 4 >
+          (size_t(16) << 20))
+        ws = Workspace(), own = Own();
+    }
+  } release;
   const int threads = at::get_num_threads();
   if (st.B * st.T > kMatvecMaxRows || threads < 2 || at::in_parallel_region()) {
-    Own own(st, ws);
+    own.fit(st, ws);
     for (const Layer& L : layers) run_layer(st, L, x.data(), ws, own, nullptr);
     return;
   }
+  Workspace& shared = ws;                     // (in the region, `ws` would name each thread's own)
 #pragma omp parallel num_threads(threads)
   {
     const Team team{omp_get_thread_num(), omp_get_num_threads()};
-    Own own(st, ws);
-    for (const Layer& L : layers) run_layer(st, L, x.data(), ws, own, &team);
+    Own mine(st, shared);
+    for (const Layer& L : layers) run_layer(st, L, x.data(), shared, mine, &team);
   }
 }
 
