@@ -77,6 +77,34 @@ def test_one_call_per_step_gives_the_modules_numbers(name, fmt, native_calls):
             torch.testing.assert_close(nat_cache.get(layer)[1], ref_cache.get(layer)[1], atol=tolerance, rtol=tolerance)
 
 
+# head size 16 (the prefill attention's blocks need a multiple of 16) and an MLP of 104 (SwiGLU's 16-lane pass then
+# leaves 8 for the 8-lane one)
+LONG_PROMPT_CONFIG = llminfer.ModelConfig(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=104,
+                                          max_seq_len=512)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+@pytest.mark.parametrize("batch,length", [(1, 40), (2, 20)])
+def test_a_long_prompt_gives_the_modules_numbers(fmt, batch, length, native_calls):
+    """Prompts of 16 tokens or more: with AVX-512 the prompt's attention runs in blocks of 16 positions (a last block
+    of 8 for 40 tokens, of 4 for 20), RoPE, the norms and SwiGLU in their vector passes; then decode steps."""
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+    reference, native = (random_model(LONG_PROMPT_CONFIG).to(dtype) for _ in range(2))
+    fast.optimize_decode(native)
+    tolerance = {"fp32": 2e-4, "bf16": 6e-2}[fmt]
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, LONG_PROMPT_CONFIG.vocab_size, (batch, length), generator=g)
+    with torch.inference_mode():
+        ref_cache, nat_cache = reference.new_cache(batch, 64), native.new_cache(batch, 64)
+        torch.testing.assert_close(native(prompt, cache=nat_cache), reference(prompt, cache=ref_cache),
+                                   atol=tolerance, rtol=tolerance)
+        for _ in range(3):
+            ids = torch.randint(0, LONG_PROMPT_CONFIG.vocab_size, (batch, 1), generator=g)
+            torch.testing.assert_close(native(ids, cache=nat_cache), reference(ids, cache=ref_cache),
+                                       atol=tolerance, rtol=tolerance)
+    assert native_calls == [cpu.blocked_prefill(dtype, batch * length)] + [True] * 3
+
+
 THREAD_CASES = [("llama-gqa-tied", "fp32"), ("qwen2-bias-tied", "fp32"), ("qwen2-bias-gqa", "bf16"),
                 ("llama-mha-untied", "bf16"), ("llama-gqa-tied", "int8"), ("llama-gqa-tied", "int4"),
                 ("qwen2-bias-gqa", "int4a8")]
