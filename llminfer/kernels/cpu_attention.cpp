@@ -262,7 +262,7 @@ inline void for_key_runs(const AttentionProblem& P, int64_t b, int64_t hk, int64
 // products as small matrix products with the rows in registers:
 //   scores  S (rows, keys) = Q · Kᵀ · scale, 12 query rows by 32 keys a tile: K transposed once per K/V head (keys
 //           along the lanes), each step of d broadcasting one element of each of the 12 query rows
-//   softmax each row over the keys up to its own position, as the loop below does (exp_shifted_avx2)
+//   softmax each row over the keys up to its own position, 16 lanes at a time (softmax_numerators_avx512)
 //   output  O (rows, D) = softmax(S) · V, 6 rows by 64 columns a tile: each value row widened once for the 6 rows
 // Tasks go to the threads as they free up, the longest (last positions) first; each is one thread's, so the numbers
 // do not depend on the number of threads.

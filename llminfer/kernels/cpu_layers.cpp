@@ -102,12 +102,12 @@ void rope(float* v, const float* c, const float* s, int64_t D, bool bf16) {
   if (has_avx2() && D % 16 == 0) return rope_avx2(v, c, s, D, bf16);
 #endif
   const int64_t half = D / 2;
-  std::vector<float> rotated(D);
-  for (int64_t d = 0; d < D; ++d) {
-    const float a = v[d] * c[d], b = (d < half ? -v[d + half] : v[d - half]) * s[d];
-    rotated[d] = bf16 ? bf16_round(bf16_round(a) + bf16_round(b)) : a + b;
+  const auto sum = [bf16](float a, float b) { return bf16 ? bf16_round(bf16_round(a) + bf16_round(b)) : a + b; };
+  for (int64_t d = 0; d < half; ++d) {                          // dimensions d and d + half, from their old values
+    const float lo = v[d], hi = v[d + half];
+    v[d] = sum(lo * c[d], -hi * s[d]);
+    v[d + half] = sum(hi * c[d + half], lo * s[d + half]);
   }
-  std::copy_n(rotated.data(), D, v);
 }
 
 // fn(m) for every row m < M: inline for a decode step's few rows, split over the threads for a prefill's
@@ -118,29 +118,29 @@ void for_rows(int64_t M, const Fn& fn) {
   });
 }
 
-// rows of x (M, dim) -> weight · (x / rms(x)), each rounded as RMSNorm rounds
 #ifdef LLMINFER_X86
-// rms_norm's row on 4 (sum of squares) and 8 (output) lanes: the same operations as its scalar loop, in the same
-// order, so the same bits (the four double chains are the four lanes)
-__attribute__((target("avx2,fma"))) void norm_row_avx2(const float* row, int64_t dim, const float* w, float eps,
-                                                       bool bf16, float* o) {
+// rms_norm's two loops on vector lanes, the same operations in the same order (the same bits): the sum of squares
+// with its four double chains as four lanes, then the output 8 at a time. Each returns how far it got.
+__attribute__((target("avx2,fma"))) int64_t squares_avx2(const float* row, int64_t dim, double (&ss)[4]) {
   __m256d chains = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 4 <= dim; i += 4) {
     const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(row + i));
     chains = _mm256_add_pd(chains, _mm256_mul_pd(v, v));
   }
-  alignas(32) double ss[4];
-  _mm256_store_pd(ss, chains);
-  for (; i < dim; ++i) ss[0] += static_cast<double>(row[i]) * row[i];
-  const double total = (ss[0] + ss[1]) + (ss[2] + ss[3]);
-  const float inv = 1.f / std::sqrt(static_cast<float>(total / dim) + eps);
+  _mm256_storeu_pd(ss, chains);
+  return i;
+}
+
+__attribute__((target("avx2,fma"))) int64_t norm_out_avx2(const float* row, int64_t dim, const float* w, float inv,
+                                                        bool bf16, float* o) {
   const __m256 inv8 = _mm256_set1_ps(inv);
-  for (i = 0; i + 8 <= dim; i += 8) {
+  int64_t i = 0;
+  for (; i + 8 <= dim; i += 8) {
     const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(row + i), inv8), wi = _mm256_loadu_ps(w + i);
     _mm256_storeu_ps(o + i, bf16 ? bf16_round8(_mm256_mul_ps(bf16_round8(scaled), wi)) : _mm256_mul_ps(wi, scaled));
   }
-  for (; i < dim; ++i) o[i] = bf16 ? bf16_round(bf16_round(row[i] * inv) * w[i]) : w[i] * (row[i] * inv);
+  return i;
 }
 #endif
 
@@ -152,17 +152,21 @@ void rms_norm(const float* x, int64_t M, int64_t dim, const at::Tensor& weight, 
   for_rows(M, [&](int64_t m) {
     const float* row = x + m * dim;
     float* o = out + m * dim;
-#ifdef LLMINFER_X86
-    if (has_avx2()) return norm_row_avx2(row, dim, w, static_cast<float>(eps), bf16, o);
-#endif
     double ss[4] = {0.0, 0.0, 0.0, 0.0};              // four chains: one would wait on each add
     int64_t i = 0;
+#ifdef LLMINFER_X86
+    if (has_avx2()) i = squares_avx2(row, dim, ss);
+#endif
     for (; i + 4 <= dim; i += 4)
       for (int j = 0; j < 4; ++j) ss[j] += static_cast<double>(row[i + j]) * row[i + j];
     for (; i < dim; ++i) ss[0] += static_cast<double>(row[i]) * row[i];
     const double total = (ss[0] + ss[1]) + (ss[2] + ss[3]);
     const float inv = 1.f / std::sqrt(static_cast<float>(total / dim) + static_cast<float>(eps));
-    for (i = 0; i < dim; ++i) o[i] = bf16 ? bf16_round(bf16_round(row[i] * inv) * w[i]) : w[i] * (row[i] * inv);
+    i = 0;
+#ifdef LLMINFER_X86
+    if (has_avx2()) i = norm_out_avx2(row, dim, w, inv, bf16, o);
+#endif
+    for (; i < dim; ++i) o[i] = bf16 ? bf16_round(bf16_round(row[i] * inv) * w[i]) : w[i] * (row[i] * inv);
   });
 }
 
