@@ -276,6 +276,9 @@ class NativeDecoderStack(_OneNativeCall, DecoderStack):
     # which the tracer reads as constants)
     _tracing: tuple[int, torch.dtype] | None = None
 
+    # set by `kept` around an eager forward (a decoder's prefill): the prepared stack and the cache it writes
+    _kept: tuple[native_cpu.PreparedStack, object] | None = None
+
     def forward(self, x, cos, sin, cache, backend):
         prepared = self._tracing
         if prepared is not None and torch.compiler.is_compiling() and x.dtype == prepared[1]:
@@ -283,6 +286,13 @@ class NativeDecoderStack(_OneNativeCall, DecoderStack):
             # hands over only x, the RoPE rows and the positions
             _, _, positions = cache.slots(self[0].self_attn.layer_idx)
             return torch.ops.llminfer.decode_layers_prepared(prepared[0], x, cos, sin, positions)
+        kept = self._kept
+        if (kept is not None and cache is kept[1] and x.dtype == kept[0].dtype and not torch.compiler.is_compiling()
+                and self._step_fits(x, cos, backend) is not None and kept[0].runs(x.shape[0] * x.shape[1])):
+            # an eager forward over the kept stack's cache (a decoder's prefill): gathering and checking the
+            # layers' arguments (`_native_args`) took about a millisecond of a 30-layer model's prefill
+            _, _, positions = cache.slots(self[0].self_attn.layer_idx)
+            return torch.ops.llminfer.decode_layers_prepared(kept[0].id, x, cos, sin, positions)
         return super().forward(x, cos, sin, cache, backend)
 
     def prepare_step(self, x, cos, sin, cache, backend) -> native_cpu.PreparedStack | None:
@@ -295,7 +305,28 @@ class NativeDecoderStack(_OneNativeCall, DecoderStack):
         if call is None:
             return None
         (_, tensors, layout, eps, _, _, keys, values, _, n_heads, scale) = call
-        return native_cpu.PreparedStack(tensors, layout, eps, keys, values, n_heads, scale, x.dtype)
+        # each product's weight: a layer's tensors are its two norms, then per product its parts (weight first),
+        # with q/k/v's bias after its parts
+        weights, at = set(), 0
+        for layer in range(len(layout) // 5):
+            qkv, bias, o, gate_up, down = layout[5 * layer:5 * layer + 5]
+            at += 2
+            for count, extra in ((qkv, bias), (o, 0), (gate_up, 0), (down, 0)):
+                weights.add(tensors[at].dtype)
+                at += count + extra
+        return native_cpu.PreparedStack(tensors, layout, eps, keys, values, n_heads, scale, x.dtype,
+                                        tuple(sorted(weights, key=str)))
+
+    @contextlib.contextmanager
+    def kept(self, prepared: native_cpu.PreparedStack | None, cache):
+        """Inside the block, an eager forward over `cache` that the stack runs natively runs `prepared` (from
+        `prepare_step` with this cache; None: the usual call). `llminfer.cuda_graphs.StaticDecoder` prefills so:
+        its prepared stack is tied to the model as it was compiled, as its compiled step is."""
+        self._kept = None if prepared is None else (prepared, cache)
+        try:
+            yield
+        finally:
+            self._kept = None
 
     @contextlib.contextmanager
     def tracing(self, prepared: native_cpu.PreparedStack | None):

@@ -341,6 +341,31 @@ def test_the_compiled_step_runs_the_stack_in_one_call(fmt, native_calls):
         llminfer.generate(reference, ids, max_new_tokens=12).token_ids
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_a_compiled_decoders_prefill_runs_its_kept_stack(fmt):
+    """The prefill of a decoder whose step was specialised runs the stack it prepared for that step, with the numbers
+    and cache writes of the call gathered from the modules; and not where the prefill path is torch's."""
+    from torch.profiler import profile
+
+    from llminfer.generate import prefill
+
+    _, native = _pair("llama-gqa-tied", fmt)
+    ids = torch.randint(0, native.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(4))
+    decoder = fast.compile_decode(native, max_seq_len=32)
+    for path, kept in (("blocked", True), ("torch", False)):
+        with cpu.force_prefill(path):
+            with profile() as prof:
+                got = decoder.prefill(ids)
+            ops = {event.key for event in prof.key_averages() if event.key.startswith("llminfer::")}
+            assert ("llminfer::decode_layers_prepared" in ops) is kept, (path, ops)
+            cache = StaticKVCache.for_model(native, 1, 32)
+            expected = prefill(native, ids, cache)
+        assert torch.equal(got, expected), path
+        for mine, theirs in zip(decoder.cache.k + decoder.cache.v, cache.k + cache.v):
+            assert torch.equal(mine[:, :, :20], theirs[:, :, :20])
+    assert fast.NativeDecoderStack._kept is None and native.layers._kept is None     # left as it was
+
+
 def test_a_step_left_unspecialised_hands_over_the_weights():
     _, native = _pair("llama-gqa-tied", "fp32")
     decoder = StaticDecoder(native, max_seq_len=32, mode="compiled", specialize=False)

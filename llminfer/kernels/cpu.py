@@ -242,11 +242,17 @@ class PreparedStack:
 
     def __init__(self, tensors: list[torch.Tensor], layout: list[int], eps: list[float],
                  k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], n_heads: int, scale: float,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, weight_dtypes: tuple[torch.dtype, ...] = ()):
         self.dtype = dtype                     # the activations' dtype it was prepared for
+        self.weight_dtypes = weight_dtypes     # its products' weights' (float, int8 codes, int4 nibbles)
         self.id = int(torch.ops.llminfer.prepare_stack(list(tensors), layout, eps, list(k_caches), list(v_caches),
                                                        n_heads, scale))
         self._release = torch.ops.llminfer.release_stack
+
+    def runs(self, rows: int) -> bool:
+        """Whether a step of `rows` rows of x runs natively: a decode step's few rows always; a prefill's where the
+        blocked kernel runs for each of its weights' dtypes (`blocked_prefill`), as the layers' own path decides."""
+        return rows <= MAX_TOKENS or all(blocked_prefill(dtype, rows) for dtype in self.weight_dtypes)
 
     def __del__(self):
         try:
