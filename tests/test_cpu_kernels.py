@@ -40,8 +40,9 @@ def _int4_case(n: int, k: int, group: int, generator):
 
 # shapes with odd row counts (the 4-row blocks' tail) and, for the dense formats, K off the 16-wide step
 # the last six: a prefill's many rows, which float32 weights multiply by the blocked kernel (tiles of 16 or 32 rows
-# of x and 6 of W, inputs in equal chunks of at most 1024, fewer the more rows), with every edge: 37 and 29 rows,
-# 13 outputs, 700 inputs; 1100 inputs in two chunks, and 300 rows whose 700 inputs take three
+# of x and 6 of W, inputs in equal chunks of at most 1024, 2048 for bfloat16 x, fewer the more rows), with every
+# edge: 37 and 29 rows, 13 outputs, 700 inputs; 1100 inputs in two chunks (one for bfloat16 x), and 300 rows whose
+# 700 inputs take three (two for bfloat16 x)
 DENSE_SHAPES = [(1, 960, 576), (3, 13, 64), (8, 7, 40), (2, 1, 17), (37, 13, 700), (29, 12, 520), (128, 96, 576),
                 (16, 6, 3), (37, 13, 1100), (300, 7, 700)]
 
