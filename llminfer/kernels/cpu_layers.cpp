@@ -33,7 +33,7 @@ __attribute__((target("avx2,fma"))) int64_t gated_avx2(const float* g, const flo
   const __m256 one = _mm256_set1_ps(1.f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(g + i);
+    const __m256 v = bf16 ? bf16_round8(_mm256_loadu_ps(g + i)) : _mm256_loadu_ps(g + i);
     __m256 a = _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v))));
     __m256 up = _mm256_loadu_ps(u + i);
     if (bf16) {
@@ -52,7 +52,7 @@ __attribute__((target(LLMINFER_AVX512))) int64_t gated_avx512(const float* g, co
   const __m512 one = _mm512_set1_ps(1.f);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(g + i);
+    const __m512 v = bf16 ? bf16_round16(_mm512_loadu_ps(g + i)) : _mm512_loadu_ps(g + i);
     __m512 a = _mm512_div_ps(v, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
     const __m512 up = _mm512_loadu_ps(u + i);
     a = bf16 ? bf16_round16(_mm512_mul_ps(bf16_round16(a), bf16_round16(up))) : _mm512_mul_ps(a, up);
@@ -82,8 +82,9 @@ __attribute__((target("avx2,fma"))) void rope_avx2(float* v, const float* c, con
 }
 #endif
 
-// out = silu(g) · u, one row of the MLP's activations; in bfloat16 silu(g) and u each rounded, then their product,
-// as the modules round. silu's exp argument is capped (glibc's exp is slow on overflow, and g/inf is 0 anyway).
+// out = silu(g) · u, one row of the MLP's activations; in bfloat16 g is rounded first (the gate's output, as its
+// module rounds it; with silu of the unrounded sum, 22 % of a small bfloat16 model's logits after 5 tokens equalled
+// the modules', 36 % with it), then silu(g) and u each rounded, then their product, as the modules round. silu's exp argument is capped (glibc's exp is slow on overflow, and g/inf is 0 anyway).
 void gated(const float* g, const float* u, int64_t n, bool bf16, float* out) {
   int64_t i = 0;
 #ifdef LLMINFER_X86
@@ -91,7 +92,8 @@ void gated(const float* g, const float* u, int64_t n, bool bf16, float* out) {
   if (has_avx2()) i += gated_avx2(g + i, u + i, n - i, bf16, out + i);
 #endif
   for (; i < n; ++i) {
-    const float a = g[i] / (1.f + std::exp(std::min(-g[i], 88.f)));
+    const float gi = bf16 ? bf16_round(g[i]) : g[i];
+    const float a = gi / (1.f + std::exp(std::min(-gi, 88.f)));
     out[i] = bf16 ? bf16_round(bf16_round(a) * bf16_round(u[i])) : a * u[i];
   }
 }
