@@ -25,8 +25,7 @@ both paths forced (the blocked kernel, torch's matmul), and on the plain model (
 matmul rate for the precision sampled alongside (MFU: the fastest sample of torch's square matmul and the native
 kernel's, square and on a layer's products, in float32; for bf16 the better of those and the same in bfloat16,
 for int8 and int4 the better of those and the blocked kernel on the format's own layer products; a prefill above
-that rate means the ceiling is wrong, and the benchmark says so and stops), and paired: each prefill sample against
-the fastest of those probes sampled right after it, under the same load, the median of those ratios; beside
+that rate means the ceiling is wrong, and the benchmark says so and stops); beside
 llama.cpp, the prefill is compared by time to the first token. Results: the terminal,
 data/benchmarks/decode-<machine>.json and a PNG of tokens/s against bytes per token.
 """
@@ -296,21 +295,11 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
             own = "bfloat16" if name == "bf16" else scheme[0] if scheme else "float32"
             best = max(sgemm, rates.get(own, 0.0))
             entry["mfu_against_flop_per_s"] = best
-            beside = matmuls["float32"] + (matmuls.get(own, []) if own != "float32" else [])
             for path in ("chosen", "blocked", "torch", "plain"):
                 if entry.get(f"{path}_s"):
                     entry[f"{path}_mfu"] = flops / entry[f"{path}_s"] / best
-                    # paired: each sample against the fastest of the same probes sampled right after it, under the
-                    # same load; the median of those. On a host whose speed moves within the run (a Zen 5 guest's
-                    # prefill took 50, 60 and 83 ms in three phases a few seconds apart), the median sample against
-                    # the fastest probe sample of the whole run compares two moments; this compares one
-                    entry[f"{path}_mfu_paired"] = statistics.median(
-                        flops / r["s"] / max(probe.work / r["matmul_s"][probe.what] for probe in beside)
-                        for r in entry[f"{path}_rounds"])
         report["prefill"] = {"prompt_len": args.prompt_len, "sgemm_flop_per_s_alongside": sgemm,
                              "matmul_flop_per_s_alongside": rates, "matmul_flop_per_s_by_probe": by_probe,
-                             "matmul_flops_by_probe": {probe.what: probe.work for probes in matmuls.values()
-                                                       for probe in probes},
                              "flops": flops,
                              "by_precision": prefill, "choices": native_cpu.prefill_choices()}
     over = {label: row["bytes_per_token"] * row["tokens_per_s"] for label, row in rows.items() if row["mbu"] > 1.0}
@@ -469,20 +458,15 @@ def _prefill_table(args, base, ids, info, quant_dtype, matmuls) -> tuple[dict, d
     table, matmul_times = {}, {probe.what: [] for probes in matmuls.values() for probe in probes}
     repeats = max(3, args.repeats)
 
-    def median_of(fn) -> tuple[float, list[dict]]:
-        """The median of `repeats` samples of fn, and each sample with the matmul samples taken right after it."""
+    def median_of(fn) -> float:
         fn()
-        times, rounds = [], []
+        times = []
         for _ in range(repeats):
-            (seconds,) = timing.time_fn(fn, "cpu", 0, 1).times_s
-            beside = {}
+            times += timing.time_fn(fn, "cpu", 0, 1).times_s
             for probes in matmuls.values():
                 for probe in probes:
-                    (beside[probe.what],) = probe.sample(1)
-                    matmul_times[probe.what].append(beside[probe.what])
-            times.append(seconds)
-            rounds.append({"s": seconds, "matmul_s": beside})
-        return statistics.median(times), rounds
+                    matmul_times[probe.what].extend(probe.sample(1))
+        return statistics.median(times)
 
     for name in args.precisions:
         decoder = info.get(f"llminfer fast {name}", {}).get("decoder")
@@ -492,14 +476,14 @@ def _prefill_table(args, base, ids, info, quant_dtype, matmuls) -> tuple[dict, d
         weight_dtype = QUANT_WEIGHTS[scheme[0]] if scheme else dtype
         entry = {"measured_path": native_cpu.prefill_path(weight_dtype, args.prompt_len)}
         with torch.inference_mode():
-            entry["chosen_s"], entry["chosen_rounds"] = median_of(lambda: decoder.prefill(ids))
+            entry["chosen_s"] = median_of(lambda: decoder.prefill(ids))
             for path in native_cpu.PREFILL_PATHS:
                 with native_cpu.force_prefill(path):
-                    entry[f"{path}_s"], entry[f"{path}_rounds"] = median_of(lambda: decoder.prefill(ids))
+                    entry[f"{path}_s"] = median_of(lambda: decoder.prefill(ids))
             plain = copy.deepcopy(base).to(dtype or quant_dtype)
             if scheme:
                 quantize(plain, scheme[0], scheme[1], activations=ACTIVATIONS.get(name, "float"))
-            entry["plain_s"], entry["plain_rounds"] = median_of(lambda: plain(ids))
+            entry["plain_s"] = median_of(lambda: plain(ids))
             del plain
         entry["chosen_over_plain"] = entry["plain_s"] / entry["chosen_s"]
         table[name] = entry
@@ -570,11 +554,6 @@ def table(report: dict) -> str:
             cells = "".join(f"{e[f'{k}_s'] * 1e3:>6.0f} ({e[f'{k}_mfu']:.2f})" for k in ("chosen", "blocked", "torch",
                                                                                        "plain"))
             lines.append(f"{name:<10}{e['measured_path']:>10}{cells}{e['chosen_over_plain']:>13.2f}x")
-        if all("chosen_mfu_paired" in e for e in p["by_precision"].values()):
-            lines.append("MFU paired (each sample against the matmuls sampled right after it, the median):")
-            for name, e in p["by_precision"].items():
-                lines.append(f"{name:<10}{'':>10}" + "".join(f"{e[f'{k}_mfu_paired']:>12.2f}"
-                                                             for k in ("chosen", "blocked", "torch", "plain")))
     if report.get("ceiling_exceeded"):
         lines.append("STOPPED: " + ", ".join(f"{label} streamed {rate / 1e9:.1f} GB/s"
                                              for label, rate in report["ceiling_exceeded"].items())
