@@ -309,6 +309,24 @@ __attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) bool pack_bf16_pairs
   return true;
 }
 
+// The outputs of 4 blocks of 12 rows of W for M tokens, each token's 4 × 12 held 16 floats apart (`panel`, 64 floats
+// a token, as the bfloat16 tile stores them there), written to y's 48 columns (rows `ldy` apart) three 16-float
+// vectors a token
+__attribute__((target(LLMINFER_GEMM_AVX512))) void panel_out(const float* panel, int64_t M, float* y, int64_t ldy) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 18, 19);
+  const __m512i second = _mm512_setr_epi32(4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i third = _mm512_setr_epi32(8, 9, 10, 11, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* p = panel + m * 64;
+    float* d = y + m * ldy;
+    const __m512 a = _mm512_load_ps(p), b = _mm512_load_ps(p + 16), c = _mm512_load_ps(p + 32),
+                 e = _mm512_load_ps(p + 48);
+    _mm512_storeu_ps(d, _mm512_permutex2var_ps(a, first, b));
+    _mm512_storeu_ps(d + 16, _mm512_permutex2var_ps(b, second, c));
+    _mm512_storeu_ps(d + 32, _mm512_permutex2var_ps(c, third, e));
+  }
+}
+
 // The three tile kernels, as the driver below takes them: tokens a tile, the element type of packed x and of the
 // rows of W the tile reads (P inputs a packed step: 1 for float32, 2 for bfloat16 pairs)
 // (`next`: the next block's rows, which the bfloat16 tile fetches ahead; the float tiles take them as they come)
@@ -410,8 +428,13 @@ bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
   const bool in_place = kBF16 ? W.format == Weight::BF16 : W.format == Weight::F32;
   const int64_t blocks = (N + RW - 1) / RW;        // the last may hold fewer than RW rows
   const int64_t chunk = gemm_chunk(M, K, TT, sizeof(T));
+  // the bfloat16 tile, in one chunk, stores into a thread's panel (4 blocks of outputs, each token's 16 floats apart)
+  // that panel_out then writes to y: stored straight into y, 12 floats a token at a time, each line of y taken from
+  // L2 for a part, the products ran 0.98 times as fast (Zen 5, 2 threads, the layer's products)
+  const bool panels = kBF16 && RW == 12 && TT == 32 && chunk >= K;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     AlignedBuffer<T> wide(static_cast<size_t>(RW * chunk));
+    AlignedBuffer<float> panel(panels ? static_cast<size_t>(tiles * TT * 64) : 1);
     alignas(64) float part[32 * RW];
     for (int64_t k0 = 0; k0 < K; k0 += chunk) {
       const int64_t kc = std::min<int64_t>(chunk, K - k0);
@@ -434,11 +457,16 @@ bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
           }
           std::fill(wide.data + r * kc, wide.data + RW * kc, T(0));
         }
+        const int64_t g0 = b0 + (b - b0) / 4 * 4;      // this block's group of 4, from the thread's first block
+        const bool grouped = panels && g0 + 4 <= b1 && (g0 + 4) * RW <= N;
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t rows = std::min<int64_t>(TT, M - t * TT);
           const T* xt = xp + (t * K + k0) * TT;
           float* yt = y + t * TT * N + n;
-          if (r == RW) {
+          if (grouped) {
+            Tile::tile(rows_of_w, ldw, xt, kc, panel.data + t * TT * 64 + (b - g0) * 16, 64, rows, false,
+                       t == 0 ? next : nullptr);
+          } else if (r == RW) {
             Tile::tile(rows_of_w, ldw, xt, kc, yt, N, rows, k0 > 0, t == 0 ? next : nullptr);
           } else {                                // the last rows of W: through a small buffer
             Tile::tile(rows_of_w, ldw, xt, kc, part, RW, rows, false, nullptr);
@@ -447,6 +475,7 @@ bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
                 yt[j * N + i] = (k0 > 0 ? yt[j * N + i] : 0.f) + part[j * RW + i];
           }
         }
+        if (grouped && b - g0 == 3) panel_out(panel.data, M, y + g0 * RW, N);
       }
     }
   });
