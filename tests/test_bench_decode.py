@@ -20,6 +20,17 @@ def test_a_short_run_writes_its_report(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(kernels._state, "build", str(tmp_path / "kept"))
     kinds = [kind for kind, _ in kernels.MATVEC_CANDIDATES.values()]
     bits, choices = {k: int(torch.ops.llminfer.matvec_features(k)) for k in kinds}, kernels.matvec_choices()
+    # the plain model's prefill computes the last position's logits only, as a prefill does
+    from llminfer.model import Transformer
+    shapes = []
+    real_forward = Transformer.forward
+
+    def forward(self, ids, *args, **kwargs):
+        out = real_forward(self, ids, *args, **kwargs)
+        shapes.append((ids.shape[1], out.shape[1], kwargs.get("cache") is not None))
+        return out
+
+    monkeypatch.setattr(Transformer, "forward", forward)
     try:
         code = decode.main(["--precisions", "fp32,int8", "--prompt-len", "8", "--new-tokens", "3", "--repeats", "1",
                             "--threads", "1", "--no-compile", "--no-transformers", "--no-llama-cpp",
@@ -69,6 +80,9 @@ def test_a_short_run_writes_its_report(tmp_path, capsys, monkeypatch):
         assert entry["mfu_against_flop_per_s"] == yardstick[name]
         assert entry["chosen_mfu"] == pytest.approx(report["prefill"]["flops"] / entry["chosen_s"] / yardstick[name])
         assert all(entry[f"{path}_s"] > 0 for path in ("chosen", "blocked", "torch", "plain"))
+    # every forward over the 8-token prompt, the plain model's without a cache among them, returned one position
+    prompts = [(logits, cached) for tokens, logits, cached in shapes if tokens == 8]
+    assert (1, False) in prompts and all(logits == 1 for logits, _ in prompts)
     rows = report["contenders"]
     assert {"llminfer fast fp32", "llminfer fast int8", "llminfer eager fp32"} <= set(rows)
     for row in rows.values():
