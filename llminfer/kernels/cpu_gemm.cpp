@@ -28,7 +28,7 @@ constexpr int64_t kGemmPackedBytes = 384 << 10;  // packed x of one chunk, all t
 // inputs per chunk for a product of M rows and K inputs, packed x `bytes` an element: as few chunks as keep packed
 // x within kGemmPackedBytes (from 256 to 1024 float32 inputs a chunk, twice as many bfloat16 ones), of equal size, a
 // multiple of 32 (where an int4 group can start). (Sized as float32, bfloat16 x split a 128-token product of 1536
-// inputs in two chunks; in one it ran 1.02-1.03 times faster on a Zen 5.)
+// inputs in two chunks; in one the layer's products ran 1.03 times faster on a Zen 5, 1.015 at one thread.)
 inline int64_t gemm_chunk(int64_t M, int64_t K, int64_t tokens, int64_t bytes) {
   const int64_t padded = (M + tokens - 1) / tokens * tokens, wide = 4 / bytes;
   const int64_t limit = std::clamp<int64_t>(kGemmPackedBytes / (padded * bytes) / 32 * 32, 256 * wide, 1024 * wide);
@@ -429,8 +429,8 @@ bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
   const int64_t blocks = (N + RW - 1) / RW;        // the last may hold fewer than RW rows
   const int64_t chunk = gemm_chunk(M, K, TT, sizeof(T));
   // the bfloat16 tile, in one chunk, stores into a thread's panel (4 blocks of outputs, each token's 16 floats apart)
-  // that panel_out then writes to y: stored straight into y, 12 floats a token at a time, each line of y taken from
-  // L2 for a part, the products ran 0.98 times as fast (Zen 5, 2 threads, the layer's products)
+  // that panel_out then writes to y; stored straight into y, 12 floats a token at a time, the layer's products ran
+  // 0.98 times as fast (Zen 5, 2 threads)
   const bool panels = kBF16 && RW == 12 && TT == 32 && chunk >= K;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     AlignedBuffer<T> wide(static_cast<size_t>(RW * chunk));

@@ -84,7 +84,8 @@ __attribute__((target("avx2,fma"))) void rope_avx2(float* v, const float* c, con
 
 // out = silu(g) · u, one row of the MLP's activations; in bfloat16 g is rounded first (the gate's output, as its
 // module rounds it; with silu of the unrounded sum, 22 % of a small bfloat16 model's logits after 5 tokens equalled
-// the modules', 36 % with it), then silu(g) and u each rounded, then their product, as the modules round. silu's exp argument is capped (glibc's exp is slow on overflow, and g/inf is 0 anyway).
+// the modules', 36 % with it), then silu(g) and u each rounded, then their product, as the modules round. silu's
+// exp argument is capped (glibc's exp is slow on overflow, and g/inf is 0 anyway).
 void gated(const float* g, const float* u, int64_t n, bool bf16, float* out) {
   int64_t i = 0;
 #ifdef LLMINFER_X86
