@@ -219,10 +219,10 @@ class StaticDecoder:
         """Eager forward over the prompt (B, T) into the empty cache; returns the last logits (B, vocab)."""
         self.cache.reset()
         stack = getattr(self.model, "layers", None)
-        if self._prepared_stack is not None and hasattr(stack, "kept"):
-            with stack.kept(self._prepared_stack, self.cache):          # the compiled step's kept weights
-                return prefill(self.model, ids, self.cache, check_ids=False)
-        return prefill(self.model, ids, self.cache, check_ids=False)      # checked by check_request, untimed
+        # a native stack runs the weights its compiled step kept (none kept: its usual call)
+        kept = stack.kept(self._prepared_stack, self.cache) if hasattr(stack, "kept") else contextlib.nullcontext()
+        with kept:
+            return prefill(self.model, ids, self.cache, check_ids=False)  # checked by check_request, untimed
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor) -> torch.Tensor:
