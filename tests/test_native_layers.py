@@ -105,6 +105,40 @@ def test_a_long_prompt_gives_the_modules_numbers(fmt, batch, length, native_call
     assert native_calls == [cpu.blocked_prefill(dtype, batch * length)] + [True] * 3
 
 
+@pytest.mark.parametrize("batch,length", [(2, 40), (1, 33)])
+def test_swiglu_taken_by_the_blocked_kernel_gives_the_bits_of_the_product_and_swiglu_apart(batch, length,
+                                                                                           native_calls):
+    """A bfloat16 prefill whose MLP width is a multiple of 24 takes SwiGLU in the blocked kernel's panels (where
+    AVX512-BF16 runs): each group of 24 gate rows with its 24 up rows, the gate's and up's outputs never written.
+    The same model widened by 8 rows of zeros (gate and up rows, down columns: silu(0)·0 = 0 adds nothing) fits no
+    such group, so it runs the product and then SwiGLU over its rows, and must give the same bits: logits and K/V.
+    80 and 33 rows: whole and partial token tiles, and an odd last token."""
+    narrow_config = LONG_PROMPT_CONFIG.replace(hidden_dim=96)
+    narrow = random_model(narrow_config).to(torch.bfloat16)
+    wide = llminfer.Transformer(narrow_config.replace(hidden_dim=104)).to(torch.bfloat16).eval()
+    state = narrow.state_dict()
+    with torch.no_grad():
+        for name, param in wide.state_dict().items():
+            param.zero_()
+            value = state[name]
+            param[tuple(slice(0, n) for n in value.shape)] = value
+    prompt = torch.randint(0, narrow_config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        expected = narrow(prompt)
+        assert torch.equal(wide(prompt), expected)               # the modules: the padding changes nothing
+        runs = []
+        for model in (narrow, wide):
+            fast.optimize_decode(model)
+            cache = model.new_cache(batch, 64)
+            with cpu.force_prefill("blocked"):
+                runs.append((model(prompt, cache=cache), [cache.get(layer) for layer in range(2)]))
+    assert native_calls == [True, True]
+    (logits, kv), (wide_logits, wide_kv) = runs
+    torch.testing.assert_close(logits, expected, atol=6e-2, rtol=6e-2)
+    assert torch.equal(logits, wide_logits)
+    assert all(torch.equal(a, b) for pair, other in zip(kv, wide_kv) for a, b in zip(pair, other))
+
+
 THREAD_CASES = [("llama-gqa-tied", "fp32"), ("qwen2-bias-tied", "fp32"), ("qwen2-bias-gqa", "bf16"),
                 ("llama-mha-untied", "bf16"), ("llama-gqa-tied", "int8"), ("llama-gqa-tied", "int4"),
                 ("qwen2-bias-gqa", "int4a8")]

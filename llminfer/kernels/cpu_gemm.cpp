@@ -312,18 +312,53 @@ __attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) bool pack_bf16_pairs
 // The outputs of 4 blocks of 12 rows of W for M tokens, each token's 4 × 12 held 16 floats apart (`panel`, 64 floats
 // a token, as the bfloat16 tile stores them there), written to y's 48 columns (rows `ldy` apart) three 16-float
 // vectors a token
-__attribute__((target(LLMINFER_GEMM_AVX512))) void panel_out(const float* panel, int64_t M, float* y, int64_t ldy) {
+__attribute__((target(LLMINFER_GEMM_AVX512))) // (four blocks of 12 valid floats, 16 apart, as three vectors of 16: a block's 12 then the next's first 4, ...)
+struct Packed48 {
+  __m512 v[3];
+};
+__attribute__((target(LLMINFER_GEMM_AVX512))) inline Packed48 pack48(__m512 a, __m512 b, __m512 c, __m512 e) {
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 18, 19);
   const __m512i second = _mm512_setr_epi32(4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 18, 19, 20, 21, 22, 23);
   const __m512i third = _mm512_setr_epi32(8, 9, 10, 11, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27);
+  return {{_mm512_permutex2var_ps(a, first, b), _mm512_permutex2var_ps(b, second, c),
+           _mm512_permutex2var_ps(c, third, e)}};
+}
+
+__attribute__((target(LLMINFER_GEMM_AVX512))) void panel_out(const float* panel, int64_t M, float* y, int64_t ldy) {
   for (int64_t m = 0; m < M; ++m) {
     const float* p = panel + m * 64;
-    float* d = y + m * ldy;
-    const __m512 a = _mm512_load_ps(p), b = _mm512_load_ps(p + 16), c = _mm512_load_ps(p + 32),
-                 e = _mm512_load_ps(p + 48);
-    _mm512_storeu_ps(d, _mm512_permutex2var_ps(a, first, b));
-    _mm512_storeu_ps(d + 16, _mm512_permutex2var_ps(b, second, c));
-    _mm512_storeu_ps(d + 32, _mm512_permutex2var_ps(c, third, e));
+    const Packed48 o = pack48(_mm512_load_ps(p), _mm512_load_ps(p + 16), _mm512_load_ps(p + 32),
+                              _mm512_load_ps(p + 48));
+    for (int i = 0; i < 3; ++i) _mm512_storeu_ps(y + m * ldy + 16 * i, o.v[i]);
+  }
+}
+
+// SwiGLU of a panel's outputs (`panel_out`'s layout), where its 4 blocks are 24 gate rows then their 24 up rows: each
+// token's 24 activations, gated() as the layer takes it on gate and up written out, into act (rows `lda` apart)
+// (two tokens at a time: their 48 gate outputs, and their 48 up outputs, are three vectors each, as panel_out's)
+__attribute__((target(LLMINFER_GEMM_AVX512))) void panel_gated(const float* panel, int64_t M, bool bf16, float* act,
+                                                               int64_t lda) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) {
+    const float *p = panel + m * 64, *q = p + 64;
+    const Packed48 g = pack48(_mm512_load_ps(p), _mm512_load_ps(p + 16), _mm512_load_ps(q), _mm512_load_ps(q + 16));
+    const Packed48 u = pack48(_mm512_load_ps(p + 32), _mm512_load_ps(p + 48), _mm512_load_ps(q + 32),
+                              _mm512_load_ps(q + 48));
+    const __m512 a0 = gated16(g.v[0], u.v[0], bf16), a1 = gated16(g.v[1], u.v[1], bf16),
+                 a2 = gated16(g.v[2], u.v[2], bf16);
+    float *d = act + m * lda, *e = d + lda;                  // token m's 24, then token m + 1's
+    _mm512_storeu_ps(d, a0);
+    _mm256_storeu_ps(d + 16, _mm512_castps512_ps256(a1));
+    _mm256_storeu_ps(e, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a1), 1)));
+    _mm512_storeu_ps(e + 8, a2);
+  }
+  if (m < M) {                                               // an odd last token
+    alignas(64) float g[32] = {}, u[32] = {}, out[32];
+    const float* p = panel + m * 64;
+    std::memcpy(g, p, 48), std::memcpy(g + 12, p + 16, 48), std::memcpy(u, p + 32, 48), std::memcpy(u + 12, p + 48, 48);
+    for (int i = 0; i < 2; ++i)
+      _mm512_store_ps(out + 16 * i, gated16(_mm512_load_ps(g + 16 * i), _mm512_load_ps(u + 16 * i), bf16));
+    std::memcpy(act + m * lda, out, 24 * sizeof(float));
   }
 }
 
@@ -392,17 +427,41 @@ struct PackedX {
   }
 };
 
+// The MLP's activations in place of a product's output: W holds gate's rows then up's, and act (M, N / 2) receives
+// gated(gate, up), which is never written out
+struct GatedOut {
+  float* act;
+  bool bf16;
+};
+
 // y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, by tiles of `Tile`: x packed once (tile t: element
 // (k, j) at [k / P][j][k % P]), W read in place where the tile takes its format as it is (float32 for the float
 // tiles, bfloat16 for the bfloat16 one) and widened (or copied) a block of 6 rows at a time otherwise. Returns false,
-// having computed nothing, where the bfloat16 tile finds an input of x that is not a bfloat16 value.
+// having computed nothing, where the bfloat16 tile finds an input of x that is not a bfloat16 value. With `gate`,
+// SwiGLU's activations instead of y (null), where the tile's panels take every row (else false, nothing computed).
 template <class Tile>
-bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
+bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y, const GatedOut* gate = nullptr) {
   using T = typename Tile::T;
   constexpr int64_t TT = Tile::kTokens, P = Tile::kPair, RW = Tile::kRows;
   constexpr bool kBF16 = std::is_same_v<T, uint16_t>;
   const int64_t N = W.N, K = W.K;
   const int64_t tiles = (M + TT - 1) / TT;
+  const bool in_place = kBF16 ? W.format == Weight::BF16 : W.format == Weight::F32;
+  const int64_t blocks = (N + RW - 1) / RW;        // the last may hold fewer than RW rows
+  const int64_t chunk = gemm_chunk(M, K, TT, sizeof(T));
+  // the bfloat16 tile, in one chunk, stores into a thread's panel (4 blocks of outputs, each token's 16 floats apart)
+  // that panel_out then writes to y; stored straight into y, 12 floats a token at a time, the layer's products ran
+  // 0.98 times as fast (Zen 5, 2 threads)
+  const bool panels = kBF16 && RW == 12 && TT == 32 && chunk >= K;
+  // SwiGLU from the panels: a group of 4 blocks is 24 gate rows and the same 24 up rows, so that the gate's and up's
+  // outputs (1.5 MB a layer at 128 tokens) are never written and read back (on a Zen 5 a 128-token bfloat16 prefill
+  // ran 1.05 times faster at 2 threads, 1.06 at 1, the same bits)
+  const int64_t hidden = N / 2;
+  if (gate && !(panels && in_place && N % (4 * RW) == 0)) return false;
+  // block b's first row of W: the next RW rows, or with `gate` gate's or up's rows of the group b / 4
+  const auto first_row = [&](int64_t b) {
+    return gate ? (b % 4 >= 2 ? hidden : 0) + b / 4 * 2 * RW + b % 2 * RW : b * RW;
+  };
   PackedX packed(static_cast<size_t>(tiles * K * TT) * sizeof(T));
   T* xp = static_cast<T*>(packed.data);
   std::atomic<bool> exact{true};
@@ -425,26 +484,22 @@ bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
     }
   });
   if (!exact) return false;
-  const bool in_place = kBF16 ? W.format == Weight::BF16 : W.format == Weight::F32;
-  const int64_t blocks = (N + RW - 1) / RW;        // the last may hold fewer than RW rows
-  const int64_t chunk = gemm_chunk(M, K, TT, sizeof(T));
-  // the bfloat16 tile, in one chunk, stores into a thread's panel (4 blocks of outputs, each token's 16 floats apart)
-  // that panel_out then writes to y; stored straight into y, 12 floats a token at a time, the layer's products ran
-  // 0.98 times as fast (Zen 5, 2 threads)
-  const bool panels = kBF16 && RW == 12 && TT == 32 && chunk >= K;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  // with panels the threads take whole groups of 4 blocks
+  const int64_t unit = panels ? 4 : 1;
+  at::parallel_for(0, (blocks + unit - 1) / unit, 1, [&](int64_t u0, int64_t u1) {
+    const int64_t b0 = u0 * unit, b1 = std::min(blocks, u1 * unit);
     AlignedBuffer<T> wide(static_cast<size_t>(RW * chunk));
     AlignedBuffer<float> panel(panels ? static_cast<size_t>(tiles * TT * 64) : 1);
     alignas(64) float part[32 * RW];
     for (int64_t k0 = 0; k0 < K; k0 += chunk) {
       const int64_t kc = std::min<int64_t>(chunk, K - k0);
       for (int64_t b = b0; b < b1; ++b) {
-        const int64_t n = b * RW, r = std::min<int64_t>(RW, N - n);
+        const int64_t n = first_row(b), r = std::min<int64_t>(RW, N - n);
         const T* rows_of_w = wide.data;
         int64_t ldw = kc;
         // the rows of this thread's next block, read in place, for the first token tile to fetch ahead
-        const T* next = in_place && b + 1 < b1 && n + 2 * RW <= N ? static_cast<const T*>(W.w) + (n + RW) * K + k0
-                                                                    : nullptr;
+        const T* next = in_place && b + 1 < b1 && first_row(b + 1) + RW <= N
+                            ? static_cast<const T*>(W.w) + first_row(b + 1) * K + k0 : nullptr;
         if (in_place && r == RW) {
           rows_of_w = static_cast<const T*>(W.w) + n * K + k0;
           ldw = K;
@@ -475,7 +530,10 @@ bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
                 yt[j * N + i] = (k0 > 0 ? yt[j * N + i] : 0.f) + part[j * RW + i];
           }
         }
-        if (grouped && b - g0 == 3) panel_out(panel.data, M, y + g0 * RW, N);
+        if (grouped && b - g0 == 3) {
+          if (gate) panel_gated(panel.data, M, gate->bf16, gate->act + g0 / 4 * 2 * RW, hidden);
+          else panel_out(panel.data, M, y + g0 * RW, N);
+        }
       }
     }
   });
@@ -492,6 +550,12 @@ void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
     return;
   }
   gemm_blocked<TileAVX2>(x, M, W, y);
+}
+
+bool gemm_blocked_gated(const float* x, int64_t M, const Weight& W, bool bf16, float* act) {
+  const GatedOut gate{act, bf16};
+  return W.format == Weight::BF16 && (features() & kAVX512BF16) && W.K % 2 == 0 &&
+         gemm_blocked<TileBF16DP>(x, M, W, nullptr, &gate);
 }
 #endif
 

@@ -226,6 +226,13 @@ __attribute__((target(LLMINFER_AVX512))) inline __m512 bf16_round16(__m512 v) {
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000)));
 }
+
+// gated() on 16 lanes (silu(g) · u, rounded as the bfloat16 modules round where bf16), gated_avx2's operations
+__attribute__((target(LLMINFER_AVX512))) inline __m512 gated16(__m512 g, __m512 u, bool bf16) {
+  const __m512 v = bf16 ? bf16_round16(g) : g;
+  const __m512 a = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+  return bf16 ? bf16_round16(_mm512_mul_ps(bf16_round16(a), bf16_round16(u))) : _mm512_mul_ps(a, u);
+}
 #endif
 
 // The scale and offset of each group of an int4 weight in tiles: float32, or float16 (2 bytes each, as GGUF's
@@ -321,7 +328,14 @@ constexpr int64_t kMatvecMaxRows = LLMINFER_MATVEC_MAX_ROWS;
 // y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, W in any format, by the widest blocked tile this
 // process runs (AVX2, AVX-512, AVX512-BF16 for bfloat16 weights; cpu_gemm.cpp)
 void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y);
+// The MLP's activations act (M, N / 2) = gated(gate, up) of the product by W (gate's N / 2 rows, then up's), gate
+// and up never written out, where the bfloat16 tile takes the product in panels (bfloat16 weights, AVX512-BF16, one
+// chunk of inputs, N / 2 a multiple of 24); false, nothing computed, otherwise
+bool gemm_blocked_gated(const float* x, int64_t M, const Weight& W, bool bf16, float* act);
 #endif
+
+// out = silu(g) · u for n values, rounded as the bfloat16 modules round where bf16 (cpu_layers.cpp)
+void gated(const float* g, const float* u, int64_t n, bool bf16, float* out);
 
 // x as contiguous float32
 std::vector<float> x_as_float(const at::Tensor& x);

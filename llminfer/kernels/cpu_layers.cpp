@@ -49,15 +49,8 @@ __attribute__((target("avx2,fma"))) int64_t gated_avx2(const float* g, const flo
 // gated() on 16 inputs at a time, the same operations as gated_avx2; returns how many it did
 __attribute__((target(LLMINFER_AVX512))) int64_t gated_avx512(const float* g, const float* u, int64_t n, bool bf16,
                                                             float* out) {
-  const __m512 one = _mm512_set1_ps(1.f);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = bf16 ? bf16_round16(_mm512_loadu_ps(g + i)) : _mm512_loadu_ps(g + i);
-    __m512 a = _mm512_div_ps(v, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
-    const __m512 up = _mm512_loadu_ps(u + i);
-    a = bf16 ? bf16_round16(_mm512_mul_ps(bf16_round16(a), bf16_round16(up))) : _mm512_mul_ps(a, up);
-    _mm512_storeu_ps(out + i, a);
-  }
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, gated16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i), bf16));
   return i;
 }
 
@@ -422,12 +415,19 @@ void run_layer(const Step& st, const Layer& L, float* x, Workspace& ws, Own& own
   barrier();                                                 // x complete
   // MLP
   rms_norm(x, M, dim, *L.post_norm, L.eps2, bf16, own.h.data());
-  linear_rows(L.gate_up, own.h.data(), M, ws.gu.data(), team);
-  barrier();                                                 // gate and up complete
-  for_rows(M, [&](int64_t m) {
-    const float* g = ws.gu.data() + m * L.gate_up.N;
-    gated(g, g + hidden, hidden, bf16, own.act.data() + m * hidden);
-  });
+  bool fused = false;
+#ifdef LLMINFER_X86
+  // a prefill's many rows: SwiGLU taken by the blocked kernel as it stores, where it can
+  fused = !team && M > kMatvecMaxRows && gemm_blocked_gated(own.h.data(), M, L.gate_up, bf16, own.act.data());
+#endif
+  if (!fused) {
+    linear_rows(L.gate_up, own.h.data(), M, ws.gu.data(), team);
+    barrier();                                               // gate and up complete
+    for_rows(M, [&](int64_t m) {
+      const float* g = ws.gu.data() + m * L.gate_up.N;
+      gated(g, g + hidden, hidden, bf16, own.act.data() + m * hidden);
+    });
+  }
   linear_rows(L.down, own.act.data(), M, ws.proj.data(), team, &into_x);
   barrier();                                                 // x complete
 }
