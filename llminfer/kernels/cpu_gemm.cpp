@@ -309,10 +309,7 @@ __attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) bool pack_bf16_pairs
   return true;
 }
 
-// The outputs of 4 blocks of 12 rows of W for M tokens, each token's 4 × 12 held 16 floats apart (`panel`, 64 floats
-// a token, as the bfloat16 tile stores them there), written to y's 48 columns (rows `ldy` apart) three 16-float
-// vectors a token
-__attribute__((target(LLMINFER_GEMM_AVX512))) // (four blocks of 12 valid floats, 16 apart, as three vectors of 16: a block's 12 then the next's first 4, ...)
+// Four blocks of 12 valid floats, 16 apart, as three vectors of 16 (a block's 12, then the next's first 4, ...)
 struct Packed48 {
   __m512 v[3];
 };
@@ -324,6 +321,9 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) inline Packed48 pack48(__m512 a, _
            _mm512_permutex2var_ps(c, third, e)}};
 }
 
+// The outputs of 4 blocks of 12 rows of W for M tokens, each token's 4 × 12 held 16 floats apart (`panel`, 64 floats
+// a token, as the bfloat16 tile stores them there), written to y's 48 columns (rows `ldy` apart) three 16-float
+// vectors a token
 __attribute__((target(LLMINFER_GEMM_AVX512))) void panel_out(const float* panel, int64_t M, float* y, int64_t ldy) {
   for (int64_t m = 0; m < M; ++m) {
     const float* p = panel + m * 64;
@@ -334,8 +334,8 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) void panel_out(const float* panel,
 }
 
 // SwiGLU of a panel's outputs (`panel_out`'s layout), where its 4 blocks are 24 gate rows then their 24 up rows: each
-// token's 24 activations, gated() as the layer takes it on gate and up written out, into act (rows `lda` apart)
-// (two tokens at a time: their 48 gate outputs, and their 48 up outputs, are three vectors each, as panel_out's)
+// token's 24 activations (gated16, as the layer's own SwiGLU pass) into act, rows `lda` apart. Two tokens at a time:
+// their 48 gate outputs, and their 48 up outputs, are three vectors each, as panel_out's.
 __attribute__((target(LLMINFER_GEMM_AVX512))) void panel_gated(const float* panel, int64_t M, bool bf16, float* act,
                                                                int64_t lda) {
   int64_t m = 0;
@@ -355,7 +355,8 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) void panel_gated(const float* pane
   if (m < M) {                                               // an odd last token
     alignas(64) float g[32] = {}, u[32] = {}, out[32];
     const float* p = panel + m * 64;
-    std::memcpy(g, p, 48), std::memcpy(g + 12, p + 16, 48), std::memcpy(u, p + 32, 48), std::memcpy(u + 12, p + 48, 48);
+    std::memcpy(g, p, 48), std::memcpy(g + 12, p + 16, 48);
+    std::memcpy(u, p + 32, 48), std::memcpy(u + 12, p + 48, 48);
     for (int i = 0; i < 2; ++i)
       _mm512_store_ps(out + 16 * i, gated16(_mm512_load_ps(g + 16 * i), _mm512_load_ps(u + 16 * i), bf16));
     std::memcpy(act + m * lda, out, 24 * sizeof(float));

@@ -230,7 +230,8 @@ __attribute__((target(LLMINFER_AVX512))) inline __m512 bf16_round16(__m512 v) {
 // gated() on 16 lanes (silu(g) · u, rounded as the bfloat16 modules round where bf16), gated_avx2's operations
 __attribute__((target(LLMINFER_AVX512))) inline __m512 gated16(__m512 g, __m512 u, bool bf16) {
   const __m512 v = bf16 ? bf16_round16(g) : g;
-  const __m512 a = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
+  const __m512 a = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e));
   return bf16 ? bf16_round16(_mm512_mul_ps(bf16_round16(a), bf16_round16(u))) : _mm512_mul_ps(a, u);
 }
 #endif
@@ -333,9 +334,6 @@ void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y);
 // chunk of inputs, N / 2 a multiple of 24); false, nothing computed, otherwise
 bool gemm_blocked_gated(const float* x, int64_t M, const Weight& W, bool bf16, float* act);
 #endif
-
-// out = silu(g) · u for n values, rounded as the bfloat16 modules round where bf16 (cpu_layers.cpp)
-void gated(const float* g, const float* u, int64_t n, bool bf16, float* out);
 
 // x as contiguous float32
 std::vector<float> x_as_float(const at::Tensor& x);

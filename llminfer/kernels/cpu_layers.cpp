@@ -50,7 +50,8 @@ __attribute__((target("avx2,fma"))) int64_t gated_avx2(const float* g, const flo
 __attribute__((target(LLMINFER_AVX512))) int64_t gated_avx512(const float* g, const float* u, int64_t n, bool bf16,
                                                             float* out) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, gated16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i), bf16));
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, gated16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i), bf16));
   return i;
 }
 
