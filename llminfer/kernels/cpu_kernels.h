@@ -256,6 +256,10 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 terms8(const void* p, boo
   return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
               : _mm256_loadu_ps(static_cast<const float*>(p) + i);
 }
+// entry i, by one vcvtph2ps for float16
+__attribute__((target("f16c"))) inline float term_f16c(const void* p, bool half, int64_t i) {
+  return half ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
 // entry i of both tables (and the 8 after it, one line) into the cache ahead of use
 inline void prefetch_terms(const Terms& t, int64_t i) {
   const int64_t bytes = t.half ? 2 : 4;
