@@ -251,6 +251,36 @@ def cpu_capabilities() -> CpuCapabilities:
                          fallback_cpus=os.cpu_count() or 1)
 
 
+_CACHE_SIZE = re.compile(r"(\d+)\s*([KMG]?)", re.IGNORECASE)
+
+
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Returns the size in bytes of the largest-level cache of CPU 0 as Linux lists it (`root`/index*/level and
+    size, such as "32768K"), 0 where the files are missing or unreadable. Probes that must stream from memory size
+    their working set from it. Appendix A1."""
+    best_level, best_size = 0, 0
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(root, entry, "level")) as f:
+                level = int(f.read().strip())
+            with open(os.path.join(root, entry, "size")) as f:
+                match = _CACHE_SIZE.fullmatch(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if match is None:
+            continue
+        size = int(match.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[match.group(2).upper()]
+        if (level, size) > (best_level, best_size):
+            best_level, best_size = level, size
+    return best_size
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_slug(capabilities: CpuCapabilities | None = None) -> str:
     """Returns a CPU's class as a file name part, for its reports in data/benchmarks/ (default this CPU): its
