@@ -47,7 +47,7 @@ from .. import costs, timing
 from ..checkpoint import load_random
 from ..config import get_preset
 from ..cuda_graphs import COMPILE_OPTIONS
-from ..device import huge_page_empty
+from ..device import huge_page_empty, last_level_cache_bytes
 from ..fast import compile_decode
 from ..generate import generate
 from ..kernels import cpu as native_cpu
@@ -316,19 +316,6 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     return report
 
 
-def last_level_cache_bytes() -> int:
-    """Returns the largest CPU cache's size from /sys (32 MiB where it does not say). Chapter 08."""
-    sizes = []
-    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = path.read_text().strip().upper()
-        try:
-            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]]
-                         if text[-1] in "KMG" else int(text))
-        except (ValueError, KeyError):
-            continue
-    return max(sizes, default=32 << 20)
-
-
 def matmul_probes(dtype: torch.dtype, rows: int) -> list[timing.CeilingProbe]:
     """Returns the matmul probes of dtype that bound a prefill's rate: torch's 1536 x 1536 square matmul and, with
     the native kernels, the blocked kernel on the same square and on a layer's products (SmolLM2-135M's shapes,
@@ -412,7 +399,8 @@ class BandwidthCeiling:
     both decode benchmarks and chapter 08. Chapter 08."""
 
     def __init__(self, nbytes: int):
-        self.native = native_read_probes(max(nbytes, 4 * last_level_cache_bytes()))
+        # (32 MiB where the OS does not give the last-level cache's size)
+        self.native = native_read_probes(max(nbytes, 4 * (last_level_cache_bytes() or 32 << 20)))
         self.probes = {"matvec": timing.matvec_probe("cpu", torch.float32, nbytes),
                        "read": timing.read_probe("cpu", torch.float32, nbytes, huge_pages=True), **self.native}
         self.samples: dict[str, list[float]] = {label: [] for label in self.probes}
