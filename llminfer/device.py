@@ -257,7 +257,7 @@ _CACHE_SIZE = re.compile(r"(\d+)\s*([KMG]?)", re.IGNORECASE)
 def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
     """Returns the size in bytes of the largest-level cache of CPU 0 as Linux lists it (`root`/index*/level and
     size, such as "32768K"), 0 where the files are missing or unreadable. Probes that must stream from memory size
-    their working set from it. Appendix A1."""
+    their working set from it (the decode benchmark's native read, appendix A1's streamed products). Chapter 08."""
     best_level, best_size = 0, 0
     try:
         entries = sorted(os.listdir(root))
