@@ -6,9 +6,11 @@
     free_memory_bytes(device)           what can still be allocated there
     check_fits(nbytes, device, what)    the one memory guard: MemoryError before anything is allocated
     huge_page_empty(shape, dtype)       CPU memory on 2 MiB pages (what decode's weights and bandwidth probe use)
+    huge_page_copy(tensor)              a copy of a CPU tensor on such pages, or the tensor itself where none
     on_huge_pages(tensor)               whether a tensor lies in such memory
     cpu_capabilities()                  the CPU's name, flags, ISA level and core counts (read once)
     parse_cpuinfo(text)                 the same from the text of a /proc/cpuinfo
+    last_level_cache_bytes()            the largest-level cache's size (what a streaming probe must outgrow)
 """
 from __future__ import annotations
 
@@ -127,6 +129,13 @@ def huge_page_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = to
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     memory = _huge_page_arena(nbytes)
     return None if memory is None else memory.view(dtype).view(tuple(shape))
+
+
+def huge_page_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a CPU tensor on 2 MiB pages (`huge_page_empty`), or the tensor itself where the platform gives
+    none: weights for a probe placed as the fast path keeps its own. Chapter 08."""
+    out = huge_page_empty(tuple(tensor.shape), tensor.dtype)
+    return tensor if out is None else out.copy_(tensor)
 
 
 def on_huge_pages(tensor: torch.Tensor) -> bool:

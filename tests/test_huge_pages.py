@@ -117,3 +117,16 @@ def test_the_record_of_a_block_goes_with_it():
     import gc
     gc.collect()
     assert start not in llminfer.device._ARENAS
+
+
+def test_huge_page_copy_keeps_values_and_lands_on_huge_pages_where_it_can():
+    from llminfer.device import huge_page_copy, huge_page_empty
+
+    for t in (torch.randn(300, 7), torch.randint(0, 256, (33, 5, 32), dtype=torch.uint8),
+              torch.rand(64).half()):
+        copied = huge_page_copy(t)
+        assert torch.equal(copied, t) and copied.dtype == t.dtype and copied.shape == t.shape
+        if huge_page_empty((1,)) is None:         # the platform gives no 2 MiB pages: the tensor itself comes back
+            assert copied is t
+        else:
+            assert on_huge_pages(copied) and copied.data_ptr() != t.data_ptr()

@@ -401,7 +401,7 @@ def _matvec_probe(name: str) -> tuple[list[tuple[torch.Tensor, list]], str]:
     """Random weights of about MATVEC_PROBE_BYTES in all in format `name`, as a decode step's products: layers of
     PREFILL_PROBE_SHAPES on fresh weights (views of one block a shape, on 2 MiB pages); returns each product's x
     and gemv's arguments after x, in the order a step runs them, and the activations."""
-    from ..device import huge_page_empty
+    from ..device import huge_page_copy
 
     generator = torch.Generator().manual_seed(0)
 
@@ -411,24 +411,21 @@ def _matvec_probe(name: str) -> tuple[list[tuple[torch.Tensor, list]], str]:
     layer_bytes = sum(N * per_row(K) for N, K in PREFILL_PROBE_SHAPES)
     layers = max(1, -(-MATVEC_PROBE_BYTES // layer_bytes))
 
-    def placed(t: torch.Tensor) -> torch.Tensor:                  # on 2 MiB pages, as the fast path keeps weights
-        out = huge_page_empty(tuple(t.shape), t.dtype)
-        return t if out is None else out.copy_(t)
-
     by_shape = []
     for N, K in PREFILL_PROBE_SHAPES:                             # every layer's (N, K) product: one block
         rows = layers * N
         if name in ("float32", "bfloat16"):
-            whole, steps = [placed((torch.rand(rows, K, generator=generator) - 0.5).to(getattr(torch, name)))], (1,)
+            dense = (torch.rand(rows, K, generator=generator) - 0.5).to(getattr(torch, name))
+            whole, steps = [huge_page_copy(dense)], (1,)
             extra: tuple = ()
         elif name == "int8":
-            whole = [placed(torch.randint(-127, 128, (rows, K), dtype=torch.int8, generator=generator)),
+            whole = [huge_page_copy(torch.randint(-127, 128, (rows, K), dtype=torch.int8, generator=generator)),
                      torch.rand(rows, generator=generator)]
             steps, extra = (1, 1), ()
         else:                                                     # int4 tiles, float16 terms as the layers keep
             nibbles = torch.randint(0, 256, (rows, K // 2), dtype=torch.uint8, generator=generator)
             scale, offset = (torch.rand(rows, K // 32, generator=generator).half() for _ in range(2))
-            whole, steps, extra = [placed(t) for t in tile_int4(nibbles, scale, offset)], (8, 8, 8), (32,)
+            whole, steps, extra = [huge_page_copy(t) for t in tile_int4(nibbles, scale, offset)], (8, 8, 8), (32,)
         x = torch.randn(1, K, generator=generator)
         x = x.to(getattr(torch, name)) if name in ("float32", "bfloat16") else x
         by_shape.append([(x, [t[n // step:(n + N) // step] for t, step in zip(whole, steps)] + list(extra))
