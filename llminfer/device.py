@@ -293,10 +293,11 @@ def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> 
 @functools.lru_cache(maxsize=None)
 def cpu_slug(capabilities: CpuCapabilities | None = None) -> str:
     """Returns a CPU's class as a file name part, for its reports in data/benchmarks/ (default this CPU): its
-    name, its core where the table knows it, and '-avx512' where it has AVX-512, e.g. 'cpu-amd-epyc-zen5-avx512'
-    or 'cpu-intel-xeon-platinum-8488c-sapphirerapids-avx512'. Parts sold under one name ('AMD EPYC') differ
-    in core and in width, and llama.cpp, built for the machine it runs on, uses what it finds, so their runs are
-    kept apart. The one namer: every benchmark asks it. Chapter 08."""
+    name, its core where the table knows it, '-avx512' where it has AVX-512 and '-amx' where it has AMX tiles, e.g.
+    'cpu-amd-epyc-zen5-avx512' or 'cpu-intel-xeon-platinum-8488c-sapphirerapids-avx512-amx'. Parts sold under one
+    name ('AMD EPYC', 'Intel Xeon') differ in core and in width, and llama.cpp and oneDNN, built or dispatched for
+    the machine they run on, use what they find (oneDNN's bfloat16 matmul runs on AMX tiles), so their runs are
+    kept apart; under a hypervisor the model number may name no core, and the flags still part them. The one namer: every benchmark asks it. Chapter 08."""
     capabilities = capabilities or cpu_capabilities()
     name = re.sub(r"\(r\)|\(tm\)|processor|\d+-core|cpu @.*", "", "cpu " + capabilities.model.lower())
     parts = [re.sub(r"[^a-z0-9]+", "-", name).strip("-").replace("cpu-cpu", "cpu")]
@@ -305,4 +306,6 @@ def cpu_slug(capabilities: CpuCapabilities | None = None) -> str:
         parts.append(core)
     if "avx512f" in capabilities.flags:
         parts.append("avx512")
+    if "amx_tile" in capabilities.flags:
+        parts.append("amx")
     return "-".join(parts)

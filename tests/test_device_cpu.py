@@ -51,7 +51,7 @@ def test_the_avx2_epyc_has_no_avx512_and_the_zen4_no_amx():
     ("amd_epyc_avx2", "zen3", "cpu-amd-epyc-zen3"),                       # family 25, model 1
     ("amd_zen4_avx512_bf16", "zen4", "cpu-amd-epyc-9r14-zen4-avx512"),    # family 25, model 17
     ("amd_zen5_avx512_bf16_avx_vnni", "zen5", "cpu-amd-epyc-zen5-avx512"),  # family 26
-    ("intel_xeon_amx", "sapphirerapids", "cpu-intel-xeon-platinum-8488c-sapphirerapids-avx512"),
+    ("intel_xeon_amx", "sapphirerapids", "cpu-intel-xeon-platinum-8488c-sapphirerapids-avx512-amx"),
     ("intel_xeon_avx512_bf16_vnni", None, "cpu-intel-xeon-platinum-8380h-avx512"),  # model 85: by stepping
     ("arm_neoverse", None, "cpu-unknown"),
 ])
@@ -77,6 +77,13 @@ def test_parts_sold_under_one_name_get_different_files():
     named = parse_cpuinfo("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD Zen5 "
                           "test\nflags\t\t: avx2 fma\n")
     assert device.cpu_slug(named) == "cpu-amd-zen5-test"
+    # a Xeon whose model number names no core (as a hypervisor may report it): parted by its AMX tiles
+    def xeon(flags):
+        return parse_cpuinfo("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 167\nmodel name\t: Intel(R) "
+                             f"Xeon(R) Processor\nflags\t\t: {flags}\n")
+
+    assert [device.cpu_slug(xeon(f)) for f in (avx512, avx512 + " amx_tile amx_bf16")] == [
+        "cpu-intel-xeon-avx512", "cpu-intel-xeon-avx512-amx"]
 
 
 @pytest.mark.parametrize("flags, isa", [
@@ -130,7 +137,7 @@ def test_a_machine_is_reported_as_its_cpuinfo_says(monkeypatch):
     monkeypatch.setattr(report, "cpu_capabilities", lambda: fixture("intel_xeon_amx"))
     monkeypatch.setattr(engine, "cpu_capabilities", lambda: fixture("intel_xeon_amx"))
     assert report.machine(torch.device("cpu"))["cpu_isa"] == "amx"
-    assert report.device_slug(torch.device("cpu")) == "cpu-intel-xeon-platinum-8488c-sapphirerapids-avx512"
+    assert report.device_slug(torch.device("cpu")) == "cpu-intel-xeon-platinum-8488c-sapphirerapids-avx512-amx"
     assert engine.machine_info("cpu")["cpu_flags"] == ["avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile",
                                                        "fma", "f16c"]
 
