@@ -216,6 +216,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     _log("warm-up")
     tokens = {}
     for label, runner in contenders.items():
+        _log(f"warm-up: {label}")
         tokens[label] = runner().token_ids
     # each format's decode loops, timed again now rather than at load, under the conditions of the rounds, and on
     # what the rounds time: the format's own decode steps (the seconds between its tokens)
@@ -492,7 +493,10 @@ def _cpu_flags() -> list[str]:
 def _llama_cpp_version() -> str | None:
     try:
         import llama_cpp
-        return f"llama-cpp-python {llama_cpp.__version__}"
+
+        from ..quant.gguf_export import llama_cpp_extra_buffers
+        return (f"llama-cpp-python {llama_cpp.__version__}" + ("" if llama_cpp_extra_buffers() else
+                " (extra buffer types off: its AMX buffers crash on this CPU; plain CPU loops)"))
     except ImportError:
         return None
 

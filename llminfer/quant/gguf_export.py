@@ -128,12 +128,36 @@ def llama_cpp_available() -> bool:
     return True
 
 
-def load_llama_cpp(path: str | Path, n_ctx: int, threads: int):
-    """A llama_cpp.Llama on the GGUF file, batch size n_ctx, `threads` threads for prompt and decode."""
-    import llama_cpp
+def llama_cpp_extra_buffers() -> bool:
+    """Whether llama.cpp may keep weights in its extra CPU buffer types (its AMX tiles and its repacked Q4_0/Q8_0
+    layouts): not on a CPU with AMX tiles, where llama-cpp-python 0.3.36's AMX buffers crash the process
+    (a segmentation fault in its first Q8_0 or Q4_0 decode on an Intel Xeon with AMX under KVM; F32 and BF16 ran).
+    There llama.cpp runs its plain CPU loops (AVX-512, VNNI, AVX512-BF16), and the benchmark's report says so.
+    Chapter 08."""
+    from ..device import cpu_capabilities
 
-    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
-                           n_threads_batch=threads, verbose=False, logits_all=False)
+    return "amx_tile" not in cpu_capabilities().flags
+
+
+def load_llama_cpp(path: str | Path, n_ctx: int, threads: int):
+    """A llama_cpp.Llama on the GGUF file, batch size n_ctx, `threads` threads for prompt and decode; its extra
+    buffer types as `llama_cpp_extra_buffers` says."""
+    import llama_cpp
+    import llama_cpp.llama as wrapper
+
+    defaults = wrapper.llama_cpp.llama_model_default_params
+
+    def params():                   # the wrapper takes its model parameters from this function and has no switch
+        found = defaults()
+        found.use_extra_bufts = llama_cpp_extra_buffers()
+        return found
+
+    wrapper.llama_cpp.llama_model_default_params = params
+    try:
+        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
+                               n_threads_batch=threads, verbose=False, logits_all=False)
+    finally:
+        wrapper.llama_cpp.llama_model_default_params = defaults
 
 
 def llama_cpp_generate(llm, ids: list[int], new_tokens: int) -> GenerationResult:
