@@ -178,3 +178,14 @@ def test_last_level_cache_agrees_with_lscpu():
     rows = [tuple(int(v) for v in line.split()) for line in out if line.split() and line.split()[0].isdigit()]
     assert rows, "lscpu lists no caches on a Linux machine with cache files"
     assert here == max(rows)[1] > 0
+
+
+@pytest.mark.parametrize("name, extra", [("intel_xeon_amx", False), ("intel_xeon_avx512_bf16_vnni", True),
+                                         ("amd_zen4_avx512_bf16", True), ("amd_epyc_avx2", True)])
+def test_llama_cpp_keeps_its_extra_buffers_except_on_an_amx_cpu(monkeypatch, name, extra):
+    """llama-cpp-python 0.3.36's AMX buffers crash in its first quantized decode on an AMX Xeon: the peer runs
+    its plain CPU loops there and keeps its repacked layouts everywhere else."""
+    from llminfer.quant import gguf_export
+
+    monkeypatch.setattr(device, "cpu_capabilities", lambda: fixture(name))
+    assert gguf_export.llama_cpp_extra_buffers() is extra
