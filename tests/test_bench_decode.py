@@ -18,6 +18,8 @@ def test_a_short_run_writes_its_report(tmp_path, capsys, monkeypatch):
     assert kernels.load(), kernels.why_unavailable()
     (tmp_path / "kept").mkdir()
     monkeypatch.setitem(kernels._state, "build", str(tmp_path / "kept"))
+    monkeypatch.setattr(kernels, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
+    monkeypatch.delenv(kernels.PREFILL_ENV, raising=False)         # the tests' fixed path off: the run measures
     kinds = [kind for kind, _ in kernels.MATVEC_CANDIDATES.values()]
     bits, choices = {k: int(torch.ops.llminfer.matvec_features(k)) for k in kinds}, kernels.matvec_choices()
     # the plain model's prefill computes the last position's logits only, as a prefill does
@@ -75,8 +77,17 @@ def test_a_short_run_writes_its_report(tmp_path, capsys, monkeypatch):
     assert rates["int8"] == probes[int8_probe] > 0
     assert rates["float32"] == max(rate for what, rate in probes.items() if what != int8_probe)
     yardstick = {"fp32": rates["float32"], "int8": max(rates["float32"], rates["int8"])}
+    # each precision's prefill path was timed on its whole prefill both ways, the lower median taken
+    step_choices = {key.rsplit("|", 2)[1]: entry for key, entry in report["prefill"]["choices"].items()
+                    if entry["probe"] == kernels.PREFILL_STEP}
+    vector = kernels.isa() != "portable"
+    assert sorted(step_choices) == (["float32", "int8"] if vector else [])
+    for entry in step_choices.values():
+        assert entry["path"] == min(kernels.PREFILL_PATHS, key=lambda p: (entry["median_s"][p], p != "blocked"))
     for name, entry in prefill.items():
         assert entry["measured_path"] in ("blocked", "torch")
+        if vector:
+            assert entry["measured_path"] == step_choices[str(decode.weight_dtype_of(name)).removeprefix("torch.")]["path"]
         assert entry["mfu_against_flop_per_s"] == yardstick[name]
         assert entry["chosen_mfu"] == pytest.approx(report["prefill"]["flops"] / entry["chosen_s"] / yardstick[name])
         assert all(entry[f"{path}_s"] > 0 for path in ("chosen", "blocked", "torch", "plain"))

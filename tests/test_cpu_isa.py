@@ -459,6 +459,43 @@ def test_answers_kept_from_another_probe_are_timed_again(monkeypatch, tmp_path):
         cpu._matvec["choices"] = saved_choices
 
 
+def test_a_prefill_path_timed_on_whole_prefills_is_the_faster_one_and_kept(monkeypatch, tmp_path):
+    """remeasure_prefill runs each dtype's prefill forced onto each path in turn and keeps the lower median, with
+    no margin (the blocked kernel on a tie); a later process reads the kept answer back by the same rule."""
+    assert cpu.available(), cpu.why_unavailable()
+    monkeypatch.setattr(cpu, "measure_prefill", lambda *args, **kwargs: pytest.fail("the products probe ran"))
+    monkeypatch.setattr(cpu, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
+    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
+    monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
+    seen = []
+
+    def prefill(blocked_s, torch_s):
+        def run():
+            path = cpu.prefill_path(torch.float32, 128)          # the path forced while the run is timed
+            seen.append(path)
+            return blocked_s if path == "blocked" else torch_s
+        return run
+
+    with pytest.raises(ValueError, match=r"prefills for \[torch.float16\]: the weight dtypes .* float32, bfloat16"):
+        cpu.remeasure_prefill({torch.float16: prefill(1.0, 1.0)}, 128)
+    runs = {torch.float32: prefill(1.0, 0.97), torch.bfloat16: prefill(1.0, 1.03), torch.uint8: prefill(1.0, 1.0)}
+    if cpu.isa() == "portable":                                  # no blocked kernel: nothing to time
+        assert cpu.remeasure_prefill(runs, 100) == {} and seen == []
+        return
+    choices = cpu.remeasure_prefill(runs, 100, repeats=3)
+    assert seen == ["blocked", "torch"] * 4 * 3                  # a warm-up and 3 turns each, taking turns
+    assert {key.rsplit("|", 2)[1]: entry["path"] for key, entry in choices.items()} == \
+        {"float32": "torch", "bfloat16": "blocked", "uint8": "blocked"}       # 3 % either way decides; a tie: blocked
+    assert all(key.endswith("|128") and entry["probe"] == cpu.PREFILL_STEP for key, entry in choices.items())
+    assert choices[cpu._choice_key(torch.float32, 128)]["median_s"] == {"blocked": 1.0, "torch": 0.97}
+    assert cpu.prefill_path(torch.float32, 128) == "torch" and cpu._prefill["forced"] is None
+    # kept: a later process takes the same paths without timing anything
+    monkeypatch.setattr(cpu, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
+    assert [cpu.prefill_path(dtype, 120) for dtype in runs] == ["torch", "blocked", "blocked"]
+    saved = json.loads((tmp_path / "prefill_choices.json").read_text())
+    assert {entry["probe"] for entry in saved.values()} == {cpu.PREFILL_STEP}
+
+
 def test_measure_prefill_times_both_paths_in_turn():
     timings = cpu.measure_prefill(torch.uint8, 16, repeats=2)
     assert sorted(timings) == ["blocked", "torch"] and all(len(t) == 2 and min(t) > 0 for t in timings.values())

@@ -20,8 +20,8 @@ that streams faster than the best probe means the ceiling is wrong: the benchmar
 
 The report names the kernels' instruction-set level (`kernels.cpu.isa()`) and, per weight format, which decode
 loops ran, timed again after the warm-up on each format's own decode steps (`kernels.cpu.remeasure_matvec`).
-Prefill of the prompt runs, per precision, on the path measured at first use (`kernels.cpu.prefill_path`), on
-both paths forced (the blocked kernel, torch's matmul), and on the plain model (no fast path), against the best
+Prefill of the prompt runs, per precision, on the path chosen after the warm-up by timing the format's whole
+prefill on both paths (`kernels.cpu.remeasure_prefill`, kept for later processes too), on both paths forced (the blocked kernel, torch's matmul), and on the plain model (no fast path), against the best
 matmul rate for the precision sampled alongside (MFU: the fastest sample of torch's square matmul and the native
 kernel's, square and on a layer's products, in float32; for bf16 the better of those and the same in bfloat16,
 for int8 and int4 the better of those and the blocked kernel on the format's own layer products; a prefill above
@@ -224,6 +224,16 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
              for label, runner in contenders.items() if label.startswith("llminfer fast ")}
     choices = native_cpu.remeasure_matvec(steps) if native_cpu.available() else {}
     _log("decode loops: " + ", ".join(f"{name} {entry['level']}" for name, entry in choices.items()))
+    # and each weight dtype's prefill path, timed on the whole prefill of the formats with it, both ways
+    prefills: dict[torch.dtype, list] = {}
+    for name in args.precisions:
+        decoder = info.get(f"llminfer fast {name}", {}).get("decoder")
+        if decoder is not None:
+            prefills.setdefault(weight_dtype_of(name), []).append(decoder)
+    paths = native_cpu.remeasure_prefill({dtype: lambda ds=ds: sum(_timed_prefill(d, ids) for d in ds)
+                                          for dtype, ds in prefills.items()}, args.prompt_len)
+    _log("prefill paths: " + ", ".join(f"{key.rsplit('|', 2)[1]} {entry['path']}" for key, entry in paths.items()
+                                        if entry.get("probe") == native_cpu.PREFILL_STEP))
     ceiling.warm()
     results = interleave(contenders, args.repeats, between=ceiling.sample, warm=False)
     bandwidth, probe_rates = ceiling.best(), ceiling.rates()
@@ -441,6 +451,21 @@ class BandwidthCeiling:
         return len(self.samples["matvec"])
 
 
+def weight_dtype_of(name: str) -> torch.dtype:
+    """The dtype of a precision's weights as the kernels hold them (int4: uint8 nibbles), which keys its prefill
+    path."""
+    _, dtype, scheme = PRECISIONS[name]
+    return QUANT_WEIGHTS[scheme[0]] if scheme else dtype
+
+
+def _timed_prefill(decoder, ids) -> float:
+    """Seconds of one prefill of ids by a compiled decoder."""
+    with torch.inference_mode():
+        start = time.perf_counter()
+        decoder.prefill(ids)
+        return time.perf_counter() - start
+
+
 def _prefill_table(args, base, ids, info, quant_dtype, matmuls) -> tuple[dict, dict[str, list[float]]]:
     """Per precision, median seconds of a prompt's prefill: the fast path as chosen here, forced onto each path,
     and the plain model; with samples of each matmul probe (by dtype) taken between them."""
@@ -462,8 +487,7 @@ def _prefill_table(args, base, ids, info, quant_dtype, matmuls) -> tuple[dict, d
         if decoder is None:
             continue
         kind, dtype, scheme = PRECISIONS[name]
-        weight_dtype = QUANT_WEIGHTS[scheme[0]] if scheme else dtype
-        entry = {"measured_path": native_cpu.prefill_path(weight_dtype, args.prompt_len)}
+        entry = {"measured_path": native_cpu.prefill_path(weight_dtype_of(name), args.prompt_len)}
         with torch.inference_mode():
             entry["chosen_s"] = median_of(lambda: decoder.prefill(ids))
             for path in native_cpu.PREFILL_PATHS:

@@ -65,11 +65,12 @@ from llminfer.attention import fast_attention
 
 __all__ = ["PreparedStack", "available", "why_unavailable", "load", "isa", "isa_features", "choose_isa", "IsaChoice",
            "ISA_ENV", "KERNEL_LEVELS", "gemv", "decode_attention", "paged_attention", "attention_backend", "loaded",
-           "prefill_path", "prefill_choices", "choose_prefill", "measure_prefill", "force_prefill", "layer_products",
+           "prefill_path", "prefill_choices", "choose_prefill", "measure_prefill", "remeasure_prefill", "force_prefill",
+           "layer_products",
            "rows_bucket", "stream_read", "PREFILL_PATHS", "PREFILL_ENV", "PREFILL_MARGIN", "MAX_TOKENS",
            "blocked_prefill", "tile_int4", "untile_int4", "cpu_flags", "bfloat16_in_hardware", "MATVEC_CANDIDATES",
            "MATVEC_PROBE_BYTES", "choose_fastest", "matvec_candidates", "measure_matvec", "matvec_choices",
-           "remeasure_matvec", "MATVEC_STEP", "SOURCES", "HEADERS", "cache_dir"]
+           "remeasure_matvec", "MATVEC_STEP", "PREFILL_STEP", "SOURCES", "HEADERS", "cache_dir"]
 
 _HERE = Path(__file__).parent
 # the units of the one extension, by job, and the header they share (the build's hash covers all of them)
@@ -544,6 +545,12 @@ PREFILL_PROBE = "products " + ", ".join(f"{n}x{k}" for n, k in PREFILL_PROBE_SHA
 # against 68 ms, in the same run); an Intel Xeon's MKL ran float32 products 1.4 times faster than the blocked
 # kernel, and its plain model's prefill was faster too. So torch's products must be more than 25 % faster.
 PREFILL_MARGIN = 0.25
+# what an answer timed on a whole prefill was timed on (`remeasure_prefill`, as the decode benchmark times each
+# format's own prefill both ways): the native stack against the modules, so the faster median wins, with no margin.
+# On an Intel Xeon with AMX, torch's float32 products ran 1.26 times the blocked kernel's on the probe, so it took
+# torch's matmul, and the whole 128-token prefill ran 1.22 times faster on the blocked path (131 against 160 ms)
+PREFILL_STEP = "the prefill of a model in the format"
+PREFILL_STEP_REPEATS = 5                # turns of each path on a whole prefill
 PREFILL_ENV = "LLMINFER_PREFILL"           # 'blocked' or 'torch' forces the path (for comparisons); unset: measured
 _prefill: dict = {"choices": {}, "forced": None, "loaded_from_disk": False}
 
@@ -645,19 +652,62 @@ def prefill_path(weight_dtype: torch.dtype = torch.float32, rows: int = 128) -> 
     choices = _prefill["choices"]
     if key not in choices:
         with _lock:
-            path = _kept_file("prefill_choices.json")
-            if not _prefill["loaded_from_disk"]:
-                for k, v in _read_kept(path).items():           # the kept timings, decided by today's rule
-                    if k not in choices and v.get("probe") == PREFILL_PROBE and set(v.get("median_s", {})) == \
-                            set(PREFILL_PATHS):
-                        choices[k] = dict(v, path=choose_prefill({p: [t] for p, t in v["median_s"].items()}))
-                _prefill["loaded_from_disk"] = True
+            _read_kept_prefill()
             if key not in choices:
                 timings = measure_prefill(weight_dtype, rows_bucket(rows))
                 choices[key] = {"path": choose_prefill(timings), "probe": PREFILL_PROBE,
                                 "median_s": {p: statistics.median(t) for p, t in timings.items()}}
-                _write_kept(path, choices)
+                _write_kept(_kept_file("prefill_choices.json"), choices)
     return choices[key]["path"]
+
+
+def _read_kept_prefill() -> None:
+    """Adds the kept prefill answers to the process's, once, each decided by today's rule for its probe: a layer's
+    products with the margin (`choose_prefill`), a whole prefill by the lower median (`choose_fastest`); an answer
+    timed on another probe is left out, to be timed again. Called under _lock."""
+    choices = _prefill["choices"]
+    if _prefill["loaded_from_disk"]:
+        return
+    for k, v in _read_kept(_kept_file("prefill_choices.json")).items():
+        if k not in choices and set(v.get("median_s", {})) == set(PREFILL_PATHS):
+            medians = {p: [v["median_s"][p]] for p in PREFILL_PATHS}
+            if v.get("probe") == PREFILL_PROBE:
+                choices[k] = dict(v, path=choose_prefill(medians))
+            elif v.get("probe") == PREFILL_STEP:
+                choices[k] = dict(v, path=choose_fastest(medians))
+    _prefill["loaded_from_disk"] = True
+
+
+def remeasure_prefill(prefills: dict[torch.dtype, Callable[[], float]], rows: int,
+                      repeats: int = PREFILL_STEP_REPEATS) -> dict[str, dict]:
+    """Times each weight dtype's prefill path on a whole prefill and keeps the faster: `prefills` maps weight dtypes
+    (float32, bfloat16, int8, uint8 for int4) to a run that prefills `rows` rows through a model with such weights
+    and returns its seconds. Each run takes its turn forced onto the blocked kernel and onto torch's matmul
+    (`force_prefill`), after one warm-up each; the lower median wins (the blocked kernel on a tie), is set for
+    (dtype, rows' bucket) and kept beside the kernel build, as the first use's probe would be (a benchmark does
+    this, so that the path served is the one that ran its prefill faster; `measure_prefill`'s probe times products
+    only). Returns `prefill_choices()`. Without the vector loops nothing is measured. Appendix A1."""
+    unknown = [dtype for dtype in prefills if dtype not in (torch.float32, torch.bfloat16, torch.int8, torch.uint8)]
+    if unknown:
+        raise ValueError(f"prefills for {unknown}: the weight dtypes with a prefill choice are float32, bfloat16, "
+                         "int8 and uint8 (int4)")
+    if not (_state["loaded"] or load()) or isa() == "portable":
+        return prefill_choices()
+    with _lock:
+        _read_kept_prefill()                             # the kept answers read first, so these replace theirs
+        for dtype, run in prefills.items():
+            timings: dict[str, list[float]] = {path: [] for path in PREFILL_PATHS}
+            for round_index in range(repeats + 1):
+                for path in PREFILL_PATHS:
+                    with force_prefill(path):
+                        seconds = run()
+                    if round_index:                      # the first round warms up
+                        timings[path].append(seconds)
+            _prefill["choices"][_choice_key(dtype, rows_bucket(rows))] = {
+                "path": choose_fastest(timings), "probe": PREFILL_STEP,
+                "median_s": {p: statistics.median(t) for p, t in timings.items()}}
+        _write_kept(_kept_file("prefill_choices.json"), _prefill["choices"])
+    return prefill_choices()
 
 
 def prefill_choices() -> dict[str, dict]:
