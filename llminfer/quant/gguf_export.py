@@ -139,9 +139,10 @@ def llama_cpp_extra_buffers() -> bool:
     return "amx_tile" not in cpu_capabilities().flags
 
 
-def load_llama_cpp(path: str | Path, n_ctx: int, threads: int):
+def load_llama_cpp(path: str | Path, n_ctx: int, threads: int, logits_all: bool = False):
     """A llama_cpp.Llama on the GGUF file, batch size n_ctx, `threads` threads for prompt and decode; its extra
-    buffer types as `llama_cpp_extra_buffers` says."""
+    buffer types as `llama_cpp_extra_buffers` says (off on a CPU with AMX tiles, where 0.3.36's AMX buffers crash);
+    logits_all keeps every position's logits (`llm.scores`), not only the last."""
     import llama_cpp
     import llama_cpp.llama as wrapper
 
@@ -155,7 +156,7 @@ def load_llama_cpp(path: str | Path, n_ctx: int, threads: int):
     wrapper.llama_cpp.llama_model_default_params = params
     try:
         return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
-                               n_threads_batch=threads, verbose=False, logits_all=False)
+                               n_threads_batch=threads, verbose=False, logits_all=logits_all)
     finally:
         wrapper.llama_cpp.llama_model_default_params = defaults
 
