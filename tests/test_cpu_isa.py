@@ -32,7 +32,7 @@ RUNNABLE = {
     "amd_epyc_avx2": ["portable", "avx2"],
     "amd_zen4_avx512_bf16": ["portable", "avx2", "avx512", "avx512_vnni", "avx512_bf16"],
     "intel_xeon_avx512_bf16_vnni": ["portable", "avx2", "avx512", "avx512_vnni", "avx512_bf16"],
-    "intel_xeon_amx": ["portable", "avx2", "avx_vnni", "avx512", "avx512_vnni", "avx512_bf16"],
+    "intel_xeon_amx": ["portable", "avx2", "avx_vnni", "avx512", "avx512_vnni", "avx512_bf16", "amx"],
     "amd_zen5_avx512_bf16_avx_vnni": ["portable", "avx2", "avx_vnni", "avx512", "avx512_vnni", "avx512_bf16"],
 }
 
@@ -56,16 +56,18 @@ def test_every_level_at_or_below_the_cpu_is_taken_and_every_level_above_is_refus
                 cpu.choose_isa(caps, level)
 
 
-def test_the_default_is_the_highest_level_and_unknown_or_amx_levels_are_refused(monkeypatch):
+def test_the_default_is_the_highest_level_and_unknown_levels_are_refused(monkeypatch):
     monkeypatch.delenv(cpu.ISA_ENV, raising=False)
     monkeypatch.delenv("LLMINFER_CPU_KERNELS_PORTABLE", raising=False)
     amx = _fixture("intel_xeon_amx")
     assert amx.isa_level == "amx"
     default = cpu.choose_isa(amx)
-    assert (default.level, default.forced) == ("avx512_bf16", False)
-    assert default.bits == 1 + 16 + 2 + 4 + 8
-    with pytest.raises(ValueError, match="no loop here uses AMX tiles"):
-        cpu.choose_isa(amx, "amx")
+    assert (default.level, default.forced) == ("amx", False)
+    assert default.bits == 1 + 16 + 2 + 4 + 8 + 32
+    assert cpu.choose_isa(amx, "avx512_bf16").bits == 1 + 16 + 2 + 4 + 8       # the tiles off, for comparisons
+    # AMX tiles without their bfloat16 instructions run the level below
+    no_bf16 = parse_cpuinfo((FIXTURES / "intel_xeon_amx.txt").read_text().replace(" amx_bf16", ""))
+    assert cpu.choose_isa(no_bf16).level == "avx512_bf16"
     with pytest.raises(ValueError, match=r"LLMINFER_ISA='sse9' is not a level .*known levels are portable"):
         cpu.choose_isa(amx, "sse9")
     monkeypatch.setenv(cpu.ISA_ENV, "AVX2")                            # the environment, any case

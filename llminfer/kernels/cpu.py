@@ -97,6 +97,7 @@ KERNEL_LEVELS: dict[str, tuple[int, frozenset[str]]] = {
     "avx512": (2, frozenset({"avx512bw", "avx512vl"})),                 # 16-lane float loops
     "avx512_vnni": (4, frozenset({"avx512bw", "avx512vl"})),            # W4A8 by vpdpbusd (EVEX)
     "avx512_bf16": (8, frozenset({"avx512bw", "avx512vl"})),            # bfloat16 by vdpbf16ps
+    "amx": (32, frozenset({"avx512bw", "avx512vl", "avx512_bf16"})),    # a prefill's bfloat16 products by tdpbf16ps
 }
 
 
@@ -138,9 +139,7 @@ def choose_isa(capabilities=None, requested: str | None = None) -> IsaChoice:
     else:
         requested = requested.strip().lower()
         if requested not in order:
-            known = [name for name, _ in ISA_LEVELS]
-            why = ("no loop here uses AMX tiles; an AMX CPU runs avx512_bf16" if requested in known else
-                   f"known levels are {', '.join(order)}")
+            why = f"known levels are {', '.join(order)}"
             raise ValueError(f"{ISA_ENV}={requested!r} is not a level the kernels have ({why}); set it to one of "
                              f"{', '.join(runnable)} (what this CPU runs) or unset it")
         if requested not in runnable:

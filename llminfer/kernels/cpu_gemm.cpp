@@ -323,6 +323,59 @@ __attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) void gemm_tile_x32_b
   store_tile_x32<R>(a, b, y, ldy, rows, accumulate);
 }
 
+// AMX: 32 bfloat16 rows of w (`ldw` elements apart, read in place as two 16-row A tiles) by 32 tokens of xp (the
+// bfloat16 tile's packed pairs: 16 pairs by 16 tokens is a B tile as it lies, 128 bytes a row) into 4 C tiles of
+// 16 x 16 float32, 32 inputs a step (kc a multiple of 32). The tile configuration is loaded on every call: it is the
+// thread's, and torch's oneDNN sets its own on the same threads. The C tiles hold (row, token); each is transposed
+// in registers and stored a token at a time.
+__attribute__((target(LLMINFER_GEMM_AVX512 ",amx-tile,amx-bf16"))) void gemm_tile_x32_amx(
+    const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t kc, float* y, int64_t ldy, int64_t rows,
+    bool accumulate) {
+  struct alignas(64) Config {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t tile_rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.tile_rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t stride = ldw * 2;
+  for (int64_t k = 0; k < kc; k += 32) {
+    _tile_loadd(4, w + k, stride);
+    _tile_loadd(5, w + 16 * ldw + k, stride);
+    _tile_loadd(6, xp + k * 32, 128);
+    _tile_loadd(7, xp + k * 32 + 32, 128);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float c[4][16 * 16];
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  _tile_stored(2, c[2], 64);
+  _tile_stored(3, c[3], 64);
+  _tile_release();
+  for (int q = 0; q < 4; ++q) {                  // q: rows 16 * (q / 2) on, tokens 16 * (q % 2) on
+    const int64_t j0 = 16 * (q % 2), n = std::min<int64_t>(16, rows - j0);
+    if (n <= 0) continue;
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c[q] + 16 * i);
+    transpose16(r);                              // r[j]: token j0 + j's 16 rows
+    float* out = y + j0 * ldy + 16 * (q / 2);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 v = accumulate ? _mm512_add_ps(_mm512_loadu_ps(out + j * ldy), r[j]) : r[j];
+      _mm512_storeu_ps(out + j * ldy, v);
+    }
+  }
+}
+
 // Tokens [0, rows) of x (rows <= 32, K inputs, bfloat16 values held as float32) as a packed tile of the bfloat16
 // kernel: word [pair][j] holds inputs 2·pair and 2·pair + 1 of token j. 16 pairs of 16 tokens at a time: each
 // token's 32 inputs made 16 words by vcvtne2ps2bf16 (exact on bfloat16 values), the 16 x 16 words then transposed
@@ -441,6 +494,14 @@ struct TileBF16DP {
   static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc,
                    const Ahead& ahead) {       // (bfloat16 rows in place, ldw apart: the tile's own schedule)
     gemm_tile_x32_bf16dp<12>(w, ldw, xp, kc, y, ldy, rows, acc, reinterpret_cast<const uint16_t*>(ahead.p));
+  }
+};
+struct TileAMX {                                // the bfloat16 tile's packed x, by AMX tiles 32 rows at a time
+  using T = uint16_t;
+  static constexpr int64_t kTokens = 32, kPair = 2, kRows = 32;
+  static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc,
+                   const Ahead&) {
+    gemm_tile_x32_amx(w, ldw, xp, kc, y, ldy, rows, acc);
   }
 };
 
@@ -612,6 +673,7 @@ bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y, const Ga
 // (bfloat16 weights by vdpbf16ps where AVX512-BF16 runs, K is even and x is bfloat16 already)
 void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
   const int64_t bits = features();
+  if (W.format == Weight::BF16 && (bits & kAMXBF16) && W.K % 32 == 0 && gemm_blocked<TileAMX>(x, M, W, y)) return;
   if (W.format == Weight::BF16 && (bits & kAVX512BF16) && W.K % 2 == 0 && gemm_blocked<TileBF16DP>(x, M, W, y)) return;
   if (bits & kAVX512) {
     gemm_blocked<TileAVX512>(x, M, W, y);
@@ -622,7 +684,8 @@ void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
 
 bool gemm_blocked_gated(const float* x, int64_t M, const Weight& W, bool bf16, float* act) {
   const GatedOut gate{act, bf16};
-  return W.format == Weight::BF16 && (features() & kAVX512BF16) && W.K % 2 == 0 &&
+  // (with AMX the products run on the tiles, and SwiGLU after them: the panels are the vdpbf16ps tile's)
+  return W.format == Weight::BF16 && (features() & kAVX512BF16) && !(features() & kAMXBF16) && W.K % 2 == 0 &&
          gemm_blocked<TileBF16DP>(x, M, W, nullptr, &gate);
 }
 #endif

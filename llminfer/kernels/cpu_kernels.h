@@ -77,6 +77,8 @@ enum Feature : int64_t {
   kAVX512VNNI = 4,    // vpdpbusd (AVX512-VNNI + VL; 512-bit for int4 tiles): int8 dot products in one instruction
   kAVX512BF16 = 8,    // vdpbf16ps: bfloat16 pairs multiplied and added into float32
   kAVXVNNI = 16,      // AVX-VNNI: vpdpbusd with the VEX encoding (CPUs without AVX-512 have it too)
+  kAMXBF16 = 32,      // AMX tiles with AMX-BF16: a prefill's bfloat16 products by tdpbf16ps (the OS must grant the
+                      // tile state: arch_prctl(ARCH_REQ_XCOMP_PERM), asked once when the CPU is read)
 };
 int64_t features();
 // sets the features (bits of Feature); returns the bits the CPU lacks (nothing is set then)

@@ -23,6 +23,13 @@
 //   VNNI         W4A8 by one vpdpbusd (AVX-VNNI; AVX512-VNNI on 512-bit registers for tiles, 256-bit for rows)
 //   AVX512-BF16  bfloat16 weights by vdpbf16ps, where x is bfloat16 already (a bfloat16 model's activations)
 
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include "cpu_kernels.h"
 
 namespace llminfer_cpu {
@@ -32,6 +39,23 @@ namespace llminfer_cpu {
 
 namespace {
 std::atomic<int64_t> g_features{-1};
+
+#ifdef LLMINFER_X86
+// Whether the CPU has AMX tiles with AMX-BF16 (CPUID leaf 7: EDX bits 22 and 24) and Linux lets this process use
+// the tile data (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, asked once; a kernel without it refuses)
+bool amx_bf16_granted() {
+  static const bool granted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+#ifdef __linux__
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    return false;
+#endif
+  }();
+  return granted;
+}
+#endif
 
 int64_t cpu_supported() {
   int64_t bits = 0;
@@ -44,6 +68,7 @@ int64_t cpu_supported() {
   if ((bits & kAVX512) && __builtin_cpu_supports("avx512vnni")) bits |= kAVX512VNNI;
   if ((bits & kAVX512) && __builtin_cpu_supports("avx512bf16")) bits |= kAVX512BF16;
   if ((bits & kAVX2) && __builtin_cpu_supports("avxvnni")) bits |= kAVXVNNI;
+  if ((bits & kAVX512BF16) && amx_bf16_granted()) bits |= kAMXBF16;
 #endif
   return bits;
 }
