@@ -98,7 +98,16 @@ def test_a_short_run_writes_its_report(tmp_path, capsys, monkeypatch):
     assert {"llminfer fast fp32", "llminfer fast int8", "llminfer eager fp32"} <= set(rows)
     for row in rows.values():
         assert row["tokens_per_s"] > 0 and row["same_tokens_as_warmup"]
-        assert row["mbu"] == pytest.approx(row["bytes_per_token"] * row["tokens_per_s"] / band["ceiling_bytes_per_s"])
+        # against the memory's ceiling, or, for bytes a cache can hold part of, a streaming read of those bytes
+        assert row["ceiling_bytes_per_s"] >= band["ceiling_bytes_per_s"]
+        assert row["mbu"] == pytest.approx(row["bytes_per_token"] * row["tokens_per_s"] / row["ceiling_bytes_per_s"])
+    footprints = band["footprint_read_bytes_per_s_by_mib"]
+    for row in rows.values():
+        size = str(max(1, round(row["bytes_per_token"] / 2**20)))
+        if size in footprints:
+            assert row["ceiling_bytes_per_s"] == max(band["ceiling_bytes_per_s"], footprints[size])
+        else:
+            assert row["ceiling_bytes_per_s"] == band["ceiling_bytes_per_s"]
     # int8 reads about a quarter of the float32 bytes
     assert 3.5 < rows["llminfer fast fp32"]["bytes_per_token"] / rows["llminfer fast int8"]["bytes_per_token"] < 4.1
     assert "bandwidth ceiling" in capsys.readouterr().out
@@ -144,7 +153,7 @@ def test_a_contender_above_the_ceiling_stops_the_benchmark_and_records_nothing(t
     report = _report(ceiling_exceeded={"llminfer fast fp32": 15e9})
     monkeypatch.setattr(decode, "run", lambda args: report)
     assert decode.main(["--out", str(tmp_path)]) == 1
-    assert "STOPPED: llminfer fast fp32 streamed 15.0 GB/s above the best probe (10.0 GB/s)" in capsys.readouterr().out
+    assert "STOPPED: llminfer fast fp32 streamed 15.0 GB/s above its ceiling (10.0 GB/s)" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())
 
 
@@ -173,6 +182,29 @@ def test_the_bandwidth_ceiling_is_the_fastest_sample_of_any_probe():
     assert ceiling.rates()["read"] == work["read"] / 0.25 and ceiling.medians()["read"] == work["read"] / 2.0
     assert ceiling.medians()["matvec"] == work["matvec"] / 0.5
     assert ceiling.best() == max(work[label] / min(times) for label, times in ceiling.samples.items())
+
+
+def test_a_footprint_a_cache_can_hold_gets_its_own_streaming_read_as_its_ceiling(monkeypatch):
+    from llminfer.bench import decode as bench
+
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: 8 << 20)     # a 8 MiB cache: 32 MiB is beyond it
+    ceiling = bench.BandwidthCeiling(1 << 20, footprints=[3 << 20, 3 << 20, 40 << 20])
+    assert sorted(ceiling.footprints) == [3]                     # one probe per size, none beyond the cache's reach
+    assert ceiling.footprints[3].work == 3 << 20                 # a read of the footprint's own bytes
+    ceiling.warm(1)
+    ceiling.sample(2)
+    assert len(ceiling.samples["footprint read, 3 MiB"]) == 2
+    assert "footprint read, 3 MiB" not in ceiling.rates()        # not part of the memory's ceiling
+    for label in ceiling.samples:
+        ceiling.samples[label] = [1.0]
+    ceiling.samples["footprint read, 3 MiB"] = [1e-6]            # the cache-sized read, far faster
+    memory = ceiling.best()
+    assert ceiling.for_bytes(3 << 20) == (3 << 20) / 1e-6 > memory
+    assert ceiling.for_bytes(40 << 20) == memory                  # beyond the cache: the memory's ceiling
+    ceiling.samples["footprint read, 3 MiB"] = [1e3]             # slower than the memory's: the faster one counts
+    assert ceiling.for_bytes(3 << 20) == memory
+    with pytest.raises(ValueError, match=r"no streaming read of 5 MiB.*footprints: \[3\] MiB"):
+        ceiling.for_bytes(5 << 20)
 
 
 def test_the_matmul_ceiling_is_the_fastest_sample_and_the_median_rate_stays_the_median():

@@ -96,8 +96,8 @@ def test_a_short_run_writes_its_report(tmp_path, capsys):
     row = report["contenders"]["llminfer q4_1"]
     assert set(report["contenders"]) == {"llminfer q4_1"} and report["token_agreement"] == {}
     assert row["bytes_per_token"] > sum(report["file_bytes_by_type"].values())   # the file's bytes plus the K/V
-    assert row["mbu"] == pytest.approx(row["bytes_per_token"] * row["tokens_per_s"]
-                                       / report["bandwidth"]["ceiling_bytes_per_s"])
+    assert row["ceiling_bytes_per_s"] >= report["bandwidth"]["ceiling_bytes_per_s"]
+    assert row["mbu"] == pytest.approx(row["bytes_per_token"] * row["tokens_per_s"] / row["ceiling_bytes_per_s"])
     # the ceiling is the best of the decode benchmark's probes, the native streaming reads among them
     band = report["bandwidth"]
     assert band["ceiling_bytes_per_s"] == max(band["by_probe"].values()) > 0

@@ -12,7 +12,8 @@ llminfer runs its fast path (fused projections, native CPU kernels, the step com
 The contenders take turns, one generation each per round, with the decode benchmark's bandwidth probes
 (`decode.BandwidthCeiling`, the size of the float32 weights at least) sampled after each generation, so every
 tokens/s stands beside a ceiling measured under the same load (MBU = bytes read per token × tokens/s ÷ the fastest
-probe sample). With real weights the text is no longer one repeated token, so the tokens of llminfer and
+probe sample, or, for a file small enough that the cache holds part of it, ÷ the faster of that and a streaming
+read of its own bytes: `BandwidthCeiling.for_bytes`). With real weights the text is no longer one repeated token, so the tokens of llminfer and
 llama.cpp are compared in every round: where they part, and how far they agree. Results: the terminal and
 data/benchmarks/decode-real-<machine>.json.
 """
@@ -177,18 +178,19 @@ def run(args) -> dict:
                 contenders[f"llama.cpp {name}"] = llama_cpp_contender(ggufs[name], ids, args.new_tokens, threads)
                 info[f"llama.cpp {name}"] = {"format": name, "weight_bytes": llama_weight_bytes[name],
                                              "kv_element_bytes": 2}    # llama.cpp's default KV cache is f16
-        ceiling = BandwidthCeiling(weight_bytes["f32"])
+        per_token = {label: meta["weight_bytes"] + (len(ids) + args.new_tokens / 2)
+                     * costs.kv_bytes_per_token(cfg, meta["kv_element_bytes"]) for label, meta in info.items()}
+        ceiling = BandwidthCeiling(weight_bytes["f32"], footprints=per_token.values())
         ceiling.warm()
         results = interleave(contenders, args.repeats, between=ceiling.sample)
         bandwidth = ceiling.best()
         rows = {}
         for label, found in results.items():
             meta = info[label]
-            kv = (len(ids) + args.new_tokens / 2) * costs.kv_bytes_per_token(cfg, meta["kv_element_bytes"])
             row = summarise(found)
-            per_token = meta["weight_bytes"] + kv
-            row.update(format=meta["format"], bytes_per_token=per_token,
-                       mbu=per_token * row["tokens_per_s"] / bandwidth,
+            own = ceiling.for_bytes(per_token[label])
+            row.update(format=meta["format"], bytes_per_token=per_token[label], ceiling_bytes_per_s=own,
+                       mbu=per_token[label] * row["tokens_per_s"] / own,
                        compile_s=meta.get("compile_s"), text=tokenizer.decode(found[0].token_ids),
                        same_tokens_every_round=all(r.token_ids == found[0].token_ids for r in found))
             rows[label] = row
@@ -211,6 +213,7 @@ def run(args) -> dict:
             "file_bytes_by_type": by_type,
             "load_average_before": load_before, "load_average_after": load_average(),
             "bandwidth": {"ceiling_bytes_per_s": bandwidth, "by_probe": ceiling.rates(),
+                          "footprint_read_bytes_per_s_by_mib": ceiling.footprint_rates(),
                           "median_by_probe": ceiling.medians(), "what": ceiling.what(),
                           "samples": ceiling.samples_per_probe()},
             "contenders": rows, "token_agreement": agreement, "ratios": ratios,
@@ -235,9 +238,10 @@ def table(report: dict) -> str:
              f"{report['load_average_after']}",
              f"bandwidth ceiling {_ceiling(report) / 1e9:.1f} GB/s "
              f"({report['bandwidth']['what']})",
-             f"{'contender':<18}{'tokens/s':>10}{'MB/token':>10}{'MBU':>7}{'distinct':>10}"]
+             f"{'contender':<18}{'tokens/s':>10}{'MB/token':>10}{'ceiling GB/s':>13}{'MBU':>7}{'distinct':>10}"]
     for label, row in report["contenders"].items():
         lines.append(f"{label:<18}{row['tokens_per_s']:>10.1f}{row['bytes_per_token'] / 1e6:>10.0f}"
+                     f"{row.get('ceiling_bytes_per_s', _ceiling(report)) / 1e9:>13.1f}"
                      f"{row['mbu']:>7.2f}{row['distinct_tokens']:>10}")
     for name, value in report["ratios"].items():
         lines.append(f"{name:<34}{value:>6.2f}x")
