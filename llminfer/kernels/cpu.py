@@ -69,7 +69,7 @@ __all__ = ["PreparedStack", "available", "why_unavailable", "load", "isa", "isa_
            "layer_products",
            "rows_bucket", "stream_read", "PREFILL_PATHS", "PREFILL_ENV", "PREFILL_MARGIN", "MAX_TOKENS",
            "blocked_prefill", "tile_int4", "untile_int4", "cpu_flags", "bfloat16_in_hardware", "MATVEC_CANDIDATES",
-           "MATVEC_PROBE_BYTES", "choose_fastest", "matvec_candidates", "measure_matvec", "matvec_choices",
+           "MATVEC_VARIANTS", "MATVEC_PROBE_BYTES", "choose_fastest", "matvec_candidates", "measure_matvec", "matvec_choices",
            "remeasure_matvec", "MATVEC_STEP", "PREFILL_STEP", "SOURCES", "HEADERS", "cache_dir"]
 
 _HERE = Path(__file__).parent
@@ -354,13 +354,19 @@ PREFILL_PROBE_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 # build, keyed by CPU class (`llminfer.device.cpu_slug`), level and thread count at load, so a machine measures once.
 # With LLMINFER_ISA set, nothing is measured: every format runs the forced level's own loops (so each level's loops
 # can be tested on any machine that has it).
-MATVEC_CANDIDATES: dict[str, tuple[int, tuple[str, ...]]] = {     # format -> (MatvecKind in C++, levels)
+# A candidate is a level's loops, or one of MATVEC_VARIANTS: another loop at a level (its name, the level's and
+# the loop's). int4 with float x has two on AVX2: x widened against the codes in float32 ('avx2'), or x as three int8
+# planes by maddubs ('avx2_planes', as 'avx512_vnni' does with vpdpbusd): on a Zen 3 the float loop's conversions
+# and FMAs bound it at about 17 GB/s of a 34 GB/s read.
+MATVEC_CANDIDATES: dict[str, tuple[int, tuple[str, ...]]] = {     # format -> (MatvecKind in C++, candidates)
     "float32": (0, ("avx2", "avx512")),
     "bfloat16": (1, ("avx2", "avx512", "avx512_bf16")),
     "int8": (2, ("avx2", "avx512")),
-    "int4": (3, ("avx2", "avx512", "avx512_vnni")),             # avx512_vnni: float x as three int8 planes
+    "int4": (3, ("avx2", "avx2_planes", "avx512", "avx512_vnni")),   # the planes loops: float x as three int8 planes
     "int4a8": (4, ("avx2", "avx_vnni", "avx512_vnni")),
 }
+# candidate -> (the level it runs at, the C++ loop's bit: LoopVariant in cpu_kernels.h)
+MATVEC_VARIANTS: dict[str, tuple[str, int]] = {"avx2_planes": ("avx2", 1 << 16)}
 MATVEC_PROBE_BYTES = 64 << 20
 MATVEC_REPEATS = 15                     # turns of each candidate: about 2 ms each, so 0.1-0.2 s a format
 # what a kept answer was timed on: an answer timed otherwise (an earlier version's probe) is timed again
@@ -388,13 +394,16 @@ def matvec_candidates(name: str, choice: IsaChoice | None = None) -> tuple[str, 
     if name not in MATVEC_CANDIDATES:
         raise ValueError(f"format {name!r} is not one of {', '.join(MATVEC_CANDIDATES)}")
     choice = choice or _state["isa"]
-    return tuple(level for level in MATVEC_CANDIDATES[name][1] if level in choice.features)
+    return tuple(candidate for candidate in MATVEC_CANDIDATES[name][1]
+                 if MATVEC_VARIANTS.get(candidate, (candidate,))[0] in choice.features)
 
 
 def _level_bits(level: str, choice: IsaChoice) -> int:
-    """The feature bits of `level` and every lower level the process runs."""
+    """The feature bits of `level` (a level, or a candidate of MATVEC_VARIANTS: its level's bits and its loop's) and
+    every lower level the process runs."""
+    level, loop = MATVEC_VARIANTS.get(level, (level, 0))
     order = list(KERNEL_LEVELS)
-    return sum(KERNEL_LEVELS[name][0] for name in choice.features if order.index(name) <= order.index(level))
+    return loop + sum(KERNEL_LEVELS[name][0] for name in choice.features if order.index(name) <= order.index(level))
 
 
 def _matvec_probe(name: str) -> tuple[list[tuple[torch.Tensor, list]], str]:

@@ -92,6 +92,9 @@ inline bool has_avx2() { return has(kAVX2); }
 // llminfer/kernels/cpu.py times the candidates at first use and sets the winner (`set_matvec_features`). Until
 // then, and where LLMINFER_ISA forces a level, each format runs the process's widest loops.
 enum MatvecKind : int64_t { kMatvecF32 = 0, kMatvecBF16, kMatvecI8, kMatvecI4, kMatvecI4A8, kMatvecKinds };
+// Bits of a format's matrix-vector loops that name a loop, not an instruction set (any process may set them):
+// kPlanes, int4 with float x as three int8 planes on AVX2 (maddubs) rather than widened to float32
+enum LoopVariant : int64_t { kPlanes = 1 << 16, kLoopVariants = kPlanes };
 // the bits the matrix-vector loops for weights of `kind` run (within features())
 int64_t matvec_features(int64_t kind);
 // sets them (-1: the process's own again); returns the bits the process does not run (nothing is set then)

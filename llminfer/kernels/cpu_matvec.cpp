@@ -104,7 +104,7 @@ int64_t matvec_features(int64_t kind) {
 int64_t set_matvec_features(int64_t kind, int64_t bits) {
   TORCH_CHECK(kind >= 0 && kind < kMatvecKinds, "set_matvec_features: kind ", kind, " is not one of 0..",
               kMatvecKinds - 1);
-  const int64_t missing = bits < 0 ? 0 : bits & ~features();
+  const int64_t missing = bits < 0 ? 0 : bits & ~(features() | kLoopVariants);
   if (missing == 0) g_matvec[kind].store(bits, std::memory_order_relaxed);
   return missing;
 }
@@ -658,69 +658,90 @@ __attribute__((target(LLMINFER_AVX512_TILES))) void int4t_tiles_avx512(const flo
   for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(halves_sum(total[t]), off[t]));
 }
 
-// W4A8 on the tiled layout, T tiles for one row of x. xq holds each chunk of 8 inputs as its 4 even then its 4
+// The bytes of x the 512-bit int8 dot-product loops on int4 tiles multiply, laid out once per product so that they
+// read each pair of chunks' even and odd fours as whole registers: per 16 inputs (chunks c and c + 1, each in xq as
+// its 4 even then its 4 odd inputs), 128 bytes: c's even four 8 times, c + 1's even four 8 times (lanes 0-7 and
+// 8-15 of one load), then the two odd fours the same way. spread: K·8 bytes; K a multiple of 16. (The 256-bit loops
+// broadcast each four from xq instead: read spread, 8 times the bytes, a decode step on a Zen 3 ran 1.2-1.3x
+// slower.)
+__attribute__((target("avx2"))) void int4t_spread(const int8_t* xq, int64_t K, int8_t* spread) {
+  for (int64_t k = 0; k < K; k += 16) {
+    int32_t four[4];                                      // c even, c odd, c + 1 even, c + 1 odd
+    std::memcpy(four, xq + k, 16);
+    __m256i* out = reinterpret_cast<__m256i*>(spread + k * 8);
+    _mm256_storeu_si256(out, _mm256_set1_epi32(four[0]));
+    _mm256_storeu_si256(out + 1, _mm256_set1_epi32(four[2]));
+    _mm256_storeu_si256(out + 2, _mm256_set1_epi32(four[1]));
+    _mm256_storeu_si256(out + 3, _mm256_set1_epi32(four[3]));
+  }
+}
+
+// W4A8 on the tiled layout, one tile for one row of x. xq holds each chunk of 8 inputs as its 4 even then its 4
 // odd ones (int8; x ≈ xq·dx, one dx a block of 32). A word's low nibbles (AND 0x0F0F0F0F) are a row's 4 even
-// codes as bytes, its high ones (shift, AND) the 4 odd: against the chunk's even and odd bytes broadcast to
-// every lane, `DOT` (maddubs summed in int16 over the block, then one madd with ones, on AVX2; vpdpbusd into
-// int32 with VNNI) gives each of the 8 rows its block sum. Then one conversion and one FMA by dx, and per
-// group one FMA by the 8 rows' scales.
-#define LLMINFER_INT4T_A8(NAME, TARGET, INIT, DOT, FINISH)                                                      \
-  template <int T>                                                                                             \
+// codes as bytes, its high ones (shift, AND) the 4 odd: against the chunk's even and odd bytes broadcast to every
+// lane, `DOT` (maddubs summed in int16 over the block, then one madd with ones, on AVX2; vpdpbusd into int32 with
+// VNNI) gives each of the 8 rows its block sum. Then one conversion and one FMA by dx, and per group one FMA by the
+// 8 rows' scales.
+//   Planes = 3 (int4 with float x, `int4_x_digits`): x = (a·2^16 + b·2^8 + c)·dx, three int8 planes of K bytes one
+//     after the other, each in the order above; the nibbles, isolated once, meet each plane (six byte products a
+//     chunk, against eight conversions and eight FMAs in the float loop), and 65536·A + (256·B + C) is formed in
+//     float32 from two exact conversions: one rounding, as an FMA's. The int16 pair sums stay exact: at most
+//     2·15·128 a maddubs, 8 of them a block.
+#define LLMINFER_INT4T_A8(NAME, TARGET, DOT, FINISH)                                                             \
+  template <int Planes>                                                                                        \
   __attribute__((target(TARGET))) void NAME(const int8_t* xq, const float* dx, const float* xsum, int64_t K,   \
                                             const uint8_t* w, Terms terms, int64_t group, int64_t tile,        \
                                             float* out) {                                                      \
+    static_assert(Planes == 1 || Planes == 3, "one plane (W4A8) or three (float x)");                          \
     const int64_t G = K / group;                                                                               \
     const __m256i low = _mm256_set1_epi8(0x0F);                                                                \
     const __m256i ones = _mm256_set1_epi16(1);                                                                 \
+    const __m256 place = _mm256_set1_ps(65536.f);                                                              \
     (void)ones;                                                                                                \
-    const uint8_t* codes[T];                                                                                   \
-    for (int t = 0; t < T; ++t) codes[t] = w + (tile + t) * (K / 8) * 32;                                      \
-    const int64_t ahead = T * (K / 8) * 32;                                                                    \
-    __m256 total[T], off[T];                                                                                   \
-    for (int t = 0; t < T; ++t) total[t] = off[t] = _mm256_setzero_ps();                                       \
+    (void)place;                                                                                               \
+    const uint8_t* codes = w + tile * (K / 8) * 32;                                                            \
+    const int64_t ahead = (K / 8) * 32;                   /* bytes from a tile to the next */                  \
+    __m256 total = _mm256_setzero_ps(), off = _mm256_setzero_ps();                                             \
     for (int64_t g = 0; g < G; ++g) {                                                                          \
-      __m256 acc[T];                                                                                           \
-      for (int t = 0; t < T; ++t) {                                                                            \
-        acc[t] = _mm256_setzero_ps();                                                                          \
-        prefetch_terms(terms, ((tile + T + t) * G + g) * 8);                                                   \
-      }                                                                                                        \
+      __m256 acc = _mm256_setzero_ps();                                                                        \
+      prefetch_terms(terms, ((tile + 1) * G + g) * 8);                                                         \
       for (int64_t b = g * group; b < (g + 1) * group; b += 32) {                                              \
-        __m256i sum[T];                                                                                        \
-        for (int t = 0; t < T; ++t) sum[t] = _mm256_setzero_si256();                                           \
+        __m256i sum[Planes];                                                                                   \
+        for (int p = 0; p < Planes; ++p) sum[p] = _mm256_setzero_si256();                                      \
         for (int64_t k = b; k < b + 32; k += 8) {                                                              \
-          int32_t even, odd;                                                                                   \
-          std::memcpy(&even, xq + k, 4);                                                                       \
-          std::memcpy(&odd, xq + k + 4, 4);                                                                    \
-          const __m256i xe = _mm256_set1_epi32(even), xo = _mm256_set1_epi32(odd);                             \
-          if (k % 16 == 0)                                                                                     \
-            for (int t = 0; t < T; ++t)                                                                        \
-              _mm_prefetch(reinterpret_cast<const char*>(codes[t] + ahead + k * 4), _MM_HINT_T0);              \
-          for (int t = 0; t < T; ++t) {                                                                        \
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[t] + k * 4));          \
-            const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);  \
-            sum[t] = DOT(DOT(sum[t], lo, xe), hi, xo);                                                         \
+          if (k % 16 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + ahead + k * 4), _MM_HINT_T0);    \
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * 4));               \
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);    \
+          for (int p = 0; p < Planes; ++p) {                                                                   \
+            int32_t even, odd;                                                                                 \
+            std::memcpy(&even, xq + p * K + k, 4);                                                             \
+            std::memcpy(&odd, xq + p * K + k + 4, 4);                                                          \
+            sum[p] = DOT(DOT(sum[p], lo, _mm256_set1_epi32(even)), hi, _mm256_set1_epi32(odd));                \
           }                                                                                                    \
         }                                                                                                      \
-        const __m256 step = _mm256_set1_ps(dx[b / 32]);                                                        \
-        for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(FINISH(sum[t])), step, acc[t]); \
+        __m256 dot;                                                                                            \
+        if constexpr (Planes == 1) {                                                                           \
+          dot = _mm256_cvtepi32_ps(FINISH(sum[0]));                                                            \
+        } else {                                                                                               \
+          const __m256i rest = _mm256_add_epi32(_mm256_slli_epi32(FINISH(sum[1]), 8), FINISH(sum[2]));         \
+          dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(FINISH(sum[0])), place, _mm256_cvtepi32_ps(rest));          \
+        }                                                                                                      \
+        acc = _mm256_fmadd_ps(dot, _mm256_set1_ps(dx[b / 32]), acc);                                           \
       }                                                                                                        \
-      const __m256 xg = _mm256_broadcast_ss(xsum + g);                                                         \
-      for (int t = 0; t < T; ++t) {                                                                            \
-        const int64_t at = ((tile + t) * G + g) * 8;                                                           \
-        total[t] = _mm256_fmadd_ps(acc[t], terms8(terms.scale, terms.half, at), total[t]);                     \
-        off[t] = _mm256_fmadd_ps(terms8(terms.offset, terms.half, at), xg, off[t]);                            \
-      }                                                                                                        \
+      const int64_t at = (tile * G + g) * 8;                                                                   \
+      total = _mm256_fmadd_ps(acc, terms8(terms.scale, terms.half, at), total);                                \
+      off = _mm256_fmadd_ps(terms8(terms.offset, terms.half, at), _mm256_broadcast_ss(xsum + g), off);         \
     }                                                                                                          \
-    for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(total[t], off[t]));               \
+    _mm256_storeu_ps(out, _mm256_add_ps(total, off));                                                          \
   }
 
-// AVX2: byte products summed in pairs to int16 (at most 2·15·127 each, 8 of them a block: 30480 fits), the
+// AVX2: byte products summed in pairs to int16 (at most 2·15·128 each, 8 of them a block: 30720 fits), the
 // block's int16 pairs summed to int32 once
 #define LLMINFER_MADDUBS(S, Q, X) _mm256_add_epi16(S, _mm256_maddubs_epi16(Q, X))
 #define LLMINFER_PAIRS(S) _mm256_madd_epi16(S, ones)
 #define LLMINFER_AS_IS(S) (S)
-LLMINFER_INT4T_A8(int4t_a8_avx2, "avx2,fma,f16c", , LLMINFER_MADDUBS, LLMINFER_PAIRS)
-LLMINFER_INT4T_A8(int4t_a8_avxvnni, "avx2,fma,f16c,avxvnni", , _mm256_dpbusd_avx_epi32, LLMINFER_AS_IS)
+LLMINFER_INT4T_A8(int4t_a8_avx2, "avx2,fma,f16c", LLMINFER_MADDUBS, LLMINFER_PAIRS)
+LLMINFER_INT4T_A8(int4t_a8_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32, LLMINFER_AS_IS)
 #undef LLMINFER_MADDUBS
 #undef LLMINFER_PAIRS
 #undef LLMINFER_AS_IS
@@ -728,27 +749,15 @@ LLMINFER_INT4T_A8(int4t_a8_avxvnni, "avx2,fma,f16c,avxvnni", , _mm256_dpbusd_avx
 
 // int8 dot products on 512-bit registers (AVX512-VNNI), for W4A8 and for int4 with float x. One 64-byte load
 // brings two chunks of a tile, as in the weight-only loop above. The x bytes each half multiplies are laid out once
-// per product (`int4t_a8_spread_avx512`: per 16 inputs, 64 bytes of the even fours, lanes 0-7 the first chunk's and
-// 8-15 the second's, then 64 of the odd ones), so the vpdpbusd read them straight from L1.
+// per product (`int4t_spread`, which the 256-bit loops read too), so the vpdpbusd read them straight from L1.
 //   Planes = 1 (W4A8): x ≈ xq·dx, one int8 plane. Per 32 inputs a tile takes a prefetch two tiles ahead, a load,
 //     the nibbles by AND and shift, and two vpdpbusd (into two sums, so that no instruction waits on the one
 //     before), twice; then one conversion and one FMA by dx on all 16 lanes.
-//   Planes = 3 (int4 with float x, `int4_x_planes`): x = (a·2^16 + b·2^8 + c)·dx exactly to within 2^-23 of the
+//   Planes = 3 (int4 with float x, `int4_x_digits`): x = (a·2^16 + b·2^8 + c)·dx exactly to within 2^-23 of the
 //     block's largest |x|, three int8 planes, so the nibbles meet six vpdpbusd instead of sixteen conversions and
 //     sixteen FMAs. The plane sums stay exact in int32 (|a| ≤ 65, |b|, |c| ≤ 128: at most 15·128·32 a block), and
 //     65536·A + (256·B + C) is formed in float32 from two exact conversions: one rounding, as an FMA's.
 // Per group one FMA by the 8 rows' scales (both halves), and the halves are summed once, at the end.
-__attribute__((target(LLMINFER_AVX512_TILES))) void int4t_a8_spread_avx512(const int8_t* xq, int64_t K,
-                                                                          int8_t* spread) {
-  const __m512i pick_even = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-  const __m512i pick_odd = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
-  for (int64_t k = 0; k < K; k += 16) {
-    const __m512i xk = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + k)));
-    _mm512_storeu_si512(spread + k * 8, _mm512_permutexvar_epi32(pick_even, xk));
-    _mm512_storeu_si512(spread + k * 8 + 64, _mm512_permutexvar_epi32(pick_odd, xk));
-  }
-}
-
 // spread: Planes planes of K·8 bytes, one after the other; dx: a step per block of 32 inputs
 template <int Planes>
 __attribute__((target(LLMINFER_AVX512_TILES ",avx512vnni"))) void int4t_dp_avx512(
@@ -800,8 +809,8 @@ __attribute__((target(LLMINFER_AVX512_TILES ",avx512vnni"))) void int4t_dp_avx51
 // tiles [t0, t1) of y (M, N) for the int8 dot-product loops (W4A8; int4 with float x as three planes), one tile at
 // a time: W4A8's loop is short enough that two tiles' streams at once (as the float loops read them) slowed it from
 // memory, to below one tile's pace, on a Zen 4; for the three planes, two tiles at once were slower too (Zen 5)
-// (xq: each row of x as `Tile` reads it, `spread` bytes an input: 1 for xq itself, 8 for the 512-bit loop's layout,
-// 24 for its three planes)
+// (xq: each row of x as `Tile` reads it, `spread` bytes an input: 1 for xq itself, 3 for its three planes, 8 and 24
+// for those in `int4t_spread`'s layout)
 template <void (*Tile)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, Terms, int64_t, int64_t,
                        float*), int64_t spread = 1>
 void rows_int4t_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
@@ -1220,13 +1229,9 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y, const 
   Tiles tiles = rows_int4t_a8_portable;
   const int64_t bits = matvec_features(kMatvecI4A8);
 #ifdef LLMINFER_X86
-  std::vector<int8_t> spread;                              // the 512-bit tile loop's layout of xq
+  std::vector<int8_t> spread;                              // the tile loops' layout of xq
   if (bits & kAVX512VNNI) {
     tiles = rows_int4t_a8<int4t_dp_avx512<1>, 8>;
-    if (W.tiled) {
-      spread.resize(M * K * 8);
-      for (int64_t m = 0; m < M; ++m) int4t_a8_spread_avx512(xq.data() + m * K, K, spread.data() + m * K * 8);
-    }
     rows = rows_int4_a8<int4_a8_rows_avx512vnni<4>, int4_a8_rows_avx512vnni<1>>;
   } else if (bits & kAVXVNNI) {
     tiles = rows_int4t_a8<int4t_a8_avxvnni<1>>;
@@ -1234,6 +1239,10 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y, const 
   } else if (bits & kAVX2) {
     tiles = rows_int4t_a8<int4t_a8_avx2<1>>;
     rows = rows_int4_a8<int4_a8_rows_avx2<4>, int4_a8_rows_avx2<1>>;
+  }
+  if ((bits & kAVX512VNNI) && W.tiled) {
+    spread.resize(M * K * 8);
+    for (int64_t m = 0; m < M; ++m) int4t_spread(xq.data() + m * K, K, spread.data() + m * K * 8);
   }
 #endif
   const int64_t unit = W.tiled ? 8 : 1;                    // the loops take tiles of 8 rows, or rows
@@ -1246,59 +1255,72 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y, const 
 }
 
 #ifdef LLMINFER_X86
-// x as three int8 planes for `int4t_dp_avx512<3>`, per block of 32 inputs: with 2^(E-1) ≤ max |x| < 2^E, X =
-// round(x·2^(22-E)) (|X| ≤ 2^22: the block's largest input keeps 23 bits, as float32 keeps 24) is split into
-// balanced base-256 digits, X = a·2^16 + b·2^8 + c, and dx = 2^(E-22) (exact: powers of two). The digits are in the
-// tiled order (each chunk of 8 as its 4 even, then its 4 odd inputs), then spread as the loop reads them: spread
-// holds, per row of x, the a, b and c planes of K·8 bytes each. x must be finite.
-__attribute__((target(LLMINFER_AVX512_TILES))) void int4_x_planes(const float* x, int64_t M, int64_t K,
-                                                                 int8_t* spread, float* dx) {
-  const __m512i chunks = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-  const __m512i half = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
-  thread_local std::vector<int8_t> digits;
-  digits.resize(3 * K);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < K / 32; ++b) {
-      const float* xb = x + m * K + b * 32;
-      const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-      int E;
-      std::frexp(amax, &E);                                                      // amax < 2^E (0 for amax = 0)
-      E = std::max(E, -100);                                                     // 2^(22-E) a normal float
-      const __m512 to_int = _mm512_set1_ps(std::ldexp(1.f, 22 - E));
-      dx[m * (K / 32) + b] = std::ldexp(1.f, E - 22);
-      for (int h = 0; h < 2; ++h) {
-        const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutexvar_ps(chunks, v[h]), to_int));
-        const __m512i c = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, half), byte), half);
-        const __m512i X1 = _mm512_srai_epi32(_mm512_sub_epi32(X, c), 8);
-        const __m512i bb = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X1, half), byte), half);
-        const __m512i a = _mm512_srai_epi32(_mm512_sub_epi32(X1, bb), 8);
-        const int64_t at = b * 32 + h * 16;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(digits.data() + at), _mm512_cvtepi32_epi8(a));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(digits.data() + K + at), _mm512_cvtepi32_epi8(bb));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(digits.data() + 2 * K + at), _mm512_cvtepi32_epi8(c));
+// x as three int8 planes for the int8 dot-product loops on int4 tiles with float x, one row of x: per block of 32
+// inputs, with 2^(E-1) ≤ max |x| < 2^E, X = round(x·2^(22-E)) (|X| ≤ 2^22: the block's largest input keeps 23
+// bits, as float32 keeps 24) is split into balanced base-256 digits, X = a·2^16 + b·2^8 + c, and dx = 2^(E-22)
+// (exact: powers of two). digits holds the a, b and c planes of K bytes each, one after the other, each in the
+// tiled order (each chunk of 8 as its 4 even, then its 4 odd inputs). x must be finite.
+__attribute__((target("avx2,fma"))) void int4_x_digits(const float* x, int64_t K, int8_t* digits, float* dx) {
+  const __m256i chunk = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i half = _mm256_set1_epi32(128), byte = _mm256_set1_epi32(255);
+  // the low byte of each 32-bit lane to the bottom of its 128-bit half, then the two halves' four bytes side by side
+  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i join = _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + b * 32;
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    int E;
+    std::frexp(_mm_cvtss_f32(h), &E);                                          // amax < 2^E (0 for amax = 0)
+    E = std::max(E, -100);                                                     // 2^(22-E) a normal float
+    const __m256 to_int = _mm256_set1_ps(std::ldexp(1.f, 22 - E));
+    dx[b] = std::ldexp(1.f, E - 22);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permutevar8x32_ps(v[i], chunk), to_int));
+      const __m256i c = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(X, half), byte), half);
+      const __m256i X1 = _mm256_srai_epi32(_mm256_sub_epi32(X, c), 8);
+      const __m256i bb = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(X1, half), byte), half);
+      const __m256i a = _mm256_srai_epi32(_mm256_sub_epi32(X1, bb), 8);
+      const __m256i plane[3] = {a, bb, c};
+      for (int p = 0; p < 3; ++p) {
+        const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(plane[p], low_bytes), join);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(digits + p * K + b * 32 + 8 * i),
+                         _mm256_castsi256_si128(bytes));
       }
     }
-    for (int p = 0; p < 3; ++p) int4t_a8_spread_avx512(digits.data() + p * K, K, spread + (m * 3 + p) * K * 8);
   }
 }
 
-// y (M, N) = x · Wᵀ for int4 tiles with float x by three int8 planes (VNNI); false, having done nothing, where x
-// has an inf or a NaN (then a group's sum of x has one too). Each thread lays out its own planes: they are 24 bytes
-// an input, and read from the core that wrote them they cost more than writing them again.
+// y (M, N) = x · Wᵀ for int4 tiles with float x by three int8 planes (`int4_x_digits`): vpdpbusd on 512-bit
+// registers where the format's loops include AVX512-VNNI, else maddubs on 256-bit ones; false, having done nothing,
+// where x has an inf or a NaN (then a group's sum of x has one too). Each thread lays out its own planes: spread, they are
+// 24 bytes an input, and read from the core that wrote them they cost more than writing them again.
 bool linear_rows_planes(const Weight& W, const float* x, int64_t M, float* y, const Team* team,
-                        const Residual* residual) {
-  const int64_t N = W.N, K = W.K;
+                        const Residual* residual, bool vnni512) {
+  const int64_t N = W.N, K = W.K, B = K / 32;
   const Int4X sums = int4_x(x, M, K, W.group, 0);
   for (const float sum : sums.xsum)
     if (!std::isfinite(sum)) return false;
   const uint8_t* wp = static_cast<const uint8_t*>(W.w);
   split_rows(team, N / 8, kGrain / 8, 8, y, M, N, residual, [&](int64_t a, int64_t b) {
-    thread_local std::vector<int8_t> spread;
+    thread_local std::vector<int8_t> digits, spread;
     thread_local std::vector<float> dx;
+    digits.resize(M * 3 * K);
+    dx.resize(M * B);
+    for (int64_t m = 0; m < M; ++m) int4_x_digits(x + m * K, K, digits.data() + m * 3 * K, dx.data() + m * B);
+    if (!vnni512)
+      return rows_int4t_a8<int4t_a8_avx2<3>, 3>(digits.data(), dx.data(), sums.xsum.data(), M, K, wp, W.terms,
+                                                W.group, y, N, a, b);
     spread.resize(M * 3 * K * 8);
-    dx.resize(M * (K / 32));
-    int4_x_planes(x, M, K, spread.data(), dx.data());
+    for (int64_t p = 0; p < M * 3; ++p) int4t_spread(digits.data() + p * K, K, spread.data() + p * K * 8);
     rows_int4t_a8<int4t_dp_avx512<3>, 24>(spread.data(), dx.data(), sums.xsum.data(), M, K, wp, W.terms, W.group, y,
                                           N, a, b);
   });
@@ -1325,9 +1347,12 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y, const Tea
     return linear_rows_a8(W, x, M, y, team, residual);
   if (W.format == Weight::I4 && W.tiled) {
 #ifdef LLMINFER_X86
-    // int4 with float x by VNNI (three int8 planes of x) where it was measured fastest and the groups hold whole
-    // blocks of 32; else the float loops (and always for an x with an inf or a NaN)
-    if ((bits & kAVX512VNNI) && W.group % 32 == 0 && linear_rows_planes(W, x, M, y, team, residual)) return;
+    // int4 with float x by int8 dot products (three int8 planes of x: VNNI, or maddubs on AVX2) where they were
+    // measured fastest and the groups hold whole blocks of 32; else the float loops (and always for an x with an inf
+    // or a NaN)
+    if (((bits & kAVX512VNNI) || ((bits & kPlanes) && avx2)) && W.group % 32 == 0 &&
+        linear_rows_planes(W, x, M, y, team, residual, bits & kAVX512VNNI))
+      return;
 #endif
     const Int4TX sums = int4t_x(x, M, K, W.group, avx2 && !avx512);
     const uint8_t* wp = static_cast<const uint8_t*>(W.w);
