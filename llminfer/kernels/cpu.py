@@ -69,8 +69,8 @@ __all__ = ["PreparedStack", "available", "why_unavailable", "load", "isa", "isa_
            "layer_products",
            "rows_bucket", "stream_read", "PREFILL_PATHS", "PREFILL_ENV", "PREFILL_MARGIN", "MAX_TOKENS",
            "blocked_prefill", "tile_int4", "untile_int4", "cpu_flags", "bfloat16_in_hardware", "MATVEC_CANDIDATES",
-           "MATVEC_VARIANTS", "MATVEC_PROBE_BYTES", "choose_fastest", "matvec_candidates", "measure_matvec", "matvec_choices",
-           "remeasure_matvec", "MATVEC_STEP", "PREFILL_STEP", "SOURCES", "HEADERS", "cache_dir"]
+           "MATVEC_VARIANTS", "MATVEC_PROBE_BYTES", "choose_fastest", "matvec_candidates", "measure_matvec",
+           "matvec_choices", "remeasure_matvec", "MATVEC_STEP", "PREFILL_STEP", "SOURCES", "HEADERS", "cache_dir"]
 
 _HERE = Path(__file__).parent
 # the units of the one extension, by job, and the header they share (the build's hash covers all of them)
