@@ -127,8 +127,9 @@ _RUN_LEVEL = textwrap.dedent("""
     from test_cpu_isa import _attention_cases, _cases
     x, cases = _cases(torch.Generator().manual_seed(0))
     out = {"isa": cpu.isa()}
-    for rows in (1, 3, 20):                  # the matrix-vector loops, and (20 rows) the blocked kernel
-        xr = x.repeat(7, 1)[:rows]
+    for rows in (1, 3, 20, 70):              # the matrix-vector loops, and the blocked kernel: 20 rows (one token
+                                             # tile, part full) and 70 (whole tiles of 16, 32 or 64 tokens, then a part)
+        xr = x.repeat(24, 1)[:rows]
         for name, (args, _) in cases.items():
             out[f"{name}/{rows}"] = cpu.gemv(xr, *args).tolist()
         for name in ("int4", "int4_tiled", "int4_tiled16"):
@@ -174,8 +175,8 @@ def test_every_level_this_cpu_runs_matches_the_float64_reference(level):
     there = json.loads(done.stdout.strip().splitlines()[-1])
     assert there["isa"] == level
     x, cases = _cases(torch.Generator().manual_seed(0))
-    for rows in (1, 3, 20):
-        xr = x.repeat(7, 1)[:rows].double()
+    for rows in (1, 3, 20, 70):
+        xr = x.repeat(24, 1)[:rows].double()
         for name, (_, weight) in cases.items():
             reference = xr @ weight.T
             got = torch.tensor(there[f"{name}/{rows}"], dtype=torch.float64)
@@ -195,12 +196,12 @@ def test_every_level_this_cpu_runs_matches_the_float64_reference(level):
         # the tiled and row-major W4A8 loops round x the same way: the same integer sums, float rounding apart
         tiled = torch.tensor(there[f"w4a8/int4_tiled/{rows}"], dtype=torch.float64)
         nibbles, scale, offset = cpu.untile_int4(*cases["int4_tiled"][0][:3])
-        rowmajor = cpu.gemv(x.repeat(7, 1)[:rows], nibbles, scale, offset, 32, activations="int8").double()
+        rowmajor = cpu.gemv(x.repeat(24, 1)[:rows], nibbles, scale, offset, 32, activations="int8").double()
         assert float((tiled - rowmajor).abs().max()) < 1e-5 * float(rowmajor.abs().max()), (level, rows)
         # float16 terms give what float32 ones of the same values give
         tiled16 = torch.tensor(there[f"w4a8/int4_tiled16/{rows}"], dtype=torch.float64)
         nibbles, scale, offset = cpu.untile_int4(*cases["int4_tiled16"][0][:3])
-        rowmajor = cpu.gemv(x.repeat(7, 1)[:rows], nibbles, scale.float(), offset.float(), 32,
+        rowmajor = cpu.gemv(x.repeat(24, 1)[:rows], nibbles, scale.float(), offset.float(), 32,
                             activations="int8").double()
         assert float((tiled16 - rowmajor).abs().max()) < 1e-5 * float(rowmajor.abs().max()), (level, rows)
     # decode attention (the 16-lane loops take a K/V head's query heads together; the others one at a time)
