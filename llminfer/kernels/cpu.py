@@ -39,9 +39,9 @@ values to bfloat16 as the layers round a bfloat16 model's activations (8 at a ti
 implementations, so `torch.compile` traces through them.
 
 A prefill (many rows of x) runs through the same ops: from 16 rows on, products take a blocked kernel
-(tiles of 6 weight rows by 16 tokens in registers, 32 with AVX-512, x repacked once per product, bfloat16 and
+(tiles of 6 weight rows by 16 tokens in registers, 64 with AVX-512, x repacked once per product, bfloat16 and
 quantized rows widened to float32 a block of 6 at a time; with AVX512-BF16, bfloat16 rows read as stored by
-`vdpbf16ps` in tiles of 12 rows) or torch's matmul, where a timing at first use finds its products more than
+`vdpbf16ps` in tiles of 12 rows, and with AMX by `tdpbf16ps` in tiles of 32) or torch's matmul, where a timing at first use finds its products more than
 `PREFILL_MARGIN` faster, or where a benchmark timed a whole prefill of a model in the format faster on it
 (`remeasure_prefill`, kept for later processes) (`blocked_prefill()`).
 """
@@ -89,7 +89,7 @@ _state: dict = {"loaded": False, "error": None}
 ISA_ENV = "LLMINFER_ISA"
 # The levels the kernels have loops for, lowest first (names of llminfer.device.ISA_LEVELS), each with the
 # instruction set it adds (a bit of `Feature` in cpu_kernels.h) and any flags its loops need beyond the level's
-# own. AMX has no loops here: an AMX CPU runs the avx512_bf16 level.
+# own. The amx level's tiles run a prefill's bfloat16 products only; decode keeps the vector loops below it.
 KERNEL_LEVELS: dict[str, tuple[int, frozenset[str]]] = {
     "portable": (0, frozenset()),
     "avx2": (1, frozenset({"f16c"})),                                   # 8-lane float loops, maddubs W4A8
