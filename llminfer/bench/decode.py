@@ -24,12 +24,13 @@ means the ceiling is wrong: the benchmark says so and stops.
 The report names the kernels' instruction-set level (`kernels.cpu.isa()`) and, per weight format, which decode
 loops ran, timed again after the warm-up on each format's own decode steps (`kernels.cpu.remeasure_matvec`).
 Prefill of the prompt runs, per precision, on the path chosen after the warm-up by timing the format's whole
-prefill on both paths (`kernels.cpu.remeasure_prefill`, kept for later processes too), on both paths forced (the blocked kernel, torch's matmul), and on the plain model (no fast path), against the best
-matmul rate for the precision sampled alongside (MFU: the fastest sample of torch's square matmul and the native
-kernel's, square and on a layer's products, in float32; for bf16 the better of those and the same in bfloat16,
-for int8 and int4 the better of those and the blocked kernel on the format's own layer products; a prefill above
-that rate means the ceiling is wrong, and the benchmark says so and stops); beside
-llama.cpp, the prefill is compared by time to the first token. Results: the terminal,
+prefill on both paths (`kernels.cpu.remeasure_prefill`, kept for later processes too), on both paths forced (the
+blocked kernel, torch's matmul), and on the plain model (no fast path), against the best matmul rate for the
+precision sampled alongside (MFU: the fastest sample of torch's square matmul and the native kernel's, square and
+on a layer's products, in float32; for bf16 the better of those and the same in bfloat16, for int8 and int4 the
+better of those and the blocked kernel on the format's own layer products; a prefill above that rate means the
+ceiling is wrong, and the benchmark says so and stops); beside llama.cpp, the prefill is compared by time to the
+first token. Results: the terminal,
 data/benchmarks/decode-<machine>.json and a PNG of tokens/s against bytes per token.
 """
 from __future__ import annotations

@@ -41,9 +41,9 @@ implementations, so `torch.compile` traces through them.
 A prefill (many rows of x) runs through the same ops: from 16 rows on, products take a blocked kernel
 (tiles of 6 weight rows by 16 tokens in registers, 64 with AVX-512, x repacked once per product, bfloat16 and
 quantized rows widened to float32 a block of 6 at a time; with AVX512-BF16, bfloat16 rows read as stored by
-`vdpbf16ps` in tiles of 12 rows, and with AMX by `tdpbf16ps` in tiles of 32) or torch's matmul, where a timing at first use finds its products more than
-`PREFILL_MARGIN` faster, or where a benchmark timed a whole prefill of a model in the format faster on it
-(`remeasure_prefill`, kept for later processes) (`blocked_prefill()`).
+`vdpbf16ps` in tiles of 12 rows, and with AMX by `tdpbf16ps` in tiles of 32) or torch's matmul, where a timing at
+first use finds its products more than `PREFILL_MARGIN` faster, or where a benchmark timed a whole prefill of a
+model in the format faster on it (`remeasure_prefill`, kept for later processes) (`blocked_prefill()`).
 """
 from __future__ import annotations
 
