@@ -236,6 +236,23 @@ def test_the_blocked_bfloat16_products_pack_every_input_and_fall_back_on_one_tha
         assert moved > 0.5 * float((off[row, col] - x[row, col]).abs() * w[:, col].double().abs().max()), (row, col)
 
 
+def test_the_blocked_bfloat16_products_and_torchs_take_turns_on_the_same_threads():
+    """Where the CPU has AMX, the blocked kernel's bfloat16 products and torch's bfloat16 matmul (oneDNN) both run on
+    the tiles, each thread under a configuration that the other replaces: each of the blocked kernel's threads loads
+    its own before its share of a product and releases the tiles after. Taking turns on the same threads, 96 rows
+    (three token tiles) and a last block of W of 8 rows (N = 72), both stay exact to float32 rounding."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(72, 576, generator=g).bfloat16()
+    x = torch.randn(96, 576, generator=g).bfloat16()
+    reference = x.double() @ w.double().T
+    scale = float(reference.abs().max())
+    for _ in range(3):
+        ours = cpu.gemv(x.float(), w).double()
+        assert float((ours - reference).abs().max()) < 1e-5 * scale
+        theirs = (x @ w.T).double()                          # oneDNN: bfloat16 products, rounded to bfloat16
+        assert float((theirs - reference).abs().max()) < 1e-2 * scale
+
+
 def test_int4_tiles_round_trip_and_the_layers_keep_their_codes():
     """tile_int4 puts row 8t+j's bytes for inputs 8c..8c+7 at [t, c, 4j:4j+4]; layers tile and read back the same."""
     nibbles = torch.randint(0, 256, (16, 64), dtype=torch.uint8)
