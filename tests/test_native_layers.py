@@ -109,9 +109,10 @@ def test_a_long_prompt_gives_the_modules_numbers(fmt, batch, length, native_call
 def test_swiglu_taken_by_the_blocked_kernel_gives_the_bits_of_the_product_and_swiglu_apart(batch, length,
                                                                                            native_calls):
     """A bfloat16 prefill whose MLP width is a multiple of 24 takes SwiGLU in the blocked kernel's panels (where
-    AVX512-BF16 runs): each group of 24 gate rows with its 24 up rows, the gate's and up's outputs never written.
-    The same model widened by 8 rows of zeros (gate and up rows, down columns: silu(0)·0 = 0 adds nothing) fits no
-    such group, so it runs the product and then SwiGLU over its rows, and must give the same bits: logits and K/V.
+    AVX512-BF16 runs): each group of 24 gate rows with its 24 up rows, the gate's and up's outputs never written; with
+    AMX tiles, a multiple of 16 takes it from the tiles, 16 gate rows and their 16 up rows a block. The same model
+    widened by 8 rows of zeros (gate and up rows, down columns: silu(0)·0 = 0 adds nothing) fits neither, so it runs
+    the product and then SwiGLU over its rows, and must give the same bits: logits and K/V.
     80 and 33 rows: whole and partial token tiles, and an odd last token."""
     narrow_config = LONG_PROMPT_CONFIG.replace(hidden_dim=96)
     narrow = random_model(narrow_config).to(torch.bfloat16)
