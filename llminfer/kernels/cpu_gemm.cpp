@@ -708,13 +708,13 @@ bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y, const Ga
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t rows = std::min<int64_t>(TT, M - t * TT);
           const T* xt = xp + (t * K + k0) * TT;
-          float* yt = y + t * TT * N + n;
           if constexpr (kAMX) {
-            if (amx_gate) {
+            if (amx_gate) {                       // (y is null: the activations go to gate->act)
               Tile::gated(rows_of_w, ldw, hidden, xt, kc, *gate, gate->act + t * TT * hidden + n, hidden, rows);
               continue;
             }
           }
+          float* yt = y + t * TT * N + n;
           if (grouped) {
             Tile::tile(rows_of_w, ldw, xt, kc, panel.data + t * TT * 64 + (b - g0) * 16, 64, rows, false,
                        t == 0 ? next : Ahead{});
