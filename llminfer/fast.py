@@ -37,15 +37,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .checkpoint import load_random
+from .config import get_preset
 from .cuda_graphs import StaticDecoder
 from .device import huge_page_empty, on_huge_pages
 from .kernels import cpu as native_cpu
 from .model import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, apply_rope
-from .quant.linear import QuantizedLinear
+from .quant.linear import QuantizedLinear, quantize
 
 __all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "NativeDecoderLayer",
            "NativeDecoderStack", "use_native_kernels", "use_huge_pages",
-           "uses_native_kernels", "optimize_decode", "compile_decode"]
+           "uses_native_kernels", "optimize_decode", "compile_decode", "prefill_probe", "PREFILL_PROBE"]
 
 
 def _concat_linears(layers: list[nn.Module]) -> nn.Module:
@@ -487,3 +489,27 @@ def compile_decode(model, batch_size: int = 1, max_seq_len: int | None = None, f
     if warmup:
         decoder.warmup()
     return decoder
+
+
+# The first-use probe of the prefill choice (`kernels.cpu.set_prefill_probe`): what the choice moves, a prefill
+# through the stack or through the modules, of PREFILL_PROBE_LAYERS layers
+PREFILL_PROBE_LAYERS = 4
+PREFILL_PROBE = f"the prefill of {PREFILL_PROBE_LAYERS} layers of SmolLM2-135M's shape in the format"
+
+
+def prefill_probe(dtype: torch.dtype, rows: int):
+    """Returns a run that prefills `rows` random tokens through PREFILL_PROBE_LAYERS random layers of SmolLM2-135M's
+    shape (a vocabulary of 256) with weights of dtype: float32, bfloat16, int8 codes, or uint8 (int4 nibbles in
+    groups of 32), as a model in that format runs them (`compile_decode`, its step eager), on the prefill path in
+    force (`kernels.cpu.force_prefill`). What the prefill choice times at first use. Appendix A1."""
+    native_cpu.check_prefill_dtypes([dtype])
+    config = get_preset("smollm2-135m").replace(n_layers=PREFILL_PROBE_LAYERS, vocab_size=256, max_seq_len=rows)
+    model = load_random(config, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32, seed=0)
+    if native_cpu.PREFILL_DTYPES[dtype]:
+        quantize(model, *native_cpu.PREFILL_DTYPES[dtype])
+    decoder = compile_decode(model, max_seq_len=rows, compile=False)
+    ids = torch.randint(0, config.vocab_size, (1, rows), generator=torch.Generator().manual_seed(0))
+    return lambda: decoder.prefill(ids)
+
+
+native_cpu.set_prefill_probe(prefill_probe, PREFILL_PROBE)

@@ -342,16 +342,68 @@ def test_grouped_int8_layers_run_the_native_kernel():
         cpu.gemv(x, codes, torch.rand(64, 3))
 
 
-def test_the_prefill_choice_leaves_the_stack_only_for_clearly_faster_products():
-    """Medians compared; torch's matmul only where it is more than PREFILL_MARGIN (25 %) faster."""
-    assert cpu.PREFILL_MARGIN == 0.25
-    assert cpu.choose_prefill({"blocked": [3.0, 1.0, 1.1], "torch": [1.2, 1.3, 9.0]}) == "blocked"
-    assert cpu.choose_prefill({"blocked": [1.4, 1.4, 0.1], "torch": [1.0, 1.05, 9.0]}) == "torch"   # 1.33x faster
-    assert cpu.choose_prefill({"blocked": [1.3, 1.3, 0.1], "torch": [1.1, 1.15, 9.0]}) == "blocked"  # 1.13x: not enough
-    assert cpu.choose_prefill({"blocked": [1.0], "torch": [1.0]}) == "blocked"
-    with pytest.raises(ValueError, match=r"no timings for \['torch'\]"):
-        cpu.choose_prefill({"blocked": [1.0]})
+def test_the_prefill_choice_is_the_faster_median_and_the_blocked_kernel_on_a_tie():
+    """First use and benchmark alike: the lower median of whole prefills, with no margin; rows in buckets."""
+    assert cpu.PREFILL_PATHS == ("blocked", "torch")
+    assert cpu.choose_fastest({"blocked": [3.0, 1.0, 1.1], "torch": [1.2, 1.3, 0.1]}) == "blocked"
+    assert cpu.choose_fastest({"blocked": [1.04, 1.04, 0.1], "torch": [1.0, 1.02, 9.0]}) == "torch"
+    assert cpu.choose_fastest({"blocked": [1.0], "torch": [1.0]}) == "blocked"
+    with pytest.raises(ValueError, match="needs some timings for every candidate"):
+        cpu.choose_fastest({"blocked": [1.0], "torch": []})
     assert [cpu.rows_bucket(r) for r in (1, 9, 16, 17, 128, 129, 4000)] == [16, 16, 16, 32, 128, 256, 512]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.uint8])
+def test_the_prefill_probe_runs_the_layers_in_the_format_on_the_path_in_force(monkeypatch, dtype):
+    """The first-use probe times what the choice moves: a prefill of a few layers with weights in the format,
+    through the modules' products (F.linear over every row) on 'torch', through the native stack on 'blocked'."""
+    import torch.nn.functional as F
+
+    assert cpu.available(), cpu.why_unavailable()
+    from llminfer import fast
+
+    assert cpu.prefill_probe_name() == fast.PREFILL_PROBE                 # set when llminfer.fast is imported
+    run = fast.prefill_probe(dtype, 16)
+    seen, linear = [], F.linear
+
+    def spy(x, weight, bias=None):
+        seen.append((x.shape[-2] if x.dim() > 1 else 1, weight.dtype))
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(F, "linear", spy)
+    with cpu.force_prefill("torch"):
+        run()
+    products = [entry for entry in seen if entry[0] == 16]
+    assert len(products) == 4 * fast.PREFILL_PROBE_LAYERS            # qkv, o, gate_up and down of every layer
+    assert {weight_dtype for _, weight_dtype in products} == {torch.bfloat16 if dtype == torch.bfloat16
+                                                               else torch.float32}
+    if cpu.isa() != "portable":
+        seen.clear()
+        with cpu.force_prefill("blocked"):
+            run()
+        assert all(rows <= 1 for rows, _ in seen), seen              # the stack in one native call
+    with pytest.raises(ValueError, match=r"prefills for \[torch.float16\]: the weight dtypes .* float32, bfloat16"):
+        fast.prefill_probe(torch.float16, 16)
+
+
+def test_without_the_stack_the_prefill_probe_is_a_layers_products(monkeypatch):
+    """Where llminfer.fast is not imported no stack runs (only quantized layers' products), so the first use times a
+    layer's products; setting a probe drops the choices made on another one."""
+    import torch.nn.functional as F
+
+    assert cpu.available(), cpu.why_unavailable()
+    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={"kept": {"probe": cpu.PREFILL_STEP},
+                                                                      "other": {"probe": "another probe"}}))
+    cpu.set_prefill_probe(None)
+    assert cpu.prefill_probe_name() == cpu.PREFILL_PRODUCTS and set(cpu._prefill["choices"]) == {"kept"}
+    seen, linear = [], F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: seen.append(tuple(x.shape)) or linear(x, w, b))
+    timings = cpu.measure_prefill(torch.int8, 16, repeats=1)
+    assert sorted(timings) == ["blocked", "torch"] and all(len(t) == 1 for t in timings.values())
+    # torch's path: each of the layer's products, in its warm-up turn and its one timed turn
+    assert seen == [(16, k) for _, k in cpu.PREFILL_PROBE_SHAPES] * 2
+    with pytest.raises(ValueError, match="needs both make_run and what"):
+        cpu.set_prefill_probe(None, "a name")
 
 
 def test_the_prefill_choice_is_measured_once_and_cached(monkeypatch, tmp_path):
@@ -363,7 +415,7 @@ def test_the_prefill_choice_is_measured_once_and_cached(monkeypatch, tmp_path):
         return {"blocked": [1.0], "torch": [2.0]} if dtype == torch.bfloat16 else {"blocked": [2.0], "torch": [1.0]}
 
     monkeypatch.setattr(cpu, "measure_prefill", fake_measure)
-    monkeypatch.setattr(cpu, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
+    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
     monkeypatch.setitem(cpu._state, "build", str(tmp_path))
     monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
     vector = cpu.isa() != "portable"
@@ -374,6 +426,10 @@ def test_the_prefill_choice_is_measured_once_and_cached(monkeypatch, tmp_path):
         saved = json.loads((tmp_path / "prefill_choices.json").read_text())
         assert sorted(v["path"] for v in saved.values()) == ["blocked", "torch"]
         assert all(key.endswith(("bfloat16|128", "float32|128")) for key in cpu.prefill_choices())
+        assert cpu.prefill_choice(torch.bfloat16, 120) == {"path": "blocked", "probe": cpu.prefill_probe_name(),
+                                                           "median_s": {"blocked": 1.0, "torch": 2.0}}
+        with pytest.raises(ValueError, match=r"prefills for \[torch.float16\]"):
+            cpu.prefill_choice(torch.float16, 128)
         with cpu.force_prefill("blocked"):
             assert cpu.blocked_prefill(torch.float32, 128) is True
         monkeypatch.setenv(cpu.PREFILL_ENV, "torch")
@@ -396,7 +452,7 @@ def test_a_quantized_stack_takes_the_prefill_path_measured_for_its_own_weights(m
         return {"blocked": [1.0], "torch": [2.0]} if dtype == torch.uint8 else {"blocked": [2.0], "torch": [1.0]}
 
     monkeypatch.setattr(cpu, "measure_prefill", fake_measure)
-    monkeypatch.setattr(cpu, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
+    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
     monkeypatch.setitem(cpu._state, "build", str(tmp_path))
     monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
     config = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=64)
@@ -415,18 +471,18 @@ def test_a_quantized_stack_takes_the_prefill_path_measured_for_its_own_weights(m
 
 
 def test_kept_prefill_timings_are_decided_by_the_rule_in_force(monkeypatch, tmp_path):
-    """A kept answer's timings are read again, not its path: one kept as 'torch' on a 3 % lead is the blocked
-    kernel's under the margin, without measuring."""
+    """A kept answer's timings are read again, not its path: one kept as 'torch' where the blocked kernel's median
+    is lower is the blocked kernel's, without measuring."""
     assert cpu.available(), cpu.why_unavailable()
     if cpu.isa() == "portable":                              # no vector loops: nothing is kept or timed
         return
     monkeypatch.setattr(cpu, "measure_prefill", lambda *args, **kwargs: pytest.fail("measured a kept answer"))
-    monkeypatch.setattr(cpu, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
+    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
     monkeypatch.setitem(cpu._state, "build", str(tmp_path))
     monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
-    kept = {cpu._choice_key(torch.bfloat16, 128): {"path": "torch", "probe": cpu.PREFILL_PROBE,
-                                                    "median_s": {"blocked": 4.0e-3, "torch": 3.9e-3}},
-            cpu._choice_key(torch.float32, 128): {"path": "blocked", "probe": cpu.PREFILL_PROBE,
+    kept = {cpu._choice_key(torch.bfloat16, 128): {"path": "torch", "probe": cpu.prefill_probe_name(),
+                                                    "median_s": {"blocked": 3.9e-3, "torch": 4.0e-3}},
+            cpu._choice_key(torch.float32, 128): {"path": "blocked", "probe": cpu.prefill_probe_name(),
                                                    "median_s": {"blocked": 4.0e-3, "torch": 3.0e-3}}}
     (tmp_path / "prefill_choices.json").write_text(json.dumps(kept))
     assert cpu.prefill_path(torch.bfloat16, 128) == "blocked"
@@ -445,15 +501,15 @@ def test_answers_kept_from_another_probe_are_timed_again(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(cpu, "measure_prefill", lambda dtype, rows, repeats=5: calls.append(dtype) or
                         {"blocked": [1.0], "torch": [2.0]})
-    monkeypatch.setattr(cpu, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
+    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
     monkeypatch.setitem(cpu._state, "build", str(tmp_path))
     monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
     key = cpu._choice_key(torch.float32, 128)
     stale = {key: {"path": "torch", "probe": "one product 1536x576", "median_s": {"blocked": 2.0, "torch": 1.0}}}
     (tmp_path / "prefill_choices.json").write_text(json.dumps(stale))
     assert cpu.prefill_path(torch.float32, 128) == "blocked" and calls == [torch.float32]
-    assert json.loads((tmp_path / "prefill_choices.json").read_text())[key]["probe"] == cpu.PREFILL_PROBE
-    monkeypatch.setattr(cpu, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
+    assert json.loads((tmp_path / "prefill_choices.json").read_text())[key]["probe"] == cpu.prefill_probe_name()
+    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
     assert cpu.prefill_path(torch.float32, 128) == "blocked" and calls == [torch.float32]     # kept: not again
 
     several = [name for name in cpu.MATVEC_CANDIDATES if len(cpu.matvec_candidates(name)) > 1]
@@ -483,8 +539,8 @@ def test_a_prefill_path_timed_on_whole_prefills_is_the_faster_one_and_kept(monke
     """remeasure_prefill runs each dtype's prefill forced onto each path in turn and keeps the lower median, with
     no margin (the blocked kernel on a tie); a later process reads the kept answer back by the same rule."""
     assert cpu.available(), cpu.why_unavailable()
-    monkeypatch.setattr(cpu, "measure_prefill", lambda *args, **kwargs: pytest.fail("the products probe ran"))
-    monkeypatch.setattr(cpu, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
+    monkeypatch.setattr(cpu, "measure_prefill", lambda *args, **kwargs: pytest.fail("the first-use probe ran"))
+    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
     monkeypatch.setitem(cpu._state, "build", str(tmp_path))
     monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
     seen = []
@@ -510,7 +566,7 @@ def test_a_prefill_path_timed_on_whole_prefills_is_the_faster_one_and_kept(monke
     assert choices[cpu._choice_key(torch.float32, 128)]["median_s"] == {"blocked": 1.0, "torch": 0.97}
     assert cpu.prefill_path(torch.float32, 128) == "torch" and cpu._prefill["forced"] is None
     # kept: a later process takes the same paths without timing anything
-    monkeypatch.setattr(cpu, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
+    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
     assert [cpu.prefill_path(dtype, 120) for dtype in runs] == ["torch", "blocked", "blocked"]
     saved = json.loads((tmp_path / "prefill_choices.json").read_text())
     assert {entry["probe"] for entry in saved.values()} == {cpu.PREFILL_STEP}

@@ -41,9 +41,9 @@ implementations, so `torch.compile` traces through them.
 A prefill (many rows of x) runs through the same ops: from 16 rows on, products take a blocked kernel
 (tiles of 6 weight rows by 16 tokens in registers, 64 with AVX-512, x repacked once per product, bfloat16 and
 quantized rows widened to float32 a block of 6 at a time; with AVX512-BF16, bfloat16 rows read as stored by
-`vdpbf16ps` in tiles of 12 rows, and with AMX by `tdpbf16ps` in tiles of 32) or torch's matmul, where a timing at
-first use finds its products more than `PREFILL_MARGIN` faster, or where a benchmark timed a whole prefill of a
-model in the format faster on it (`remeasure_prefill`, kept for later processes) (`blocked_prefill()`).
+`vdpbf16ps` in tiles of 12 rows, and with AMX by `tdpbf16ps` in tiles of 32) or torch's matmul, whichever ran a
+prefill in the format faster: timed at first use on a few layers (`measure_prefill`), or by a benchmark on a whole
+model (`remeasure_prefill`), and kept for later processes (`blocked_prefill()`).
 """
 from __future__ import annotations
 
@@ -65,9 +65,9 @@ from llminfer.attention import fast_attention
 
 __all__ = ["PreparedStack", "available", "why_unavailable", "load", "isa", "isa_features", "choose_isa", "IsaChoice",
            "ISA_ENV", "KERNEL_LEVELS", "gemv", "decode_attention", "paged_attention", "attention_backend", "loaded",
-           "prefill_path", "prefill_choices", "choose_prefill", "measure_prefill", "remeasure_prefill", "force_prefill",
+           "prefill_path", "prefill_choice", "prefill_choices", "set_prefill_probe", "prefill_probe_name", "check_prefill_dtypes", "measure_prefill", "remeasure_prefill", "force_prefill",
            "layer_products",
-           "rows_bucket", "stream_read", "PREFILL_PATHS", "PREFILL_ENV", "PREFILL_MARGIN", "MAX_TOKENS",
+           "rows_bucket", "stream_read", "PREFILL_PATHS", "PREFILL_ENV", "PREFILL_DTYPES", "PREFILL_PRODUCTS", "MAX_TOKENS",
            "blocked_prefill", "tile_int4", "untile_int4", "cpu_flags", "bfloat16_in_hardware", "MATVEC_CANDIDATES",
            "MATVEC_VARIANTS", "MATVEC_PROBE_BYTES", "choose_fastest", "matvec_candidates", "measure_matvec",
            "matvec_choices", "remeasure_matvec", "MATVEC_STEP", "PREFILL_STEP", "SOURCES", "HEADERS", "cache_dir"]
@@ -533,34 +533,33 @@ def matvec_choices() -> dict[str, dict]:
     return {name: dict(entry) for name, entry in _matvec["choices"].items()}
 
 
-# The prefill choice. For each (weight dtype, rows) the first product asks: does the blocked kernel or torch's
-# matmul (after dequantizing, for int8/int4 weights: what the modules do) run a product of that many rows faster
-# on this machine? A short timing answers, on a layer's products (PREFILL_PROBE_SHAPES), once per process; the
-# answers are also kept beside the kernel build, keyed by CPU class, level and threads (`prefill_choices()` reports
-# them).
+# The prefill choice. For each (weight dtype, rows) the first prefill asks: does the blocked kernel or torch's matmul
+# (after dequantizing, for int8/int4 weights: what the modules do) run a prefill of that many rows faster on this
+# machine? A short timing answers, once per process, each path in turn, the lower median winning (the blocked
+# kernel on a tie), on what the choice moves. With `llminfer.fast` imported (`set_prefill_probe`), that is a
+# prefill of a few random layers of SmolLM2-135M's shape with weights in the format: through the native stack (the
+# layers in one call, the products by the blocked kernel) or through the modules (the products by torch's matmul).
+# Without it, no stack runs, only the products of quantized layers (`quant.QuantizedLinear`), and the probe is a
+# layer's products (PREFILL_PROBE_SHAPES) alone. The answers are also kept beside the kernel build, keyed by CPU
+# class, level and threads (`prefill_choices()` reports them).
+# The probe once timed a layer's products even for the stack, and took torch's matmul where they ran more than 25 %
+# faster. On an Intel Xeon with AMX at 2 threads, oneDNN's bfloat16 products ran 1.43 times as fast as the blocked
+# kernel's (1.18 against 1.69 ms), so a fresh process took torch's path for bfloat16; yet a 128-token prefill of
+# SmolLM2-135M ran 1.9 times as fast through the stack (49 against 93 ms): the modules' norms, RoPE, attention and
+# SwiGLU, bfloat16 ops one after another, outweighed the products.
 PREFILL_PATHS = ("blocked", "torch")
-# The prefill choice times a whole layer's products (PREFILL_PROBE_SHAPES, above), in turn, as a prefill runs them.
-# One product alone (warm in cache, one shape) chose torch's matmul on a Zen 4 where the blocked kernel ran the
-# whole model's prefill 1.5 times faster. The choice is per dtype and rows.
+# the weight dtypes with a prefill choice, and the scheme a probe's weights are quantized with (`quant.quantize`)
+PREFILL_DTYPES = {torch.float32: None, torch.bfloat16: None, torch.int8: ("int8", None), torch.uint8: ("int4", 32)}
 # what a kept answer was timed on (an answer timed otherwise, by an earlier version, is timed again)
-PREFILL_PROBE = "products " + ", ".join(f"{n}x{k}" for n, k in PREFILL_PROBE_SHAPES)
-# The probe times products only, but the choice moves a whole prefill: on the blocked path the layer stack runs in
-# one native call (attention over the prompt, norms, RoPE and SwiGLU native too), on torch's the modules run it. So
-# torch's matmul is taken only where its products are clearly faster. On a Zen 4 the two tied on bfloat16 products
-# (4.00 against 3.96 ms) while the whole 128-token prefill took 136 ms through the stack and 175 ms through the
-# modules (one run of the decode benchmark); on a Zen 5 torch's bfloat16 products (oneDNN) ran 1.2 times faster
-# than the blocked kernel's (1.44 against 1.72 ms), and the whole prefill 1.24 times slower through the modules (84
-# against 68 ms, in the same run); an Intel Xeon's MKL ran float32 products 1.4 times faster than the blocked
-# kernel, and its plain model's prefill was faster too. So torch's products must be more than 25 % faster.
-PREFILL_MARGIN = 0.25
-# what an answer timed on a whole prefill was timed on (`remeasure_prefill`, as the decode benchmark times each
-# format's own prefill both ways): the native stack against the modules, so the faster median wins, with no margin.
-# On an Intel Xeon with AMX, torch's float32 products ran 1.26 times the blocked kernel's on the probe, so it took
-# torch's matmul, and the whole 128-token prefill ran 1.22 times faster on the blocked path (131 against 160 ms)
+PREFILL_PRODUCTS = "products " + ", ".join(f"{n}x{k}" for n, k in PREFILL_PROBE_SHAPES)
+# what an answer timed on a whole model's prefill was timed on (`remeasure_prefill`, as the decode benchmark times
+# each format's own prefill both ways), decided by the same rule. On an Intel Xeon with AMX, the first-use probe of
+# the time (a layer's products) took torch's matmul for float32, and the whole 128-token prefill ran 1.22 times
+# faster on the blocked path (131 against 160 ms).
 PREFILL_STEP = "the prefill of a model in the format"
 PREFILL_STEP_REPEATS = 5                # turns of each path on a whole prefill
 PREFILL_ENV = "LLMINFER_PREFILL"           # 'blocked' or 'torch' forces the path (for comparisons); unset: measured
-_prefill: dict = {"choices": {}, "forced": None, "loaded_from_disk": False}
+_prefill: dict = {"choices": {}, "forced": None, "loaded_from_disk": False, "probe": None}
 
 
 def rows_bucket(rows: int) -> int:
@@ -571,15 +570,12 @@ def rows_bucket(rows: int) -> int:
     return bucket
 
 
-def choose_prefill(timings: dict[str, list[float]]) -> str:
-    """Returns the path for `timings` {'blocked': [s, ...], 'torch': [...]} of a layer's products: torch's matmul
-    where its median is more than PREFILL_MARGIN faster than the blocked kernel's, else the blocked kernel.
-    Appendix A1."""
-    missing = [path for path in PREFILL_PATHS if not timings.get(path)]
-    if missing:
-        raise ValueError(f"no timings for {missing}; choose_prefill needs some for both of {PREFILL_PATHS}")
-    blocked, matmul = (statistics.median(timings[path]) for path in PREFILL_PATHS)
-    return "torch" if matmul * (1 + PREFILL_MARGIN) < blocked else "blocked"
+def check_prefill_dtypes(dtypes) -> None:
+    """Raises ValueError naming any of dtypes that has no prefill choice (PREFILL_DTYPES)."""
+    unknown = [dtype for dtype in dtypes if dtype not in PREFILL_DTYPES]
+    if unknown:
+        raise ValueError(f"prefills for {unknown}: the weight dtypes with a prefill choice are float32, bfloat16, "
+                         "int8 and uint8 (int4)")
 
 
 def _probe_weight(dtype: torch.dtype, shape: tuple[int, int], seed: int) -> tuple[list[torch.Tensor], callable]:
@@ -605,14 +601,14 @@ def _probe_weight(dtype: torch.dtype, shape: tuple[int, int], seed: int) -> tupl
             weight = (codes * scale[..., None] + offset[..., None]).reshape(N, K)
             return F.linear(x, weight.to(x.dtype))
         return [nibbles, scale, offset, group], modules
-    raise ValueError(f"no prefill path to measure for {dtype} weights; float32, bfloat16, int8 and uint8 (int4) have")
+    check_prefill_dtypes([dtype])
 
 
 def layer_products(dtype: torch.dtype, rows: int, shapes=PREFILL_PROBE_SHAPES) -> tuple[dict, int]:
     """Returns ({path: run}, FLOPs): `rows` rows of x times a random weight of dtype for each (N, K) of shapes (a
     layer's products, one after the other), by the blocked kernel and by torch's matmul on the modules' weights.
-    x is bfloat16 for bfloat16 weights, float32 for the others. What the prefill choice times, and the benchmark's
-    native matmul probe. Appendix A1."""
+    x is bfloat16 for bfloat16 weights, float32 for the others. The prefill choice's probe where no stack runs
+    (`set_prefill_probe`), and the benchmark's native matmul probe. Appendix A1."""
     _require()
     x_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     products = []
@@ -625,20 +621,57 @@ def layer_products(dtype: torch.dtype, rows: int, shapes=PREFILL_PROBE_SHAPES) -
     return run, sum(2 * rows * n * k for n, k in shapes)
 
 
-def measure_prefill(dtype: torch.dtype, rows: int, repeats: int = 5) -> dict[str, list[float]]:
-    """Returns the seconds to multiply `rows` rows of x by the weights of PREFILL_PROBE_SHAPES (a layer's products,
-    one after the other) in dtype, by path, the two paths taking turns (after one warm-up each). Appendix A1."""
-    run, _ = layer_products(dtype, rows)
+def _time_paths(run: Callable[[], float], repeats: int) -> dict[str, list[float]]:
+    """{path: seconds} of `run` (which returns its seconds) forced onto each prefill path in turn, `repeats` turns
+    each after a warm-up turn."""
     timings: dict[str, list[float]] = {path: [] for path in PREFILL_PATHS}
-    with torch.inference_mode():
+    for round_index in range(repeats + 1):
         for path in PREFILL_PATHS:
-            run[path]()
-        for _ in range(repeats):
-            for path in PREFILL_PATHS:
-                start = time.perf_counter()
-                run[path]()
-                timings[path].append(time.perf_counter() - start)
+            with force_prefill(path):
+                seconds = run()
+            if round_index:                      # the first round warms up
+                timings[path].append(seconds)
     return timings
+
+
+def set_prefill_probe(make_run: Callable[[torch.dtype, int], Callable[[], None]] | None, what: str | None = None
+                      ) -> None:
+    """Sets how the first use of a (weight dtype, rows) times a prefill: make_run(dtype, rows) returns a run of a
+    prefill of that many rows with weights of dtype, on the path in force (`force_prefill`), and `what` names it in
+    the kept answers. `llminfer.fast` sets a prefill of a few layers (`fast.prefill_probe`) when it is imported;
+    None restores the default, a layer's products (`layer_products`). Choices made on another probe are dropped, to
+    be timed again at their next use. Appendix A1."""
+    if (make_run is None) != (what is None):
+        raise ValueError("set_prefill_probe needs both make_run and what, or neither (the products probe)")
+    with _lock:
+        _prefill["probe"] = (make_run, what) if make_run else None
+        kept = (prefill_probe_name(), PREFILL_STEP)
+        _prefill["choices"] = {k: v for k, v in _prefill["choices"].items() if v.get("probe") in kept}
+
+
+def prefill_probe_name() -> str:
+    """What the first use of a prefill choice times here (`set_prefill_probe`)."""
+    return _prefill["probe"][1] if _prefill["probe"] else PREFILL_PRODUCTS
+
+
+def measure_prefill(dtype: torch.dtype, rows: int, repeats: int = 5) -> dict[str, list[float]]:
+    """Returns the seconds of the probe (`prefill_probe_name()`) with `rows` rows and weights of dtype, by path:
+    the blocked kernel (in the native stack, with `llminfer.fast`) and torch's matmul (in the modules), taking
+    turns after one warm-up each. Appendix A1."""
+    check_prefill_dtypes([dtype])
+    if _prefill["probe"]:
+        run = _prefill["probe"][0](dtype, rows)
+    else:
+        products, _ = layer_products(dtype, rows)
+
+        def run():
+            products[_prefill["forced"]]()
+
+    def timed() -> float:
+        start = time.perf_counter()
+        run()
+        return time.perf_counter() - start
+    return _time_paths(timed, repeats)
 
 
 def _choice_key(dtype: torch.dtype, rows: int) -> str:
@@ -647,15 +680,25 @@ def _choice_key(dtype: torch.dtype, rows: int) -> str:
 
 def prefill_path(weight_dtype: torch.dtype = torch.float32, rows: int = 128) -> str:
     """Returns 'blocked' or 'torch': the path a prefill of `rows` rows with weights of weight_dtype takes here,
-    measured at first use (`measure_prefill`, `choose_prefill`) and cached; 'torch' without the vector loops.
-    LLMINFER_PREFILL or `force_prefill` overrides it. Appendix A1."""
+    measured at first use (`prefill_choice`) and cached; 'torch' without the vector loops. LLMINFER_PREFILL or
+    `force_prefill` overrides it. Appendix A1."""
     forced = _prefill["forced"] or os.environ.get(PREFILL_ENV) or None
     if forced is not None and forced not in PREFILL_PATHS:
         raise ValueError(f"{PREFILL_ENV}={forced!r} must be one of {PREFILL_PATHS}, or unset to measure")
     if not ((_state["loaded"] or load()) and isa() != "portable"):
         return "torch"
-    if forced:
-        return forced
+    return forced or prefill_choice(weight_dtype, rows)["path"]
+
+
+def prefill_choice(weight_dtype: torch.dtype = torch.float32, rows: int = 128) -> dict:
+    """Returns the measured choice for a prefill of `rows` rows with weights of weight_dtype, {'path', 'probe',
+    'median_s': {path: seconds}}: kept from an earlier process, or timed now (`measure_prefill`, `choose_fastest`)
+    and kept. A forced path (`force_prefill`, LLMINFER_PREFILL) is not consulted. Appendix A1."""
+    check_prefill_dtypes([weight_dtype])
+    _require()
+    if isa() == "portable":
+        raise RuntimeError("no prefill choice to make: the kernels run portable loops here, so prefills take torch's "
+                           f"matmul (the blocked kernel needs AVX2; {ISA_ENV} may have lowered the level)")
     key = _choice_key(weight_dtype, rows_bucket(rows))
     choices = _prefill["choices"]
     if key not in choices:
@@ -663,25 +706,23 @@ def prefill_path(weight_dtype: torch.dtype = torch.float32, rows: int = 128) -> 
             _read_kept_prefill()
             if key not in choices:
                 timings = measure_prefill(weight_dtype, rows_bucket(rows))
-                choices[key] = {"path": choose_prefill(timings), "probe": PREFILL_PROBE,
+                choices[key] = {"path": choose_fastest(timings), "probe": prefill_probe_name(),
                                 "median_s": {p: statistics.median(t) for p, t in timings.items()}}
                 _write_kept(_kept_file("prefill_choices.json"), choices)
-    return choices[key]["path"]
+    return dict(choices[key])
 
 
 def _read_kept_prefill() -> None:
-    """Adds the kept prefill answers to the process's, once, each decided by today's rule for its probe: a layer's
-    products with the margin (`choose_prefill`), a whole prefill by the lower median (`choose_fastest`); an answer
-    timed on another probe is left out, to be timed again. Called under _lock."""
+    """Adds the kept prefill answers to the process's, once, each decided by today's rule: the lower median
+    (`choose_fastest`); an answer timed on another probe than this process's first use (`prefill_probe_name()`) or
+    a benchmark's (`PREFILL_STEP`) is left out, to be timed again. Called under _lock."""
     choices = _prefill["choices"]
     if _prefill["loaded_from_disk"]:
         return
     for k, v in _read_kept(_kept_file("prefill_choices.json")).items():
         if k not in choices and set(v.get("median_s", {})) == set(PREFILL_PATHS):
             medians = {p: [v["median_s"][p]] for p in PREFILL_PATHS}
-            if v.get("probe") == PREFILL_PROBE:
-                choices[k] = dict(v, path=choose_prefill(medians))
-            elif v.get("probe") == PREFILL_STEP:
+            if v.get("probe") in (prefill_probe_name(), PREFILL_STEP):
                 choices[k] = dict(v, path=choose_fastest(medians))
     _prefill["loaded_from_disk"] = True
 
@@ -695,22 +736,13 @@ def remeasure_prefill(prefills: dict[torch.dtype, Callable[[], float]], rows: in
     (dtype, rows' bucket) and kept beside the kernel build, as the first use's probe would be (a benchmark does
     this, so that the path served is the one that ran its prefill faster; `measure_prefill`'s probe times products
     only). Returns `prefill_choices()`. Without the vector loops nothing is measured. Appendix A1."""
-    unknown = [dtype for dtype in prefills if dtype not in (torch.float32, torch.bfloat16, torch.int8, torch.uint8)]
-    if unknown:
-        raise ValueError(f"prefills for {unknown}: the weight dtypes with a prefill choice are float32, bfloat16, "
-                         "int8 and uint8 (int4)")
+    check_prefill_dtypes(prefills)
     if not (_state["loaded"] or load()) or isa() == "portable":
         return prefill_choices()
     with _lock:
         _read_kept_prefill()                             # the kept answers read first, so these replace theirs
         for dtype, run in prefills.items():
-            timings: dict[str, list[float]] = {path: [] for path in PREFILL_PATHS}
-            for round_index in range(repeats + 1):
-                for path in PREFILL_PATHS:
-                    with force_prefill(path):
-                        seconds = run()
-                    if round_index:                      # the first round warms up
-                        timings[path].append(seconds)
+            timings = _time_paths(run, repeats)
             _prefill["choices"][_choice_key(dtype, rows_bucket(rows))] = {
                 "path": choose_fastest(timings), "probe": PREFILL_STEP,
                 "median_s": {p: statistics.median(t) for p, t in timings.items()}}
