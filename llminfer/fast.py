@@ -47,7 +47,8 @@ from .quant.linear import QuantizedLinear, quantize
 
 __all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "NativeDecoderLayer",
            "NativeDecoderStack", "use_native_kernels", "use_huge_pages",
-           "uses_native_kernels", "optimize_decode", "compile_decode", "prefill_probe", "PREFILL_PROBE"]
+           "uses_native_kernels", "optimize_decode", "compile_decode", "prefill_probe", "PREFILL_PROBE",
+           "settle_prefill_paths"]
 
 
 def _concat_linears(layers: list[nn.Module]) -> nn.Module:
@@ -491,9 +492,30 @@ def compile_decode(model, batch_size: int = 1, max_seq_len: int | None = None, f
     return decoder
 
 
+def settle_prefill_paths(model: nn.Module, max_rows: int) -> dict[int, str]:
+    """Settles now the prefill path (`kernels.cpu.prefill_path`) of every rows bucket from MAX_TOKENS + 1 to
+    max_rows for the weights of model's native stack: read from the answers kept beside the kernel build, or timed
+    (a fraction of a second each, once per machine), so that no request waits on a first-use timing. A server calls
+    it before its first request (`llminfer.engine.LLMEngine`). Returns {bucket: path}; {} where no native stack
+    runs. Chapter 08."""
+    layers = getattr(model, "layers", None)
+    if not (isinstance(layers, NativeDecoderStack) and len(layers) and native_cpu.available()
+            and model.device.type == "cpu"):
+        return {}
+    dtype = _weight_dtype(layers[0], torch.empty(0, dtype=model.dtype))
+    paths, rows = {}, native_cpu.MAX_TOKENS + 1
+    while rows <= max(max_rows, native_cpu.MAX_TOKENS + 1):
+        bucket = native_cpu.rows_bucket(rows)
+        paths[bucket] = native_cpu.prefill_path(dtype, bucket)
+        if bucket >= 512:                         # the last bucket: longer prefills share its answer
+            break
+        rows = bucket + 1
+    return paths
+
+
 # The first-use probe of the prefill choice (`kernels.cpu.set_prefill_probe`): what the choice moves, a prefill
 # through the stack or through the modules, of PREFILL_PROBE_LAYERS layers
-PREFILL_PROBE_LAYERS = 4
+PREFILL_PROBE_LAYERS = 2
 PREFILL_PROBE = f"the prefill of {PREFILL_PROBE_LAYERS} layers of SmolLM2-135M's shape in the format"
 
 

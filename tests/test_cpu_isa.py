@@ -470,6 +470,41 @@ def test_a_quantized_stack_takes_the_prefill_path_measured_for_its_own_weights(m
         assert fast._step_fits(x, cos, cpu.attention_backend) is None          # float32's own choice: torch
 
 
+def test_an_engine_settles_every_prefill_path_before_its_first_request(monkeypatch, tmp_path):
+    """settle_prefill_paths times each rows bucket a step can take, for the stack's own weights, once; an engine
+    calls it when it is made, so no request waits on a first-use timing."""
+    from llminfer import fast, load_random
+    from llminfer.config import ModelConfig
+    from llminfer.engine import LLMEngine
+
+    assert cpu.available(), cpu.why_unavailable()
+    calls = []
+
+    def fake_measure(dtype, rows, repeats=5):
+        calls.append((dtype, rows))
+        return {"blocked": [1.0], "torch": [2.0 if rows < 64 else 0.5]}
+
+    monkeypatch.setattr(cpu, "measure_prefill", fake_measure)
+    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
+    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
+    monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
+    config = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=64)
+    assert fast.settle_prefill_paths(load_random(config, seed=0), 40) == {}            # no native stack: nothing
+    model = fast.optimize_decode(quant.quantize(load_random(config, seed=0), "int4", 32))
+    if cpu.isa() == "portable":                              # no blocked kernel: nothing to time
+        assert fast.settle_prefill_paths(model, 40) == {} or calls == []
+        return
+    assert fast.settle_prefill_paths(model, 40) == {16: "blocked", 32: "blocked", 64: "torch"}
+    assert calls == [(torch.uint8, 16), (torch.uint8, 32), (torch.uint8, 64)]
+    assert fast.settle_prefill_paths(model, 2000) == {16: "blocked", 32: "blocked", 64: "torch", 128: "torch",
+                                                      256: "torch", 512: "torch"}
+    assert len(calls) == 6                                    # the kept ones not again
+    calls.clear()
+    LLMEngine(load_random(config, seed=0).to(torch.bfloat16), block_size=4, num_blocks=64,
+              max_num_batched_tokens=100, max_model_len=64, optimize=True)
+    assert calls == [(torch.bfloat16, 16), (torch.bfloat16, 32), (torch.bfloat16, 64), (torch.bfloat16, 128)]
+
+
 def test_kept_prefill_timings_are_decided_by_the_rule_in_force(monkeypatch, tmp_path):
     """A kept answer's timings are read again, not its path: one kept as 'torch' where the blocked kernel's median
     is lower is the blocked kernel's, without measuring."""

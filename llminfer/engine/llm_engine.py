@@ -37,6 +37,7 @@ from ..generate import check_flag, check_int, check_request
 from ..generate import is_int as _is_int
 from .attention_metadata import AttentionMetadata
 from .block_manager import BlockManager
+from ..fast import settle_prefill_paths
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
 from .sampling_params import SamplingParams
@@ -215,6 +216,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, policy, chunked_prefill,
                                    max_prefill_tokens)
         self.runner = ModelRunner(model, self.cache)
+        if optimize:
+            # the prefill path of every step size, settled before the first request rather than timed inside the
+            # first request of each size (`kernels.cpu.prefill_path`; kept beside the kernel build, so once a
+            # machine)
+            settle_prefill_paths(model, max(max_num_batched_tokens, max_model_len))
         self.clock = clock
         self.trace: deque[StepRecord] = deque(maxlen=trace_limit)
         self._requests: dict[int, Sequence] = {}     # unfinished
