@@ -385,11 +385,13 @@ _ROUND_HERE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("level", ["portable"] + (["avx2"] if "avx2" in cpu_capabilities().flags else []))
+@pytest.mark.parametrize("level", [level for level in ("portable", "avx2", "avx512")
+                                   if cpu._level_runs(level, cpu_capabilities().flags)])
 def test_bfloat16_rounding_of_the_layers_is_torchs_to_the_bit(level, tmp_path):
-    """The layers round a bfloat16 model's activations 8 at a time (AVX2) or one by one (portable); both give what
-    torch's conversion gives for every float32 pattern tried: ties to even, infinities, the largest finite values
-    (which round to infinity), subnormals; a NaN stays a NaN. 1001 values: the vector loop's tail runs too."""
+    """The layers round a bfloat16 model's activations 16 at a time (AVX-512), 8 at a time (AVX2) or one by one
+    (portable); each gives what torch's conversion gives for every float32 pattern tried: ties to even, infinities,
+    the largest finite values (which round to infinity), subnormals; a NaN stays a NaN. 1001 values: the vector
+    loops' tails run too."""
     generator = torch.Generator().manual_seed(0)
     patterns = torch.randint(-2 ** 31, 2 ** 31, (1001,), generator=generator, dtype=torch.int64).to(torch.int32)
     ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2 ** -130 * 1.5])

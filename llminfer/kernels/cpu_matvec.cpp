@@ -1013,15 +1013,36 @@ void rows_int4_avx512(const float* xp, const float* xsum, int64_t M, int64_t K, 
 
 constexpr int64_t kGrain = 64;   // output rows a thread takes at least
 
-// rows [m0, m1) and columns [n0, n1) of y (M, N) added into the residual's x (M, N)
+#ifdef LLMINFER_X86
+// add_residual's row, 16 at a time: x = x + y, in bfloat16 x = round(x + round(y)) (y left as it was); returns how
+// far it got
+__attribute__((target(LLMINFER_AVX512))) int64_t residual_row_avx512(float* xr, const float* yr, int64_t n,
+                                                                   bool bf16) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 y = _mm512_loadu_ps(yr + i), x = _mm512_loadu_ps(xr + i);
+    _mm512_storeu_ps(xr + i, bf16 ? bf16_round16(_mm512_add_ps(x, bf16_round16(y))) : _mm512_add_ps(x, y));
+  }
+  return i;
+}
+#endif
+
+// rows [m0, m1) and columns [n0, n1) of y (M, N) added into the residual's x (M, N): in bfloat16 y is rounded, then
+// the sum, as the modules round (y itself may be left unrounded). One AVX-512 pass for the three took the rounding and
+// the residual adds of a 128-token bfloat16 prefill from 4.5 % of its perf samples to 2.3 % on a Xeon with AMX (the
+// whole prefill: a median ratio of 1.00 over 6 pairs of alternating processes, under the host's noise).
 void add_residual(const Residual& r, float* y, int64_t N, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const int64_t n = n1 - n0;
   for (int64_t m = m0; m < m1; ++m) {
     float* yr = y + m * N + n0;
     float* xr = r.x + m * N + n0;
-    if (r.bf16) round_bf16(yr, n);
-    for (int64_t i = 0; i < n; ++i) xr[i] += yr[i];
-    if (r.bf16) round_bf16(xr, n);
+    int64_t i = 0;
+#ifdef LLMINFER_X86
+    if (has(kAVX512)) i = residual_row_avx512(xr, yr, n, r.bf16);
+#endif
+    if (r.bf16) round_bf16(yr + i, n - i);
+    for (int64_t j = i; j < n; ++j) xr[j] += yr[j];
+    if (r.bf16) round_bf16(xr + i, n - i);
   }
 }
 
@@ -1446,6 +1467,11 @@ std::vector<float> x_as_float(const at::Tensor& x) {
 }
 
 #ifdef LLMINFER_X86
+// the first n - n % 16 of them
+__attribute__((target(LLMINFER_AVX512))) void round_bf16_avx512(float* p, int64_t n) {
+  for (int64_t i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(p + i, bf16_round16(_mm512_loadu_ps(p + i)));
+}
+
 // the first n - n % 8 of them
 __attribute__((target("avx2,fma"))) void round_bf16_avx2(float* p, int64_t n) {
   for (int64_t i = 0; i + 8 <= n; i += 8)
@@ -1464,7 +1490,8 @@ __attribute__((target("avx2,fma"))) void to_bf16_avx2(const float* p, int64_t n,
 void round_bf16(float* p, int64_t n) {
   int64_t i = 0;
 #ifdef LLMINFER_X86
-  if (has_avx2()) round_bf16_avx2(p, n), i = n - n % 8;
+  if (has(kAVX512)) round_bf16_avx512(p, n), i = n - n % 16;
+  if (has_avx2()) round_bf16_avx2(p + i, n - i), i = n - n % 8;
 #endif
   for (; i < n; ++i) p[i] = static_cast<float>(c10::BFloat16(p[i]));
 }
