@@ -324,30 +324,36 @@ __attribute__((target(LLMINFER_AVX512))) void transpose_keys(const char* k, int6
     }
 }
 
-// s[0 .. n) <- exp(s - max s), 16 at a time; returns their sum, or 0 (s untouched) where every score is -inf
+// s[0 .. n) <- exp(s - max s), 16 at a time, the last n % 16 under a mask; returns their sum, or 0 (s untouched)
+// where every score is -inf. (A row's keys end at its own position, so 7.5 of them on average were left over, and
+// one at a time through libm's expf they took about as long as the vector loop did. With the masked tail, a layer's
+// attention over 128 positions, 9 query heads on 3 K/V heads, took 264 against 310 µs at one thread on a Xeon with
+// AMX (three alternating processes each), and a 128-token bfloat16 prefill ran 1.03 times as fast, the median of 6
+// alternating pairs at two threads.)
+// s[lanes] <- exp(s - shift), 0 where s is -inf; returns them (0 in the other lanes)
+__attribute__((target(LLMINFER_AVX512))) inline __m512 softmax_lanes(float* s, __mmask16 lanes, __m512 shift) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 v = _mm512_mask_loadu_ps(neg_inf, lanes, s);
+  const __mmask16 seen = _mm512_cmp_ps_mask(v, neg_inf, _CMP_NEQ_OQ);
+  const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(v, shift)));
+  _mm512_mask_storeu_ps(s, lanes, e);
+  return e;
+}
+
 __attribute__((target(LLMINFER_AVX512))) float softmax_numerators_avx512(float* s, int64_t n) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  __m512 top = _mm512_set1_ps(neg_inf);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
-  float best = _mm512_reduce_max_ps(top);
-  for (int64_t i = j; i < n; ++i) best = std::max(best, s[i]);
-  if (best == neg_inf) return 0.f;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t whole = n - n % 16;
+  const __mmask16 last = static_cast<__mmask16>((1u << (n % 16)) - 1);
+  __m512 top = neg_inf;
+  for (int64_t j = 0; j < whole; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+  if (last) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(neg_inf, last, s + whole));
+  const float best = _mm512_reduce_max_ps(top);
+  if (best == -std::numeric_limits<float>::infinity()) return 0.f;
   const __m512 shift = _mm512_set1_ps(best);
   __m512 sum = _mm512_setzero_ps();
-  for (j = 0; j + 16 <= n; j += 16) {
-    const __m512 v = _mm512_loadu_ps(s + j);
-    const __mmask16 seen = _mm512_cmp_ps_mask(v, _mm512_set1_ps(neg_inf), _CMP_NEQ_OQ);
-    const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(v, shift)));
-    _mm512_storeu_ps(s + j, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  float total = _mm512_reduce_add_ps(sum);
-  for (; j < n; ++j) {
-    s[j] = std::isinf(s[j]) ? 0.f : std::exp(s[j] - best);
-    total += s[j];
-  }
-  return total;
+  for (int64_t j = 0; j < whole; j += 16) sum = _mm512_add_ps(sum, softmax_lanes(s + j, 0xFFFF, shift));
+  if (last) sum = _mm512_add_ps(sum, softmax_lanes(s + whole, last, shift));
+  return _mm512_reduce_add_ps(sum);
 }
 
 template <WKind kind>
