@@ -47,7 +47,7 @@ from .quant.linear import QuantizedLinear, quantize
 
 __all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "NativeDecoderLayer",
            "NativeDecoderStack", "use_native_kernels", "use_huge_pages",
-           "uses_native_kernels", "optimize_decode", "compile_decode", "prefill_probe", "PREFILL_PROBE",
+           "uses_native_kernels", "optimize_decode", "compile_decode", "prefill_probe",
            "settle_prefill_paths"]
 
 
@@ -514,18 +514,17 @@ def settle_prefill_paths(model: nn.Module, max_rows: int) -> dict[int, str]:
 
 
 # The first-use probe of the prefill choice (`kernels.cpu.set_prefill_probe`): what the choice moves, a prefill
-# through the stack or through the modules, of PREFILL_PROBE_LAYERS layers
-PREFILL_PROBE_LAYERS = 2
-PREFILL_PROBE = f"the prefill of {PREFILL_PROBE_LAYERS} layers of SmolLM2-135M's shape in the format"
+# through the stack or through the modules, of kernels.cpu.PREFILL_PROBE_LAYERS layers
 
 
 def prefill_probe(dtype: torch.dtype, rows: int):
-    """Returns a run that prefills `rows` random tokens through PREFILL_PROBE_LAYERS random layers of SmolLM2-135M's
-    shape (a vocabulary of 256) with weights of dtype: float32, bfloat16, int8 codes, or uint8 (int4 nibbles in
-    groups of 32), as a model in that format runs them (`compile_decode`, its step eager), on the prefill path in
-    force (`kernels.cpu.force_prefill`). What the prefill choice times at first use. Appendix A1."""
+    """Returns a run that prefills `rows` random tokens through kernels.cpu.PREFILL_PROBE_LAYERS random layers of
+    SmolLM2-135M's shape (a vocabulary of 256) with weights of dtype: float32, bfloat16, int8 codes, or uint8 (int4
+    nibbles in groups of 32), as a model in that format runs them (`compile_decode`, its step eager), on the prefill
+    path in force (`kernels.cpu.force_prefill`). What the prefill choice times at first use. Appendix A1."""
     native_cpu.check_prefill_dtypes([dtype])
-    config = get_preset("smollm2-135m").replace(n_layers=PREFILL_PROBE_LAYERS, vocab_size=256, max_seq_len=rows)
+    config = get_preset("smollm2-135m").replace(n_layers=native_cpu.PREFILL_PROBE_LAYERS, vocab_size=256,
+                                                max_seq_len=rows)
     model = load_random(config, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32, seed=0)
     if native_cpu.PREFILL_DTYPES[dtype]:
         quantize(model, *native_cpu.PREFILL_DTYPES[dtype])
@@ -534,4 +533,5 @@ def prefill_probe(dtype: torch.dtype, rows: int):
     return lambda: decoder.prefill(ids)
 
 
-native_cpu.set_prefill_probe(prefill_probe, PREFILL_PROBE)
+native_cpu.set_prefill_probe(prefill_probe)
+

@@ -362,7 +362,7 @@ def test_the_prefill_probe_runs_the_layers_in_the_format_on_the_path_in_force(mo
     assert cpu.available(), cpu.why_unavailable()
     from llminfer import fast
 
-    assert cpu.prefill_probe_name() == fast.PREFILL_PROBE                 # set when llminfer.fast is imported
+    assert cpu.prefill_probe_name() == cpu.PREFILL_LAYERS_PROBE           # set when llminfer.fast is imported
     run = fast.prefill_probe(dtype, 16)
     seen, linear = [], F.linear
 
@@ -374,7 +374,7 @@ def test_the_prefill_probe_runs_the_layers_in_the_format_on_the_path_in_force(mo
     with cpu.force_prefill("torch"):
         run()
     products = [entry for entry in seen if entry[0] == 16]
-    assert len(products) == 4 * fast.PREFILL_PROBE_LAYERS            # qkv, o, gate_up and down of every layer
+    assert len(products) == 4 * cpu.PREFILL_PROBE_LAYERS            # qkv, o, gate_up and down of every layer
     assert {weight_dtype for _, weight_dtype in products} == {torch.bfloat16 if dtype == torch.bfloat16
                                                                else torch.float32}
     if cpu.isa() != "portable":
@@ -402,8 +402,6 @@ def test_without_the_stack_the_prefill_probe_is_a_layers_products(monkeypatch):
     assert sorted(timings) == ["blocked", "torch"] and all(len(t) == 1 for t in timings.values())
     # torch's path: each of the layer's products, in its warm-up turn and its one timed turn
     assert seen == [(16, k) for _, k in cpu.PREFILL_PROBE_SHAPES] * 2
-    with pytest.raises(ValueError, match="needs both make_run and what"):
-        cpu.set_prefill_probe(None, "a name")
 
 
 def test_the_prefill_choice_is_measured_once_and_cached(monkeypatch, tmp_path):

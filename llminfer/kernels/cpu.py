@@ -65,12 +65,13 @@ from llminfer.attention import fast_attention
 
 __all__ = ["PreparedStack", "available", "why_unavailable", "load", "isa", "isa_features", "choose_isa", "IsaChoice",
            "ISA_ENV", "KERNEL_LEVELS", "gemv", "decode_attention", "paged_attention", "attention_backend", "loaded",
-           "prefill_path", "prefill_choice", "prefill_choices", "set_prefill_probe", "prefill_probe_name", "check_prefill_dtypes", "measure_prefill", "remeasure_prefill", "force_prefill",
-           "layer_products",
-           "rows_bucket", "stream_read", "PREFILL_PATHS", "PREFILL_ENV", "PREFILL_DTYPES", "PREFILL_PRODUCTS", "MAX_TOKENS",
-           "blocked_prefill", "tile_int4", "untile_int4", "cpu_flags", "bfloat16_in_hardware", "MATVEC_CANDIDATES",
-           "MATVEC_VARIANTS", "MATVEC_PROBE_BYTES", "choose_fastest", "matvec_candidates", "measure_matvec",
-           "matvec_choices", "remeasure_matvec", "MATVEC_STEP", "PREFILL_STEP", "SOURCES", "HEADERS", "cache_dir"]
+           "prefill_path", "prefill_choice", "prefill_choices", "set_prefill_probe", "prefill_probe_name",
+           "check_prefill_dtypes", "PREFILL_PROBE_LAYERS", "PREFILL_LAYERS_PROBE", "measure_prefill",
+           "remeasure_prefill", "force_prefill", "layer_products", "rows_bucket", "stream_read", "PREFILL_PATHS",
+           "PREFILL_ENV", "PREFILL_DTYPES", "PREFILL_PRODUCTS", "MAX_TOKENS", "blocked_prefill", "tile_int4",
+           "untile_int4", "cpu_flags", "bfloat16_in_hardware", "MATVEC_CANDIDATES", "MATVEC_VARIANTS",
+           "MATVEC_PROBE_BYTES", "choose_fastest", "matvec_candidates", "measure_matvec", "matvec_choices",
+           "remeasure_matvec", "MATVEC_STEP", "PREFILL_STEP", "SOURCES", "HEADERS", "cache_dir"]
 
 _HERE = Path(__file__).parent
 # the units of the one extension, by job, and the header they share (the build's hash covers all of them)
@@ -552,6 +553,8 @@ PREFILL_PATHS = ("blocked", "torch")
 PREFILL_DTYPES = {torch.float32: None, torch.bfloat16: None, torch.int8: ("int8", None), torch.uint8: ("int4", 32)}
 # what a kept answer was timed on (an answer timed otherwise, by an earlier version, is timed again)
 PREFILL_PRODUCTS = "products " + ", ".join(f"{n}x{k}" for n, k in PREFILL_PROBE_SHAPES)
+PREFILL_PROBE_LAYERS = 2
+PREFILL_LAYERS_PROBE = f"the prefill of {PREFILL_PROBE_LAYERS} layers of SmolLM2-135M's shape in the format"
 # what an answer timed on a whole model's prefill was timed on (`remeasure_prefill`, as the decode benchmark times
 # each format's own prefill both ways), decided by the same rule. On an Intel Xeon with AMX, the first-use probe of
 # the time (a layer's products) took torch's matmul for float32, and the whole 128-token prefill ran 1.22 times
@@ -634,24 +637,27 @@ def _time_paths(run: Callable[[], float], repeats: int) -> dict[str, list[float]
     return timings
 
 
-def set_prefill_probe(make_run: Callable[[torch.dtype, int], Callable[[], None]] | None, what: str | None = None
-                      ) -> None:
+def set_prefill_probe(make_run: Callable[[torch.dtype, int], Callable[[], None]] | None) -> None:
     """Sets how the first use of a (weight dtype, rows) times a prefill: make_run(dtype, rows) returns a run of a
-    prefill of that many rows with weights of dtype, on the path in force (`force_prefill`), and `what` names it in
-    the kept answers. `llminfer.fast` sets a prefill of a few layers (`fast.prefill_probe`) when it is imported;
-    None restores the default, a layer's products (`layer_products`). Choices made on another probe are dropped, to
-    be timed again at their next use. Appendix A1."""
-    if (make_run is None) != (what is None):
-        raise ValueError("set_prefill_probe needs both make_run and what, or neither (the products probe)")
+    prefill of that many rows through PREFILL_PROBE_LAYERS layers with weights of dtype, on the path in force
+    (`force_prefill`; PREFILL_LAYERS_PROBE). `llminfer.fast` sets one (`fast.prefill_probe`) when it is imported;
+    None restores the default, a layer's products (`layer_products`). Choices made on the products are dropped where
+    a prefill probe is set, to be timed again at their next use. Appendix A1."""
     with _lock:
-        _prefill["probe"] = (make_run, what) if make_run else None
-        kept = (prefill_probe_name(), PREFILL_STEP)
+        _prefill["probe"] = make_run
+        kept = _prefill_kept_probes()
         _prefill["choices"] = {k: v for k, v in _prefill["choices"].items() if v.get("probe") in kept}
 
 
 def prefill_probe_name() -> str:
     """What the first use of a prefill choice times here (`set_prefill_probe`)."""
-    return _prefill["probe"][1] if _prefill["probe"] else PREFILL_PRODUCTS
+    return PREFILL_LAYERS_PROBE if _prefill["probe"] else PREFILL_PRODUCTS
+
+
+def _prefill_kept_probes() -> tuple[str, ...]:
+    """The probes whose kept answers this process takes: those timed on prefills always, the products only where no
+    prefill is timed here."""
+    return (PREFILL_STEP, PREFILL_LAYERS_PROBE) + (() if _prefill["probe"] else (PREFILL_PRODUCTS,))
 
 
 def measure_prefill(dtype: torch.dtype, rows: int, repeats: int = 5) -> dict[str, list[float]]:
@@ -660,7 +666,7 @@ def measure_prefill(dtype: torch.dtype, rows: int, repeats: int = 5) -> dict[str
     turns after one warm-up each. Appendix A1."""
     check_prefill_dtypes([dtype])
     if _prefill["probe"]:
-        run = _prefill["probe"][0](dtype, rows)
+        run = _prefill["probe"](dtype, rows)
     else:
         products, _ = layer_products(dtype, rows)
 
@@ -714,15 +720,15 @@ def prefill_choice(weight_dtype: torch.dtype = torch.float32, rows: int = 128) -
 
 def _read_kept_prefill() -> None:
     """Adds the kept prefill answers to the process's, once, each decided by today's rule: the lower median
-    (`choose_fastest`); an answer timed on another probe than this process's first use (`prefill_probe_name()`) or
-    a benchmark's (`PREFILL_STEP`) is left out, to be timed again. Called under _lock."""
+    (`choose_fastest`); an answer timed on a probe this process does not take (`_prefill_kept_probes`: an earlier
+    version's, or the products where a prefill is timed here) is left out, to be timed again. Called under _lock."""
     choices = _prefill["choices"]
     if _prefill["loaded_from_disk"]:
         return
     for k, v in _read_kept(_kept_file("prefill_choices.json")).items():
         if k not in choices and set(v.get("median_s", {})) == set(PREFILL_PATHS):
             medians = {p: [v["median_s"][p]] for p in PREFILL_PATHS}
-            if v.get("probe") in (prefill_probe_name(), PREFILL_STEP):
+            if v.get("probe") in _prefill_kept_probes():
                 choices[k] = dict(v, path=choose_fastest(medians))
     _prefill["loaded_from_disk"] = True
 
