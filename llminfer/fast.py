@@ -513,10 +513,6 @@ def settle_prefill_paths(model: nn.Module, max_rows: int) -> dict[int, str]:
     return paths
 
 
-# The first-use probe of the prefill choice (`kernels.cpu.set_prefill_probe`): what the choice moves, a prefill
-# through the stack or through the modules, of kernels.cpu.PREFILL_PROBE_LAYERS layers
-
-
 def prefill_probe(dtype: torch.dtype, rows: int):
     """Returns a run that prefills `rows` random tokens through kernels.cpu.PREFILL_PROBE_LAYERS random layers of
     SmolLM2-135M's shape (a vocabulary of 256) with weights of dtype: float32, bfloat16, int8 codes, or uint8 (int4
@@ -533,5 +529,5 @@ def prefill_probe(dtype: torch.dtype, rows: int):
     return lambda: decoder.prefill(ids)
 
 
+# the first use of a prefill choice times what the choice moves, a prefill through the stack or through the modules
 native_cpu.set_prefill_probe(prefill_probe)
-

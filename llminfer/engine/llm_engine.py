@@ -35,9 +35,9 @@ from ..costs import kv_cache_bytes
 from ..device import check_fits, dtype_bytes, free_memory_bytes, synchronize
 from ..generate import check_flag, check_int, check_request
 from ..generate import is_int as _is_int
+from ..fast import settle_prefill_paths
 from .attention_metadata import AttentionMetadata
 from .block_manager import BlockManager
-from ..fast import settle_prefill_paths
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
 from .sampling_params import SamplingParams

@@ -740,8 +740,9 @@ def remeasure_prefill(prefills: dict[torch.dtype, Callable[[], float]], rows: in
     and returns its seconds. Each run takes its turn forced onto the blocked kernel and onto torch's matmul
     (`force_prefill`), after one warm-up each; the lower median wins (the blocked kernel on a tie), is set for
     (dtype, rows' bucket) and kept beside the kernel build, as the first use's probe would be (a benchmark does
-    this, so that the path served is the one that ran its prefill faster; `measure_prefill`'s probe times products
-    only). Returns `prefill_choices()`. Without the vector loops nothing is measured. Appendix A1."""
+    this, so that the path served is the one that ran its own model's prefill faster, where the first use times a
+    few layers, `measure_prefill`). Returns `prefill_choices()`. Without the vector loops nothing is measured.
+    Appendix A1."""
     check_prefill_dtypes(prefills)
     if not (_state["loaded"] or load()) or isa() == "portable":
         return prefill_choices()
