@@ -324,12 +324,6 @@ __attribute__((target(LLMINFER_AVX512))) void transpose_keys(const char* k, int6
     }
 }
 
-// s[0 .. n) <- exp(s - max s), 16 at a time, the last n % 16 under a mask; returns their sum, or 0 (s untouched)
-// where every score is -inf. (A row's keys end at its own position, so 7.5 of them on average were left over, and
-// one at a time through libm's expf they took about as long as the vector loop did. With the masked tail, a layer's
-// attention over 128 positions, 9 query heads on 3 K/V heads, took 264 against 310 µs at one thread on a Xeon with
-// AMX (three alternating processes each), and a 128-token bfloat16 prefill ran 1.03 times as fast, the median of 6
-// alternating pairs at two threads.)
 // s[lanes] <- exp(s - shift), 0 where s is -inf; returns them (0 in the other lanes)
 __attribute__((target(LLMINFER_AVX512))) inline __m512 softmax_lanes(float* s, __mmask16 lanes, __m512 shift) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -340,6 +334,12 @@ __attribute__((target(LLMINFER_AVX512))) inline __m512 softmax_lanes(float* s, _
   return e;
 }
 
+// s[0 .. n) <- exp(s - max s), 16 at a time, the last n % 16 under a mask; returns their sum, or 0 (s untouched)
+// where every score is -inf. (A row's keys end at its own position, so 7.5 of them on average were left over, and
+// one at a time through libm's expf they took about as long as the vector loop did. With the masked tail, a layer's
+// attention over 128 positions, 9 query heads on 3 K/V heads, took 264 against 310 µs at one thread on a Xeon with
+// AMX (three alternating processes each), and a 128-token bfloat16 prefill ran 1.03 times as fast, the median of 6
+// alternating pairs at two threads.)
 __attribute__((target(LLMINFER_AVX512))) float softmax_numerators_avx512(float* s, int64_t n) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t whole = n - n % 16;
