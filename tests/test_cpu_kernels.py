@@ -39,12 +39,14 @@ def _int4_case(n: int, k: int, group: int, generator):
 
 
 # shapes with odd row counts (the 4-row blocks' tail) and, for the dense formats, K off the 16-wide step
-# the last six: a prefill's many rows, which float32 weights multiply by the blocked kernel (tiles of 16 or 32 rows
+# the last eight: a prefill's many rows, which float32 weights multiply by the blocked kernel (tiles of 16 or 32 rows
 # of x and 6 of W, inputs in equal chunks of at most 1024, 2048 for bfloat16 x, fewer the more rows), with every
 # edge: 37 and 29 rows, 13 outputs, 700 inputs; 1100 inputs in two chunks (one for bfloat16 x), and 300 rows whose
-# 700 inputs take three (two for bfloat16 x)
+# 700 inputs take three (two for bfloat16 x); then outputs past the chunks' budget, so the tokens go in groups: 300
+# rows in three (128, 128, 44; for bfloat16 x 160 and 140), each taking its 700 inputs at once, and 520 rows of 1536
+# inputs in nine groups of 64 (five for bfloat16 x), each in two chunks again (one for bfloat16 x)
 DENSE_SHAPES = [(1, 960, 576), (3, 13, 64), (8, 7, 40), (2, 1, 17), (37, 13, 700), (29, 12, 520), (128, 96, 576),
-                (16, 6, 3), (37, 13, 1100), (300, 7, 700)]
+                (16, 6, 3), (37, 13, 1100), (300, 7, 700), (300, 400, 700), (520, 200, 1536)]
 
 
 @pytest.mark.parametrize("tokens,n,k", DENSE_SHAPES)
@@ -67,11 +69,12 @@ def test_dense_kernels_match_a_float64_reference(tokens, n, k, x_dtype):
         assert float((got.double() - reference).abs().max()) <= tolerance + 1e-6, name
 
 
-# the last four: many rows (a prefill), the blocked kernel widening blocks of 6 rows; 1088 inputs cross a chunk in
-# the middle of a group of 64, and 300 rows take 1024 inputs in four chunks
+# the last five: many rows (a prefill), the blocked kernel widening blocks of 6 rows; 1088 inputs cross a chunk in
+# the middle of a group of 64, 300 rows take 1024 inputs in four chunks, and with 400 outputs in five groups of
+# tokens (64 a group, the last 44) of 1024 inputs each
 @pytest.mark.parametrize("tokens,n,k,group", [(1, 96, 128, 32), (3, 13, 576, 64), (8, 5, 256, 256), (2, 9, 96, 96),
                                              (37, 13, 1088, 64), (16, 6, 96, 32), (29, 20, 576, 576),
-                                             (300, 7, 1024, 128)])
+                                             (300, 7, 1024, 128), (300, 400, 1024, 128)])
 def test_int4_kernel_matches_a_float64_reference(tokens, n, k, group):
     g = torch.Generator().manual_seed(k + n)
     packed, scale, offset, weight = _int4_case(n, k, group, g)

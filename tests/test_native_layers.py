@@ -33,10 +33,12 @@ def native_calls(monkeypatch):
     return seen
 
 
-def _pair(name: str, fmt: str):
-    """(reference, native): the same weights, the reference run module by module with torch's kernels."""
+def _pair(name: str | llminfer.ModelConfig, fmt: str):
+    """(reference, native): the same weights (of a small model by name, or of a config), the reference run module
+    by module with torch's kernels."""
     dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
-    reference, native = (random_model(SMALL_CONFIGS[name]).to(dtype) for _ in range(2))
+    config = SMALL_CONFIGS[name] if isinstance(name, str) else name
+    reference, native = (random_model(config).to(dtype) for _ in range(2))
     if fmt in ("int8", "int4"):
         for model, kernel in ((reference, "dequantize"), (native, "native")):
             llminfer.quant.quantize(model, fmt, group_size=32 if fmt == "int4" else None, kernel=kernel)
@@ -103,6 +105,27 @@ def test_a_long_prompt_gives_the_modules_numbers(fmt, batch, length, native_call
             torch.testing.assert_close(native(ids, cache=nat_cache), reference(ids, cache=ref_cache),
                                        atol=tolerance, rtol=tolerance)
     assert native_calls == [cpu.blocked_prefill(dtype, batch * length)] + [True] * 3
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+def test_a_prompt_whose_products_go_in_groups_of_tokens_gives_the_modules_numbers(fmt, native_calls):
+    """400 tokens through one layer of SmolLM2-135M's widths: every product's outputs outgrow the blocked kernel's
+    budget for chunks of inputs, so its tokens go in groups (with float32 tiles, for every format but bfloat16: four,
+    of 128, 128, 128 and 16 tokens, each taking its 576 inputs at once, and for down's 1536 inputs seven of 64, each
+    in two chunks; in bfloat16 224 and 176, and four for down), SwiGLU taken from the tiles or panels group by
+    group."""
+    config = llminfer.ModelConfig(vocab_size=97, dim=576, n_layers=1, n_heads=9, n_kv_heads=3, hidden_dim=1536,
+                                  max_seq_len=416)
+    reference, native = _pair(config, fmt)
+    prompt = torch.randint(0, config.vocab_size, (1, 400), generator=torch.Generator().manual_seed(5))
+    tolerance = 6e-2 if fmt == "bf16" else 2e-4
+    with torch.inference_mode(), cpu.force_prefill("blocked"):
+        ref_cache, nat_cache = reference.new_cache(1, 416), native.new_cache(1, 416)
+        torch.testing.assert_close(native(prompt, cache=nat_cache), reference(prompt, cache=ref_cache),
+                                   atol=tolerance, rtol=tolerance)
+        for got, expected in zip(nat_cache.get(0), ref_cache.get(0)):
+            torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    assert native_calls == [True]
 
 
 @pytest.mark.parametrize("batch,length", [(2, 40), (1, 33)])
