@@ -43,8 +43,8 @@ def _int4_case(n: int, k: int, group: int, generator):
 # of x and 6 of W, inputs in equal chunks of at most 1024, 2048 for bfloat16 x, fewer the more rows), with every
 # edge: 37 and 29 rows, 13 outputs, 700 inputs; 1100 inputs in two chunks (one for bfloat16 x), and 300 rows whose
 # 700 inputs take three (two for bfloat16 x); then outputs past the chunks' budget, so the tokens go in groups: 300
-# rows in three (128, 128, 44; for bfloat16 x 160 and 140), each taking its 700 inputs at once, and 520 rows of 1536
-# inputs in nine groups of 64 (five for bfloat16 x), each in two chunks again (one for bfloat16 x)
+# rows in three (128, 128, 44; with bfloat16 x and weights 160 and 140), each taking its 700 inputs at once, and 520
+# rows of 1536 inputs in nine groups of up to 64 (five of up to 128), each in two chunks again (one)
 DENSE_SHAPES = [(1, 960, 576), (3, 13, 64), (8, 7, 40), (2, 1, 17), (37, 13, 700), (29, 12, 520), (128, 96, 576),
                 (16, 6, 3), (37, 13, 1100), (300, 7, 700), (300, 400, 700), (520, 200, 1536)]
 
