@@ -504,13 +504,13 @@ def settle_prefill_paths(model: nn.Module, max_rows: int) -> dict[int, str]:
         return {}
     dtype = _weight_dtype(layers[0], torch.empty(0, dtype=model.dtype))
     paths, rows = {}, native_cpu.MAX_TOKENS + 1
-    while rows <= max(max_rows, native_cpu.MAX_TOKENS + 1):
+    while True:
         bucket = native_cpu.rows_bucket(rows)
         paths[bucket] = native_cpu.prefill_path(dtype, bucket)
-        if bucket >= 512:                         # the last bucket: longer prefills share its answer
-            break
+        # done at max_rows, or at the last bucket (longer prefills share its answer)
+        if bucket >= max_rows or native_cpu.rows_bucket(bucket + 1) == bucket:
+            return paths
         rows = bucket + 1
-    return paths
 
 
 def prefill_probe(dtype: torch.dtype, rows: int):
