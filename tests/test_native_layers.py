@@ -202,6 +202,44 @@ def test_the_steps_threads_share_the_layers_without_changing_a_bit(name, fmt, na
         assert all(torch.equal(a, b) for pair, first in zip(kv, runs[0][1]) for a, b in zip(pair, first))
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_a_long_cache_shares_attention_by_blocks_of_keys_without_changing_a_bit(fmt, native_calls):
+    """From SPLIT_KEYS cached positions on, a decode step's threads share its attention by blocks of keys, every
+    K/V head's, instead of by heads: each block's parts are merged in order, so one thread, two and three give the
+    same bits (the step's steps of 1 and 3 tokens of 2 sequences), and the modules' numbers to rounding."""
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+    config = LONG_PROMPT_CONFIG.replace(max_seq_len=cpu.SPLIT_KEYS + 64)
+    reference, native = (random_model(config).to(dtype) for _ in range(2))
+    fast.optimize_decode(native)
+    g = torch.Generator().manual_seed(13)
+    prompt = torch.randint(0, config.vocab_size, (2, cpu.SPLIT_KEYS - 2), generator=g)
+    # the first step's 1023 keys by heads, then 1026 and 1027 by blocks
+    steps = [torch.randint(0, config.vocab_size, (2, n), generator=g) for n in (1, 3, 1)]
+    tolerance = {"fp32": 2e-4, "bf16": 6e-2}[fmt]
+    runs = []
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                cache = native.new_cache(2, config.max_seq_len)
+                native(prompt, cache=cache)
+                runs.append(([native(ids, cache=cache) for ids in steps],
+                             [cache.get(layer) for layer in range(config.n_layers)]))
+    finally:
+        torch.set_num_threads(saved)
+    assert native_calls[-len(steps):] == [True] * len(steps)  # the steps ran as one call each
+    assert torch.ops.llminfer.split_keys() == cpu.SPLIT_KEYS   # the kernels were built with the threshold used here
+    for logits, kv in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(logits, runs[0][0]))
+        assert all(torch.equal(a, b) for pair, first in zip(kv, runs[0][1]) for a, b in zip(pair, first))
+    with torch.inference_mode():
+        cache = reference.new_cache(2, config.max_seq_len)
+        reference(prompt, cache=cache)
+        for ids, got in zip(steps, runs[1][0]):
+            torch.testing.assert_close(got, reference(ids, cache=cache), atol=tolerance, rtol=tolerance)
+
+
 def test_greedy_decoding_picks_the_same_tokens(native_calls):
     reference, native = _pair("llama-gqa-tied", "fp32")
     ids = torch.randint(0, reference.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))

@@ -68,8 +68,8 @@ __all__ = ["PreparedStack", "available", "why_unavailable", "load", "isa", "isa_
            "prefill_path", "prefill_choice", "prefill_choices", "set_prefill_probe", "prefill_probe_name",
            "check_prefill_dtypes", "PREFILL_PROBE_LAYERS", "PREFILL_LAYERS_PROBE", "measure_prefill",
            "remeasure_prefill", "force_prefill", "layer_products", "rows_bucket", "stream_read", "PREFILL_PATHS",
-           "PREFILL_ENV", "PREFILL_DTYPES", "PREFILL_PRODUCTS", "MAX_TOKENS", "blocked_prefill", "tile_int4",
-           "untile_int4", "cpu_flags", "bfloat16_in_hardware", "MATVEC_CANDIDATES", "MATVEC_VARIANTS",
+           "PREFILL_ENV", "PREFILL_DTYPES", "PREFILL_PRODUCTS", "MAX_TOKENS", "SPLIT_KEYS", "blocked_prefill",
+           "tile_int4", "untile_int4", "cpu_flags", "bfloat16_in_hardware", "MATVEC_CANDIDATES", "MATVEC_VARIANTS",
            "MATVEC_PROBE_BYTES", "choose_fastest", "matvec_candidates", "measure_matvec", "matvec_choices",
            "remeasure_matvec", "MATVEC_STEP", "PREFILL_STEP", "SOURCES", "HEADERS", "cache_dir"]
 
@@ -83,6 +83,12 @@ HEADERS = (_HERE / "cpu_kernels.h",)
 # compiled with it (-DLLMINFER_MATVEC_MAX_ROWS), so Python and the kernels cannot disagree;
 # torch.ops.llminfer.matvec_max_rows() reads it back.
 MAX_TOKENS = 8
+# A decode step's attention is shared among its threads by K/V heads, and from this many cached positions on by
+# blocks of keys (every head's, split equally: SmolLM2-135M's 3 K/V heads went 2 and 1 to 2 threads, and past a few
+# thousand positions attention is a large part of a step). The same blocks, merged in order, on any number of
+# threads, so the numbers do not depend on it. Compiled in as MAX_TOKENS is (-DLLMINFER_SPLIT_KEYS);
+# torch.ops.llminfer.split_keys() reads it back. Appendix A1.
+SPLIT_KEYS = 1024
 
 _lock = threading.RLock()          # re-entrant: a decode step timed while it is held (remeasure_matvec) loads
 _state: dict = {"loaded": False, "error": None}
@@ -178,7 +184,8 @@ def _build() -> None:
     _ninja_on_path()
     source = b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in SOURCES + HEADERS)
     # OpenMP: at::parallel_for splits the rows over torch's threads only in code compiled with it
-    cflags, ldflags = ["-O3", "-std=c++17", "-fopenmp", f"-DLLMINFER_MATVEC_MAX_ROWS={MAX_TOKENS}"], ["-fopenmp"]
+    cflags, ldflags = ["-O3", "-std=c++17", "-fopenmp", f"-DLLMINFER_MATVEC_MAX_ROWS={MAX_TOKENS}",
+                       f"-DLLMINFER_SPLIT_KEYS={SPLIT_KEYS}"], ["-fopenmp"]
     digest = hashlib.sha256(source + torch.__version__.encode() + " ".join(cflags + ldflags).encode()).hexdigest()[:12]
     name = f"llminfer_cpu_kernels_{digest}"
     build = cache_dir() / name

@@ -431,102 +431,104 @@ void attend_prefill(const AttentionProblem& P) {
 // runs AVX-512 and every key up to a query's own is visible, the query heads of a task go up to four at a time
 // through each K and V row, widened once for all of them (on a Zen 5, 9 query heads over 3 K/V heads of 192
 // bfloat16 positions took 10.7 µs against 17.6 a head at a time).
+int64_t attention_blocks(const AttentionProblem& P) {
+  const int64_t rows = P.B * P.Hkv * P.Tq, Tk = P.n_keys;
+  if (P.whole)                               // fixed blocks where the keys pass kSplitKeys, else whole rows
+    return P.key_block > 0 && Tk >= kSplitKeys ? (Tk + P.key_block - 1) / P.key_block : 1;
+  // about four tasks a thread, blocks of at least 64 keys
+  return std::max<int64_t>(1, std::min<int64_t>((4 * at::get_num_threads() + rows - 1) / rows, (Tk + 63) / 64));
+}
+
 template <WKind kind>
-void attend(const AttentionProblem& P) {
+void attend_tasks(const AttentionProblem& P, int64_t blocks, int64_t task0, int64_t task1,
+                  const AttentionParts& parts) {
   const int64_t group = P.H / P.Hkv, D = P.D, Tk = P.n_keys, esize = wbytes<kind>();
   const bool avx2 = has_avx2() && D % 8 == 0;
 #ifdef LLMINFER_X86
-  // the AVX-512 loops that take the heads of a group together, where every key up to a query's own is visible
   const bool wide = has(kAVX512) && D % 16 == 0 && !P.mask;
-  if (wide && P.tables == nullptr && P.Tq >= kPrefillBlock) return attend_prefill<kind>(P);
 #endif
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t rows = P.B * P.Hkv * P.Tq;
-  // about four tasks a thread, blocks of at least 64 keys
-  const int64_t blocks = P.whole ? 1 : std::max<int64_t>(1, std::min<int64_t>((4 * at::get_num_threads() + rows - 1) /
-                                                                                  rows, (Tk + 63) / 64));
   const int64_t block = (Tk + blocks - 1) / blocks;
-  std::vector<float> part_best(rows * blocks * group), part_total(rows * blocks * group),
-      part_acc(rows * blocks * group * D);
-  at::parallel_for(0, rows * blocks, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> scores(group * block);
-    for (int64_t task = r0; task < r1; ++task) {
-      const int64_t r = task / blocks, c = task % blocks;
-      const int64_t b = r / (P.Hkv * P.Tq), hk = (r / P.Tq) % P.Hkv, t = r % P.Tq;
-      const float* qrow[64];
-      for (int64_t g = 0; g < group; ++g) qrow[g] = P.q + b * P.qs0 + (hk * group + g) * P.qs1 + t * P.qs2;
-      float* best = part_best.data() + task * group;
-      float* total = part_total.data() + task * group;
-      float* acc = part_acc.data() + task * group * D;
-      std::fill(best, best + group, neg_inf);
-      std::fill(total, total + group, 0.f);
-      std::fill(acc, acc + group * D, 0.f);
-      const int64_t begin = c * block;
-      const int64_t end = std::min<int64_t>(std::min<int64_t>(Tk, begin + block), P.mask ? Tk : P.last[t] + 1);
-      if (end <= begin) continue;
-      const int64_t n = end - begin;
+  std::vector<float> scores(group * block);
+  for (int64_t task = task0; task < task1; ++task) {
+    const int64_t r = task / blocks, c = task % blocks;
+    const int64_t b = r / (P.Hkv * P.Tq), hk = (r / P.Tq) % P.Hkv, t = r % P.Tq;
+    const float* qrow[64];
+    for (int64_t g = 0; g < group; ++g) qrow[g] = P.q + b * P.qs0 + (hk * group + g) * P.qs1 + t * P.qs2;
+    float* best = parts.best + task * group;
+    float* total = parts.total + task * group;
+    float* acc = parts.acc + task * group * D;
+    std::fill(best, best + group, neg_inf);
+    std::fill(total, total + group, 0.f);
+    std::fill(acc, acc + group * D, 0.f);
+    const int64_t begin = c * block;
+    const int64_t end = std::min<int64_t>(std::min<int64_t>(Tk, begin + block), P.mask ? Tk : P.last[t] + 1);
+    if (end <= begin) continue;
+    const int64_t n = end - begin;
 #ifdef LLMINFER_X86
-      if (wide) {                                            // up to four heads a pass over the K and V rows
-        for (int64_t g0 = 0; g0 < group; g0 += 4) {
-          const int64_t G = std::min<int64_t>(4, group - g0);
-          float* sc = scores.data() + g0 * block;
-          for_key_runs(P, b, hk, t, begin, end, esize, [&](const char* krows, const char* vrows, int64_t first,
-                                                           int64_t len) {
-            group_scores<kind>(G, qrow + g0, krows, P.ks2 * esize, len, D, P.scale, sc + (first - begin), block,
-                               vrows, P.vs2 * esize);
-          });
-          for (int64_t g = g0; g < g0 + G; ++g) {
-            float* row = scores.data() + g * block;
-            for (int64_t j = 0; j < n; ++j) best[g] = std::max(best[g], row[j]);
-            if (best[g] == neg_inf) std::fill(row, row + n, 0.f);  // nothing visible: this head adds nothing
-            else total[g] = softmax_numerators(row, n, best[g], true);
-          }
-          for_key_runs(P, b, hk, t, begin, end, esize, [&](const char*, const char* vrows, int64_t first, int64_t len) {
-            group_values<kind>(G, sc + (first - begin), block, vrows, P.vs2 * esize, len, D, acc + g0 * D);
-          });
-        }
-        continue;
-      }
-#endif
-      for (int64_t g = 0; g < group; ++g) {
-        float* sc = scores.data() + g * block;
+    if (wide) {                                              // up to four heads a pass over the K and V rows
+      for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const int64_t G = std::min<int64_t>(4, group - g0);
+        float* sc = scores.data() + g0 * block;
         for_key_runs(P, b, hk, t, begin, end, esize, [&](const char* krows, const char* vrows, int64_t first,
                                                          int64_t len) {
-          key_scores<kind>(qrow[g], krows, P.ks2 * esize, len, D, P.scale, sc + (first - begin), vrows,
-                           P.vs2 * esize, avx2);
+          group_scores<kind>(G, qrow + g0, krows, P.ks2 * esize, len, D, P.scale, sc + (first - begin), block,
+                             vrows, P.vs2 * esize);
         });
-        if (P.mask) {
-          const bool* m = P.mask + b * P.ms0 + (hk * group + g) * P.ms1 + t * P.ms2;
-          for (int64_t j = 0; j < n; ++j)
-            if (!m[(begin + j) * P.ms3]) sc[j] = neg_inf;
+        for (int64_t g = g0; g < g0 + G; ++g) {
+          float* row = scores.data() + g * block;
+          for (int64_t j = 0; j < n; ++j) best[g] = std::max(best[g], row[j]);
+          if (best[g] == neg_inf) std::fill(row, row + n, 0.f);  // nothing visible: this head adds nothing
+          else total[g] = softmax_numerators(row, n, best[g], true);
         }
-        for (int64_t j = 0; j < n; ++j) best[g] = std::max(best[g], sc[j]);
-        if (best[g] == neg_inf) continue;
-        total[g] = softmax_numerators(sc, n, best[g], avx2);
         for_key_runs(P, b, hk, t, begin, end, esize, [&](const char*, const char* vrows, int64_t first, int64_t len) {
-          weighted_values<kind>(sc + (first - begin), vrows, P.vs2 * esize, len, D, acc + g * D, avx2);
+          group_values<kind>(G, sc + (first - begin), block, vrows, P.vs2 * esize, len, D, acc + g0 * D);
         });
       }
+      continue;
     }
-  });
-  // merge the blocks of each query (split over the threads too: a prefill's thousand rows took a tenth of its
-  // attention on one)
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+#endif
+    for (int64_t g = 0; g < group; ++g) {
+      float* sc = scores.data() + g * block;
+      for_key_runs(P, b, hk, t, begin, end, esize, [&](const char* krows, const char* vrows, int64_t first,
+                                                       int64_t len) {
+        key_scores<kind>(qrow[g], krows, P.ks2 * esize, len, D, P.scale, sc + (first - begin), vrows,
+                         P.vs2 * esize, avx2);
+      });
+      if (P.mask) {
+        const bool* m = P.mask + b * P.ms0 + (hk * group + g) * P.ms1 + t * P.ms2;
+        for (int64_t j = 0; j < n; ++j)
+          if (!m[(begin + j) * P.ms3]) sc[j] = neg_inf;
+      }
+      for (int64_t j = 0; j < n; ++j) best[g] = std::max(best[g], sc[j]);
+      if (best[g] == neg_inf) continue;
+      total[g] = softmax_numerators(sc, n, best[g], avx2);
+      for_key_runs(P, b, hk, t, begin, end, esize, [&](const char*, const char* vrows, int64_t first, int64_t len) {
+        weighted_values<kind>(sc + (first - begin), vrows, P.vs2 * esize, len, D, acc + g * D, avx2);
+      });
+    }
+  }
+}
+
+void attend_merge(const AttentionProblem& P, int64_t blocks, int64_t r0, int64_t r1, const AttentionParts& parts) {
+  const int64_t group = P.H / P.Hkv, D = P.D;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t b = r / (P.Hkv * P.Tq), hk = (r / P.Tq) % P.Hkv, t = r % P.Tq;
     for (int64_t g = 0; g < group; ++g) {
-      float top = neg_inf;
-      for (int64_t c = 0; c < blocks; ++c) top = std::max(top, part_best[(r * blocks + c) * group + g]);
       float* o = P.out + b * P.os0 + (hk * group + g) * P.os1 + t * P.os2;
+      const int64_t first = r * blocks * group + g;        // block c's entry: first + c · group
+      float top = neg_inf;
+      for (int64_t c = 0; c < blocks; ++c) top = std::max(top, parts.best[first + c * group]);
       std::fill(o, o + D, 0.f);
       float sum = 0.f;
       if (top != neg_inf) {
         for (int64_t c = 0; c < blocks; ++c) {
-          const int64_t idx = (r * blocks + c) * group + g;
-          if (part_best[idx] == neg_inf) continue;
-          const float w = std::exp(part_best[idx] - top);
-          sum += w * part_total[idx];
-          const float* acc = part_acc.data() + idx * D;
+          const int64_t idx = first + c * group;
+          if (parts.best[idx] == neg_inf) continue;
+          const float w = std::exp(parts.best[idx] - top);
+          sum += w * parts.total[idx];
+          const float* acc = parts.acc + idx * D;
           for (int64_t d = 0; d < D; ++d) o[d] += w * acc[d];
         }
       }
@@ -534,12 +536,29 @@ void attend(const AttentionProblem& P) {
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   }
-  });
+}
+
+template <WKind kind>
+void attend(const AttentionProblem& P) {
+#ifdef LLMINFER_X86
+  // the AVX-512 loops that take the heads of a group together, where every key up to a query's own is visible
+  const bool wide = has(kAVX512) && P.D % 16 == 0 && !P.mask;
+  if (wide && P.tables == nullptr && P.Tq >= kPrefillBlock) return attend_prefill<kind>(P);
+#endif
+  const int64_t rows = P.B * P.Hkv * P.Tq, blocks = attention_blocks(P);
+  std::vector<float> store(AttentionParts::floats(P, blocks));
+  const AttentionParts parts(P, blocks, store.data());
+  at::parallel_for(0, rows * blocks, 1, [&](int64_t t0, int64_t t1) { attend_tasks<kind>(P, blocks, t0, t1, parts); });
+  // merge the blocks of each query (split over the threads too: a prefill's thousand rows took a tenth of its
+  // attention on one)
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { attend_merge(P, blocks, r0, r1, parts); });
 }
 
 
 template void attend<WKind::F32>(const AttentionProblem& P);
 template void attend<WKind::BF16>(const AttentionProblem& P);
+template void attend_tasks<WKind::F32>(const AttentionProblem&, int64_t, int64_t, int64_t, const AttentionParts&);
+template void attend_tasks<WKind::BF16>(const AttentionProblem&, int64_t, int64_t, int64_t, const AttentionParts&);
 
 // q (B, H, Tq, D); k, v (B, Hkv, Tk, D) with unit stride along D; an optional boolean mask broadcastable to
 // (B, H, Tq, Tk) (True = may attend), else the causal rule (query i sees keys 0 .. Tk - Tq + i).

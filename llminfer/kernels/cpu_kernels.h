@@ -370,8 +370,11 @@ struct AttentionProblem {
   const int64_t* tables = nullptr;
   const int64_t* seq = nullptr;
   int64_t table_stride = 0, block_size = 0;
-  // each query's keys in one task, not split into blocks over the threads (the caller shares out the queries)
+  // each query's keys in one task, not split into blocks over the threads (the caller shares out the queries); with
+  // key_block, where the keys reach kSplitKeys, in blocks of key_block keys instead, merged in order, so that the
+  // numbers do not depend on who computes which block (a decode step's threads share out the blocks)
   bool whole = false;
+  int64_t key_block = 0;
   float scale;
   float* out;
   int64_t os0, os1, os2;
@@ -380,6 +383,35 @@ struct AttentionProblem {
 // softmax(q·kᵀ·scale)·v for every query of P, in float32 (cpu_attention.cpp)
 template <WKind kind>
 void attend(const AttentionProblem& P);
+
+// The cached positions from which a decode step's attention is split into blocks of kDecodeKeyBlock keys that its
+// threads share (`AttentionProblem::key_block`), rather than by K/V heads. Set in one place, llminfer/kernels/cpu.py
+// (SPLIT_KEYS), which passes it to the compiler.
+#ifndef LLMINFER_SPLIT_KEYS
+#error "build with -DLLMINFER_SPLIT_KEYS=n (llminfer/kernels/cpu.py does)"
+#endif
+constexpr int64_t kSplitKeys = LLMINFER_SPLIT_KEYS, kDecodeKeyBlock = 256;
+
+// attend's parts, a task of P being a row (batch, K/V head, query) and a block of its keys: for each task and query
+// head of its group, the block's highest score, sum of exponentials and unnormalised weighted sum of V (D floats),
+// laid out from `store`, which holds floats(P, blocks)
+struct AttentionParts {
+  float *best, *total, *acc;
+  static int64_t floats(const AttentionProblem& P, int64_t blocks) {
+    return P.B * P.H * P.Tq * blocks * (P.D + 2);
+  }
+  AttentionParts(const AttentionProblem& P, int64_t blocks, float* store) {
+    const int64_t n = P.B * P.H * P.Tq * blocks;
+    best = store, total = store + n, acc = store + 2 * n;
+  }
+};
+// the blocks of keys each row of P is split into
+int64_t attention_blocks(const AttentionProblem& P);
+// the parts of tasks [task0, task1) (task = row · blocks + block)
+template <WKind kind>
+void attend_tasks(const AttentionProblem& P, int64_t blocks, int64_t task0, int64_t task1, const AttentionParts& parts);
+// the outputs of rows [r0, r1) of P from their blocks' parts, merged in order (the online softmax of chapter 07)
+void attend_merge(const AttentionProblem& P, int64_t blocks, int64_t r0, int64_t r1, const AttentionParts& parts);
 
 // checks block tables (S, W), token_seq (N,) and positions (N,) against a pool; returns the longest context
 int64_t check_block_tables(const at::Tensor& tables, const at::Tensor& token_seq, const at::Tensor& positions,

@@ -295,8 +295,14 @@ Layer check_layer(const Step& st, const at::Tensor& input_norm, double eps1, con
 
 // The layers' intermediate rows shared by the threads, made once for a call's layers, as large as the largest
 // layer needs (each buffer is written before it is read)
+// Whether a decode step's threads share its attention by blocks of keys rather than by K/V heads: where the cache
+// holds kSplitKeys positions or more, as attend then splits every query's keys (AttentionProblem::key_block). By
+// heads, SmolLM2-135M's 3 K/V heads went 2 and 1 to 2 threads
+inline bool keys_split(const Step& st) { return st.last_pos + 1 >= kSplitKeys; }
+
 struct Workspace {
   std::vector<float> qkv, att, proj, gu;
+  std::vector<float> parts;                  // a decode step's attention split by keys: every block's parts
   int64_t gate_up_n = 0;
   Workspace() = default;
   Workspace(const Step& st, const std::vector<Layer>& layers) { fit(st, layers); }
@@ -307,23 +313,29 @@ struct Workspace {
     gate_up_n = 0;
     for (const Layer& L : layers) qkv_n = std::max(qkv_n, L.qkv.N), gate_up_n = std::max(gate_up_n, L.gate_up.N);
     qkv.resize(M * qkv_n), att.resize(M * st.H * st.D), proj.resize(M * st.dim), gu.resize(M * gate_up_n);
+    if (keys_split(st)) {
+      const int64_t blocks = (st.last_pos + 1 + kDecodeKeyBlock - 1) / kDecodeKeyBlock;   // as attention_blocks
+      parts.resize(M * st.H * blocks * (st.D + 2));
+    }
   }
 };
 
-// The rows each thread makes for itself from shared ones: the normed x and the MLP's activations
+// The rows each thread makes for itself from shared ones: the normed x, the MLP's activations, and attention's
+// outputs where a step's attention is split by keys
 struct Own {
-  std::vector<float> h, act;
+  std::vector<float> h, act, att;
   Own() = default;
   Own(const Step& st, const Workspace& ws) { fit(st, ws); }
   void fit(const Step& st, const Workspace& ws) {
     h.resize(st.B * st.T * st.dim), act.resize(st.B * st.T * ws.gate_up_n / 2);
+    if (keys_split(st)) att.resize(st.B * st.T * st.H * st.D);
   }
 };
 
-// This thread's part of a layer's attention: K/V heads [k0, k1) of every token, their query heads with them.
-// Each row of qkv is rounded (and its bias added) on these heads' columns, RoPE turns their q and k, their k and v
-// go into the cache at the tokens' positions, and their queries attend, writing their columns of att.
-void attend_heads(const Step& st, const Layer& L, float* qkv, float* att, int64_t k0, int64_t k1) {
+// K/V heads [k0, k1) of every token ready for attention, their query heads with them: each row of qkv is rounded
+// (and its bias added) on these heads' columns, RoPE turns their q and k, and their k and v go into the cache at the
+// tokens' positions.
+void turn_heads(const Step& st, const Layer& L, float* qkv, int64_t k0, int64_t k1) {
   const bool bf16 = st.dtype == at::kBFloat16;
   const int64_t T = st.T, M = st.B * T, H = st.H, Hkv = st.Hkv, S = st.S, D = st.D, group = H / Hkv;
   const int64_t qsize = H * D, kvsize = Hkv * D, N = L.qkv.N;
@@ -365,8 +377,14 @@ void attend_heads(const Step& st, const Layer& L, float* qkv, float* att, int64_
       }
     }
   });
-  // the attention of K/V heads [k0, k1): the problem of all heads, its pointers moved to head k0
-  const int64_t esize = bf16 ? 2 : 4;
+}
+
+// The attention of K/V heads [k0, k1) (their query heads' outputs into att's columns), once turn_heads has made them
+// ready: the problem of all heads, its pointers moved to head k0
+AttentionProblem heads_problem(const Step& st, const Layer& L, const float* qkv, float* att, int64_t k0, int64_t k1) {
+  const int64_t T = st.T, H = st.H, Hkv = st.Hkv, S = st.S, D = st.D, group = H / Hkv;
+  const int64_t qsize = H * D, N = L.qkv.N;
+  const int64_t esize = st.dtype == at::kBFloat16 ? 2 : 4;
   AttentionProblem P{st.B, (k1 - k0) * group, k1 - k0, T, D, st.last_pos + 1, qkv + k0 * group * D, T * N, D, N,
                      static_cast<const char*>(L.k_cache->data_ptr()), static_cast<const char*>(L.v_cache->data_ptr()),
                      Hkv * S * D, S * D, D, Hkv * S * D, S * D, D};
@@ -377,12 +395,23 @@ void attend_heads(const Step& st, const Layer& L, float* qkv, float* att, int64_
   }
   P.k += k0 * P.ks1 * esize, P.v += k0 * P.vs1 * esize;
   P.whole = true;                            // a head's numbers the same however the heads were shared out
+  P.key_block = kDecodeKeyBlock;             // and a long cache's blocks of keys, however those were
   P.scale = st.scale;
   P.out = att + k0 * group * D;
   P.os0 = T * qsize, P.os1 = D, P.os2 = qsize;
+  return P;
+}
+
+// This thread's part of a layer's attention: K/V heads [k0, k1) of every token turned and cached, and their queries'
+// outputs written to their columns of att
+void attend_heads(const Step& st, const Layer& L, float* qkv, float* att, int64_t k0, int64_t k1) {
+  const bool bf16 = st.dtype == at::kBFloat16;
+  const int64_t M = st.B * st.T, qsize = st.H * st.D, group = st.H / st.Hkv;
+  turn_heads(st, L, qkv, k0, k1);
+  const AttentionProblem P = heads_problem(st, L, qkv, att, k0, k1);
   if (bf16) attend<WKind::BF16>(P);
   else attend<WKind::F32>(P);
-  if (bf16) for_rows(M, [&](int64_t m) { round_bf16(att + m * qsize + k0 * group * D, (k1 - k0) * group * D); });
+  if (bf16) for_rows(M, [&](int64_t m) { round_bf16(att + m * qsize + k0 * group * st.D, (k1 - k0) * group * st.D); });
 }
 
 // x (B·T, dim) float32, rounded to the model's dtype, through one layer in place. With a team (a decode step's few
@@ -407,12 +436,32 @@ void run_layer(const Step& st, const Layer& L, float* x, Workspace& ws, Own& own
     k1 = k0;                                                 // none, where the team outnumbers the heads
     split_range(team, 0, st.Hkv, 1, [&](int64_t a, int64_t b) { k0 = a, k1 = b; });
   }
-  // (Sharing out the query heads instead, 5 and 4 of 9 where K/V heads go 2 and 1, took a barrier more, between
-  // the cache writes and attention, and on a Zen 5 gained nothing: both threads then read two K/V heads' cache, and
-  // those reads, from memory, are what attention waits on.)
-  if (k1 > k0) attend_heads(st, L, ws.qkv.data(), ws.att.data(), k0, k1);
-  barrier();                                                 // every head's attention complete
-  linear_rows(L.o, ws.att.data(), M, ws.proj.data(), team, &into_x);
+  const float* att = ws.att.data();
+  if (team && keys_split(st)) {
+    // a long cache: each thread turns and caches its K/V heads, then takes an equal share of every head's blocks
+    // of keys; after a barrier more, each merges all of them into its own copy of the outputs
+    if (k1 > k0) turn_heads(st, L, ws.qkv.data(), k0, k1);
+    barrier();                                               // every q turned, every k and v cached
+    const AttentionProblem P = heads_problem(st, L, ws.qkv.data(), own.att.data(), 0, st.Hkv);
+    const int64_t blocks = attention_blocks(P), tasks = st.B * st.Hkv * st.T * blocks;
+    TORCH_INTERNAL_ASSERT(static_cast<int64_t>(ws.parts.size()) >= AttentionParts::floats(P, blocks));
+    const AttentionParts parts(P, blocks, ws.parts.data());
+    split_range(team, 0, tasks, 1, [&](int64_t a, int64_t b) {
+      if (bf16) attend_tasks<WKind::BF16>(P, blocks, a, b, parts);
+      else attend_tasks<WKind::F32>(P, blocks, a, b, parts);
+    });
+    barrier();                                               // every block's parts
+    attend_merge(P, blocks, 0, st.B * st.Hkv * st.T, parts);
+    if (bf16) round_bf16(own.att.data(), M * st.H * st.D);
+    att = own.att.data();
+  } else {
+    // (Sharing out the query heads instead, 5 and 4 of 9 where K/V heads go 2 and 1, took a barrier more, between
+    // the cache writes and attention, and on a Zen 5 gained nothing: both threads then read two K/V heads' cache,
+    // and those reads, from memory, are what attention waits on.)
+    if (k1 > k0) attend_heads(st, L, ws.qkv.data(), ws.att.data(), k0, k1);
+    barrier();                                               // every head's attention complete
+  }
+  linear_rows(L.o, att, M, ws.proj.data(), team, &into_x);
   barrier();                                                 // x complete
   // MLP
   rms_norm(x, M, dim, *L.post_norm, L.eps2, bf16, own.h.data());

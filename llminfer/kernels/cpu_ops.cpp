@@ -42,6 +42,7 @@ TORCH_LIBRARY(llminfer, m) {
     return out;
   });
   m.def("matvec_max_rows() -> int", []() -> int64_t { return kMatvecMaxRows; });
+  m.def("split_keys() -> int", []() -> int64_t { return kSplitKeys; });
   // the instruction sets in use (bits of Feature); set_cpu_features returns the bits the CPU lacks (0: set)
   m.def("cpu_features() -> int", []() -> int64_t { return features(); });
   m.def("set_cpu_features(int bits) -> int", [](int64_t bits) -> int64_t { return set_features(bits); });
