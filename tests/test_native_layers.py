@@ -185,18 +185,29 @@ def test_the_steps_threads_share_the_layers_without_changing_a_bit(name, fmt, na
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, vocab, (2, 70), generator=g)
     steps = [torch.randint(0, vocab, (2, n), generator=g) for n in (1, 3, 1, 2)]
+    runs = _decode_at_threads(model, prompt, steps, 80, (1, 2, 5))
+    assert native_calls[-4:] == [True] * 4                     # the steps ran as one call each
+    _assert_the_same_bits(runs)
+
+
+def _decode_at_threads(model, prompt, steps, cache_len: int, thread_counts) -> list[tuple[list, list]]:
+    """For each thread count: the logits of the prompt and of each step (a cache of cache_len positions), and the
+    cache's K/V of every layer after them."""
     runs = []
     saved = torch.get_num_threads()
     try:
-        for threads in (1, 2, 5):
+        for threads in thread_counts:
             torch.set_num_threads(threads)
             with torch.inference_mode():
-                cache = model.new_cache(2, 80)
+                cache = model.new_cache(prompt.shape[0], cache_len)
                 logits = [model(prompt, cache=cache)] + [model(ids, cache=cache) for ids in steps]
             runs.append((logits, [cache.get(layer) for layer in range(model.config.n_layers)]))
     finally:
         torch.set_num_threads(saved)
-    assert native_calls[-4:] == [True] * 4                     # the steps ran as one call each
+    return runs
+
+
+def _assert_the_same_bits(runs) -> None:
     for logits, kv in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(logits, runs[0][0]))
         assert all(torch.equal(a, b) for pair, first in zip(kv, runs[0][1]) for a, b in zip(pair, first))
@@ -216,27 +227,14 @@ def test_a_long_cache_shares_attention_by_blocks_of_keys_without_changing_a_bit(
     # the first step's 1023 keys by heads, then 1026 and 1027 by blocks
     steps = [torch.randint(0, config.vocab_size, (2, n), generator=g) for n in (1, 3, 1)]
     tolerance = {"fp32": 2e-4, "bf16": 6e-2}[fmt]
-    runs = []
-    saved = torch.get_num_threads()
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            with torch.inference_mode():
-                cache = native.new_cache(2, config.max_seq_len)
-                native(prompt, cache=cache)
-                runs.append(([native(ids, cache=cache) for ids in steps],
-                             [cache.get(layer) for layer in range(config.n_layers)]))
-    finally:
-        torch.set_num_threads(saved)
+    runs = _decode_at_threads(native, prompt, steps, config.max_seq_len, (1, 2, 3))
     assert native_calls[-len(steps):] == [True] * len(steps)  # the steps ran as one call each
     assert torch.ops.llminfer.split_keys() == cpu.SPLIT_KEYS   # the kernels were built with the threshold used here
-    for logits, kv in runs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(logits, runs[0][0]))
-        assert all(torch.equal(a, b) for pair, first in zip(kv, runs[0][1]) for a, b in zip(pair, first))
+    _assert_the_same_bits(runs)
     with torch.inference_mode():
         cache = reference.new_cache(2, config.max_seq_len)
         reference(prompt, cache=cache)
-        for ids, got in zip(steps, runs[1][0]):
+        for ids, got in zip(steps, runs[1][0][1:]):
             torch.testing.assert_close(got, reference(ids, cache=cache), atol=tolerance, rtol=tolerance)
 
 

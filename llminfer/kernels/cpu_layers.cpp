@@ -293,13 +293,13 @@ Layer check_layer(const Step& st, const at::Tensor& input_norm, double eps1, con
   return L;
 }
 
-// The layers' intermediate rows shared by the threads, made once for a call's layers, as large as the largest
-// layer needs (each buffer is written before it is read)
 // Whether a decode step's threads share its attention by blocks of keys rather than by K/V heads: where the cache
 // holds kSplitKeys positions or more, as attend then splits every query's keys (AttentionProblem::key_block). By
 // heads, SmolLM2-135M's 3 K/V heads went 2 and 1 to 2 threads
 inline bool keys_split(const Step& st) { return st.last_pos + 1 >= kSplitKeys; }
 
+// The layers' intermediate rows shared by the threads, made once for a call's layers, as large as the largest
+// layer needs (each buffer is written before it is read)
 struct Workspace {
   std::vector<float> qkv, att, proj, gu;
   std::vector<float> parts;                  // a decode step's attention split by keys: every block's parts
@@ -411,7 +411,8 @@ void attend_heads(const Step& st, const Layer& L, float* qkv, float* att, int64_
   const AttentionProblem P = heads_problem(st, L, qkv, att, k0, k1);
   if (bf16) attend<WKind::BF16>(P);
   else attend<WKind::F32>(P);
-  if (bf16) for_rows(M, [&](int64_t m) { round_bf16(att + m * qsize + k0 * group * st.D, (k1 - k0) * group * st.D); });
+  const int64_t first = k0 * group * st.D, width = (k1 - k0) * group * st.D;   // this thread's columns of att
+  if (bf16) for_rows(M, [&](int64_t m) { round_bf16(att + m * qsize + first, width); });
 }
 
 // x (B·T, dim) float32, rounded to the model's dtype, through one layer in place. With a team (a decode step's few
