@@ -433,8 +433,7 @@ void attend_prefill(const AttentionProblem& P) {
 // bfloat16 positions took 10.7 µs against 17.6 a head at a time).
 int64_t attention_blocks(const AttentionProblem& P) {
   const int64_t rows = P.B * P.Hkv * P.Tq, Tk = P.n_keys;
-  if (P.whole)                               // fixed blocks where the keys pass kSplitKeys, else whole rows
-    return P.key_block > 0 && Tk >= kSplitKeys ? (Tk + P.key_block - 1) / P.key_block : 1;
+  if (P.whole) return fixed_key_blocks(Tk, P.key_block);
   // about four tasks a thread, blocks of at least 64 keys
   return std::max<int64_t>(1, std::min<int64_t>((4 * at::get_num_threads() + rows - 1) / rows, (Tk + 63) / 64));
 }

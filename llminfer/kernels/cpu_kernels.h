@@ -391,6 +391,10 @@ void attend(const AttentionProblem& P);
 #error "build with -DLLMINFER_SPLIT_KEYS=n (llminfer/kernels/cpu.py does)"
 #endif
 constexpr int64_t kSplitKeys = LLMINFER_SPLIT_KEYS, kDecodeKeyBlock = 256;
+// the blocks of key_block keys a query's n_keys go in where they reach kSplitKeys, else 1 (the whole row)
+inline int64_t fixed_key_blocks(int64_t n_keys, int64_t key_block) {
+  return key_block > 0 && n_keys >= kSplitKeys ? (n_keys + key_block - 1) / key_block : 1;
+}
 
 // attend's parts, a task of P being a row (batch, K/V head, query) and a block of its keys: for each task and query
 // head of its group, the block's highest score, sum of exponentials and unnormalised weighted sum of V (D floats),

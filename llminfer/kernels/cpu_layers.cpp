@@ -313,10 +313,7 @@ struct Workspace {
     gate_up_n = 0;
     for (const Layer& L : layers) qkv_n = std::max(qkv_n, L.qkv.N), gate_up_n = std::max(gate_up_n, L.gate_up.N);
     qkv.resize(M * qkv_n), att.resize(M * st.H * st.D), proj.resize(M * st.dim), gu.resize(M * gate_up_n);
-    if (keys_split(st)) {
-      const int64_t blocks = (st.last_pos + 1 + kDecodeKeyBlock - 1) / kDecodeKeyBlock;   // as attention_blocks
-      parts.resize(M * st.H * blocks * (st.D + 2));
-    }
+    if (keys_split(st)) parts.resize(M * st.H * fixed_key_blocks(st.last_pos + 1, kDecodeKeyBlock) * (st.D + 2));
   }
 };
 
