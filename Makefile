@@ -75,7 +75,7 @@ test-gpu: $(STAMP) $(SMOLLM2_STAMP)
 	$(PY) -m llminfer.bench.gpu_check $(GPU_ARGS)
 
 test-soak: $(STAMP)
-	$(PY) -m pytest -q -m soak tests/test_serve_soak.py
+	$(PY) -m pytest -q -m soak tests/serve/test_serve_soak.py
 
 notebooks: $(STAMP)
 	$(PY) -m llminfer.notebooks $(NB)

@@ -180,7 +180,7 @@ class Registry:
 
 
 _BACKENDS = Registry("attention backend", {"explicit": _explicit_backend, "sdpa": fast_attention},
-                     hint="Import the module that registers it first (e.g. llminfer.kernels for 'flash')")
+                     hint="Import the module that registers it first (e.g. llminfer.flash for 'flash')")
 
 
 def register_backend(name: str, fn: Callable, replace: bool = False) -> None:

@@ -41,7 +41,7 @@ from .checkpoint import load_random
 from .config import get_preset
 from .cuda_graphs import StaticDecoder
 from .device import huge_page_empty, on_huge_pages
-from .kernels import cpu as native_cpu
+from . import cpu as native_cpu
 from .model import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, apply_rope
 from .quant.linear import QuantizedLinear, quantize
 
@@ -144,8 +144,8 @@ class NativeLinear(nn.Linear):
     """An nn.Linear whose few-token products run llminfer's native matrix-vector kernel. Chapter 08.
 
     Same parameters, names and numbers as the nn.Linear it was (the class is swapped in place, so tied
-    weights stay tied). On a CPU, x goes to `llminfer.kernels.cpu.gemv`: its matrix-vector loops for up to
-    `kernels.cpu.MAX_TOKENS` rows (a decode step), its blocked kernel for more (a prefill) where the CPU has
+    weights stay tied). On a CPU, x goes to `llminfer.cpu.gemv`: its matrix-vector loops for up to
+    `cpu.MAX_TOKENS` rows (a decode step), its blocked kernel for more (a prefill) where the CPU has
     AVX2; other devices, autograd and a prefill without the blocked kernel use F.linear.
     """
 
@@ -222,10 +222,10 @@ class NativeDecoderLayer(_OneNativeCall, DecoderLayer):
     Same modules, parameter names and numbers as the DecoderLayer it was (the class is swapped in place by
     `use_native_kernels`). When the layer is fused (`fuse_projections`), its linears have native kernels,
     the model attends through the 'native' backend and the cache hands over its buffers (`cache.slots`),
-    a step of up to `kernels.cpu.MAX_TOKENS` tokens on a CPU runs `torch.ops.llminfer.decode_layer`: both
+    a step of up to `cpu.MAX_TOKENS` tokens on a CPU runs `torch.ops.llminfer.decode_layer`: both
     norms, the four products, RoPE, the cache write, attention, SwiGLU and both residuals in one call, so a
     step makes one call per layer instead of a dozen. A prefill of any length takes the same call where the
-    blocked kernel runs (`kernels.cpu.blocked_prefill()`). Anything else (autograd, another cache, backend
+    blocked kernel runs (`cpu.blocked_prefill()`). Anything else (autograd, another cache, backend
     or device) runs the modules, as DecoderLayer does.
     """
 
@@ -299,7 +299,7 @@ class NativeDecoderStack(_OneNativeCall, DecoderStack):
         return super().forward(x, cos, sin, cache, backend)
 
     def prepare_step(self, x, cos, sin, cache, backend) -> native_cpu.PreparedStack | None:
-        """Keeps the stack's weights and `cache`'s buffers in the kernels (`kernels.cpu.PreparedStack`) for steps
+        """Keeps the stack's weights and `cache`'s buffers in the kernels (`cpu.PreparedStack`) for steps
         shaped as x (B, 1, dim); None where such a step does not run natively. The cache must be in a forward
         (`cache.begin`) while this runs. A step traced inside `tracing(prepared)` then uses them:
         `llminfer.cuda_graphs.StaticDecoder` does so for its compiled step and keeps what was prepared (the step
@@ -432,7 +432,7 @@ def use_native_kernels(model: nn.Module, strict: bool = False, huge_pages: bool 
     """Makes every float32/bfloat16 nn.Linear of a CPU model a NativeLinear, and a model on the default 'sdpa'
     attention backend use 'native' (the decode attention kernel), in place; returns model. Chapter 08.
 
-    The kernels are built on first use (`llminfer.kernels.cpu`); where they cannot be (no C++ compiler,
+    The kernels are built on first use (`llminfer.cpu`); where they cannot be (no C++ compiler,
     or `LLMINFER_NATIVE_KERNELS=0`) the model is left as it is, or with strict=True a RuntimeError says why.
     Weights are made row-major (undoing `use_decode_layout`, which serves torch's own matmul), and with
     huge_pages=True moved onto 2 MiB pages (`use_huge_pages`), which the kernels stream faster.
@@ -493,7 +493,7 @@ def compile_decode(model, batch_size: int = 1, max_seq_len: int | None = None, f
 
 
 def settle_prefill_paths(model: nn.Module, max_rows: int) -> dict[int, str]:
-    """Settles now the prefill path (`kernels.cpu.prefill_path`) of every rows bucket from MAX_TOKENS + 1 to
+    """Settles now the prefill path (`cpu.prefill_path`) of every rows bucket from MAX_TOKENS + 1 to
     max_rows for the weights of model's native stack: read from the answers kept beside the kernel build, or timed
     (a fraction of a second each, once per machine), so that no request waits on a first-use timing. A server calls
     it before its first request (`llminfer.engine.LLMEngine`). Returns {bucket: path}; {} where no native stack
@@ -514,10 +514,10 @@ def settle_prefill_paths(model: nn.Module, max_rows: int) -> dict[int, str]:
 
 
 def prefill_probe(dtype: torch.dtype, rows: int):
-    """Returns a run that prefills `rows` random tokens through kernels.cpu.PREFILL_PROBE_LAYERS random layers of
+    """Returns a run that prefills `rows` random tokens through cpu.PREFILL_PROBE_LAYERS random layers of
     SmolLM2-135M's shape (a vocabulary of 256) with weights of dtype: float32, bfloat16, int8 codes, or uint8 (int4
     nibbles in groups of 32), as a model in that format runs them (`compile_decode`, its step eager), on the prefill
-    path in force (`kernels.cpu.force_prefill`). What the prefill choice times at first use. Appendix A1."""
+    path in force (`cpu.force_prefill`). What the prefill choice times at first use. Appendix A1."""
     native_cpu.check_prefill_dtypes([dtype])
     config = get_preset("smollm2-135m").replace(n_layers=native_cpu.PREFILL_PROBE_LAYERS, vocab_size=256,
                                                 max_seq_len=rows)

@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+# the tests live in one folder per package (tests/core, tests/engine, ...); their shared helpers (small_models) here
+sys.path.insert(0, str(Path(__file__).parent))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -11,7 +16,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # is first imported (torch._dynamo and transformers import it too): without CUDA, choose it before they do.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# The fast path's prefill takes the path measured at first use (llminfer.kernels.cpu.prefill_path), which can
+# The fast path's prefill takes the path measured at first use (llminfer.cpu.prefill_path), which can
 # differ between runs on a busy machine; tests assert logic, so they fix it to the blocked kernel (the tests of
 # the measurement itself unset this).
 os.environ.setdefault("LLMINFER_PREFILL", "blocked")

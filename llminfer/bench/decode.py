@@ -15,16 +15,16 @@ The contenders take turns, one generation each per round; after each generation 
 sample of torch's matrix-vector product and torch's streaming read from 2 MiB pages (as the fast path's weights
 are read), both the size of the fp32 weights, and the native reads, where every thread streams a working set
 several times the last-level cache from 2 MiB pages with the widest loads the kernels use
-(`kernels.cpu.stream_read`). A contender whose bytes per token are fewer than that working set can read part of
+(`cpu.stream_read`). A contender whose bytes per token are fewer than that working set can read part of
 them from the cache (an int4 SmolLM2-135M is 92 MB, and a Xeon's last-level cache can be 480 MiB): its ceiling is
 the faster of that bandwidth and a native streaming read of its own bytes, sampled alongside too. MBU = (weight +
 KV bytes read per token) × tokens/s ÷ the contender's ceiling. A contender that streams faster than its ceiling
 means the ceiling is wrong: the benchmark says so and stops.
 
-The report names the kernels' instruction-set level (`kernels.cpu.isa()`) and, per weight format, which decode
-loops ran, timed again after the warm-up on each format's own decode steps (`kernels.cpu.remeasure_matvec`).
+The report names the kernels' instruction-set level (`cpu.isa()`) and, per weight format, which decode
+loops ran, timed again after the warm-up on each format's own decode steps (`cpu.remeasure_matvec`).
 Prefill of the prompt runs, per precision, on the path chosen after the warm-up by timing the format's whole
-prefill on both paths (`kernels.cpu.remeasure_prefill`, kept for later processes too), on both paths forced (the
+prefill on both paths (`cpu.remeasure_prefill`, kept for later processes too), on both paths forced (the
 blocked kernel, torch's matmul), and on the plain model (no fast path), against the best matmul rate for the
 precision sampled alongside (MFU: the fastest sample of torch's square matmul and the native kernel's, square and
 on a layer's products, in float32; for bf16 the better of those and the same in bfloat16, for int8 and int4 the
@@ -54,7 +54,7 @@ from ..cuda_graphs import COMPILE_OPTIONS
 from ..device import huge_page_empty, last_level_cache_bytes
 from ..fast import compile_decode
 from ..generate import generate
-from ..kernels import cpu as native_cpu
+from .. import cpu as native_cpu
 from ..quant.gguf_export import llama_cpp_available, llama_cpp_generate, load_llama_cpp, write_gguf
 from ..quant.linear import quantize, quantized_weight_bytes
 
@@ -66,7 +66,7 @@ PRECISIONS = {"fp32": ("F32", torch.float32, None), "bf16": ("BF16", torch.bfloa
               "int8": ("Q8_0", None, ("int8", None)), "int4": ("Q4_0", None, ("int4", 32)),
               "int4a8": ("Q4_0", None, ("int4", 32))}
 ACTIVATIONS = {"int4a8": "int8"}           # precisions whose activations are rounded to int8 (W4A8)
-# each precision's weight format among the kernels' decode loops (`kernels.cpu.MATVEC_CANDIDATES`)
+# each precision's weight format among the kernels' decode loops (`cpu.MATVEC_CANDIDATES`)
 MATVEC_FORMAT = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4", "int4a8": "int4a8"}
 
 
@@ -338,7 +338,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
 def matmul_probes(dtype: torch.dtype, rows: int) -> list[timing.CeilingProbe]:
     """Returns the matmul probes of dtype that bound a prefill's rate: torch's 1536 x 1536 square matmul and, with
     the native kernels, the blocked kernel on the same square and on a layer's products (SmolLM2-135M's shapes,
-    `kernels.cpu.layer_products`) with `rows` rows. The best of them is the MFU's yardstick: on a CPU where the
+    `cpu.layer_products`) with `rows` rows. The best of them is the MFU's yardstick: on a CPU where the
     blocked kernel outruns torch's sgemm (a Zen 5), torch's rate alone is no ceiling. Chapter 08."""
     probes = [timing.matmul_probe("cpu", dtype)]
     if native_cpu.available():
@@ -355,7 +355,7 @@ QUANT_WEIGHTS = {"int8": torch.int8, "int4": torch.uint8}
 
 
 def layer_probe(weight_dtype: torch.dtype, rows: int) -> timing.CeilingProbe:
-    """Returns the probe of `rows` rows by a layer's products (SmolLM2-135M's shapes, `kernels.cpu.layer_products`)
+    """Returns the probe of `rows` rows by a layer's products (SmolLM2-135M's shapes, `cpu.layer_products`)
     with weights of weight_dtype (torch.int8: int8 codes, torch.uint8: int4 nibbles) by the native blocked kernel.
     A quantized format's prefill multiplies in float32, its weights widened a block at a time: it reads fewer bytes
     than float32's, so its own products bound it too (on a Zen 5 an int8 prefill ran 305 GFLOP/s against 302 for
@@ -370,7 +370,7 @@ def layer_probe(weight_dtype: torch.dtype, rows: int) -> timing.CeilingProbe:
 
 def native_read_probes(nbytes: int) -> dict[str, timing.CeilingProbe]:
     """Returns probes streaming nbytes from 2 MiB pages through the native kernels' read loop (every thread;
-    `kernels.cpu.stream_read`), one per load width the process runs (64 bytes with AVX-512, 32 with AVX2, else 8:
+    `cpu.stream_read`), one per load width the process runs (64 bytes with AVX-512, 32 with AVX2, else 8:
     the widest is not always the fastest), by label ("native read, 32-byte loads"), or none without the kernels.
     Chapter 08."""
     if not native_cpu.available():
@@ -563,7 +563,7 @@ def _prefill_table(args, base, ids, info, quant_dtype, matmuls) -> tuple[dict, d
 
 def _cpu_flags() -> list[str]:
     """The CPU flags that decide which kernels run: vector widths, FMA, and low-precision arithmetic."""
-    from ..kernels.cpu import cpu_flags
+    from ..cpu import cpu_flags
 
     keep = ("avx", "fma", "f16c", "amx", "vnni", "bf16", "sse4")
     return sorted(f for f in cpu_flags() if f.startswith(keep))

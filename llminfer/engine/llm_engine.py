@@ -218,7 +218,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache)
         if optimize:
             # the prefill path of every step size, settled before the first request rather than timed inside the
-            # first request of each size (`kernels.cpu.prefill_path`; kept beside the kernel build, so once a
+            # first request of each size (`cpu.prefill_path`; kept beside the kernel build, so once a
             # machine)
             settle_prefill_paths(model, max(max_num_batched_tokens, max_model_len))
         self.clock = clock

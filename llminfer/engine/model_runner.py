@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ..fast import NativeDecoderStack, optimize_decode
 from ..generate import sample_next
-from ..kernels import cpu as native_cpu
+from .. import cpu as native_cpu
 from .attention_metadata import AttentionMetadata
 from .paged_cache import PagedKVCache
 
@@ -62,7 +62,7 @@ class PagedNativeStack(NativeDecoderStack):
     """A NativeDecoderStack that runs an engine step over a PagedKVCache in one native call. Chapters 06 and 08.
 
     With a paged cache bound to a step, `torch.ops.llminfer.decode_layers_paged` runs every layer for the
-    step's N tokens (x (1, N, dim)): the products (the matrix-vector loops for up to `kernels.cpu.MAX_TOKENS`
+    step's N tokens (x (1, N, dim)): the products (the matrix-vector loops for up to `cpu.MAX_TOKENS`
     rows, the blocked matrix multiply beyond), RoPE, each token's K/V written into its block, and attention
     of each token over its own sequence's positions, read in place from the pool through the block tables.
     Any other cache, or a step the one call cannot take, runs as NativeDecoderStack does.

@@ -14,7 +14,7 @@ only to its own sequence's positions up to its own.
   queries (decode steps) go in one padded, masked call; each multi-token chunk in its own causal call.
 - "flex" (CUDA): torch's FlexAttention over the pool itself, with a mask that lets a query see only the
   slots its block table names, so no K/V are copied. Chosen by default on CUDA.
-- "native" (CPU): llminfer's C++ kernel (`llminfer.kernels.cpu.paged_attention`, chapter 08) reads each
+- "native" (CPU): llminfer's C++ kernel (`llminfer.cpu.paged_attention`, chapter 08) reads each
   token's keys and values in place from the blocks its sequence's table names, every sequence at its own
   length, in one call. `LLMEngine(optimize=True)` chooses it on a CPU.
 
@@ -190,7 +190,7 @@ def native_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            backend: Callable | None = None) -> torch.Tensor:
     """Paged attention by the native CPU kernel, K/V read in place through the block tables (1, H, N, D).
     Chapters 06 and 08."""
-    from ..kernels import cpu
+    from .. import cpu
 
     if q.device.type != "cpu":
         raise ValueError(f"the 'native' paged-attention kernel runs on the CPU, got q on {q.device}; use 'flex' or "

@@ -11,7 +11,7 @@ reads.
 
 Kernels, for a few tokens (a decode step):
 * `native` (CPU, int8 per channel or per group, as GGUF's Q8_0, and int4): llminfer's own matrix-vector loops
-  (`llminfer.kernels.cpu`), which read the canonical codes as they are and widen them in registers. `auto`
+  (`llminfer.cpu`), which read the canonical codes as they are and widen them in registers. `auto`
   takes it wherever it builds. With `activations="int8"` (int4 only, W4A8) the native kernel rounds each block
   of 32 inputs of x to int8 and multiplies in integers (maddubs, or VNNI's vpdpbusd), as llama.cpp's Q4_0 dot
   product does: faster, and it changes the numbers (chapter 08 measures by how much).
@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..generate import check_flag
-from ..kernels import cpu as native_cpu
+from .. import cpu as native_cpu
 from .weights import check_scheme, quantize_tensor
 
 __all__ = ["QuantizedLinear", "quantize", "SCHEMES", "KERNELS", "has_kernel", "quantized_modules",

@@ -1,6 +1,6 @@
 """FlashAttention's tiles, stepped through one at a time, drawn from the real tiled loop. Chapter 07.
 
-``flash_trace(seq_len, head_dim, block, seed)`` runs ``llminfer.kernels.tiled_attention`` on a small
+``flash_trace(seq_len, head_dim, block, seed)`` runs ``llminfer.flash.tiled_attention`` on a small
 causal example with an ``on_tile`` callback and keeps every ``TileStep`` it reports (running max,
 running sum, running output, bytes read so far), next to the traffic that ``naive_attention`` counts
 on the same inputs. Everything the widget shows comes from that trace through pure functions:
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llminfer.kernels import HBMTraffic, TileStep, naive_attention, tile_grid, tiled_attention
+from llminfer.flash import HBMTraffic, TileStep, naive_attention, tile_grid, tiled_attention
 
 SKIPPED, DONE, CURRENT, PENDING = "skipped", "done", "current", "pending"
 COLOURS = {SKIPPED: "#bdbdbd", DONE: "#90caf9", CURRENT: "#ef6c00", PENDING: "#ffffff"}

@@ -9,7 +9,7 @@ NOTEBOOK = "07_flash_attention.ipynb"
 
 @pytest.fixture(scope="module")
 def trace():
-    """The chapter's example, run through llminfer.kernels.tiled_attention in this process."""
+    """The chapter's example, run through llminfer.flash.tiled_attention in this process."""
     from llminfer.widgets.flash import flash_trace
 
     return flash_trace(seq_len=16, head_dim=4, block=4, seed=0)   # the arguments the chapter passes

@@ -1,0 +1,71 @@
+// The native CPU kernels' ops, registered with torch as torch.ops.llminfer.*. Chapter 08.
+//
+// Built once by llminfer/cpu/__init__.py with torch's extension builder from the units named in
+// cpu_kernels.h, into one extension.
+
+#include <torch/library.h>
+
+#include "cpu_kernels.h"
+
+using namespace llminfer_cpu;
+
+TORCH_LIBRARY(llminfer, m) {
+  m.def("gemv_f32(Tensor x, Tensor w) -> Tensor");
+  m.def("gemv_bf16(Tensor x, Tensor w) -> Tensor");
+  m.def("gemv_int8(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("gemv_int4(Tensor x, Tensor w, Tensor scale, Tensor offset, int group) -> Tensor");
+  m.def("gemv_int4_a8(Tensor x, Tensor w, Tensor scale, Tensor offset, int group) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  m.def("decode_layer(Tensor x, Tensor input_norm, float eps1, Tensor post_norm, float eps2, Tensor[] qkv, "
+        "Tensor? qkv_bias, Tensor[] o, Tensor[] gate_up, Tensor[] down, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, int n_heads, float scale) -> Tensor");
+  m.def("decode_layers(Tensor x, Tensor[] tensors, int[] layout, float[] eps, Tensor cos, Tensor sin, "
+        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor positions, int n_heads, float scale) -> Tensor");
+  // a stack's weights and caches kept once (a number names them), and its steps with only what changes handed
+  // over; a step writes the caches the stack was prepared with
+  m.def("prepare_stack(Tensor[] tensors, int[] layout, float[] eps, Tensor[] k_caches, Tensor[] v_caches, "
+        "int n_heads, float scale) -> int", &prepare_stack);
+  m.def("release_stack(int stack) -> ()", &release_stack);
+  m.def("decode_layers_prepared(int stack, Tensor x, Tensor cos, Tensor sin, Tensor positions) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor token_seq, "
+        "Tensor positions, float scale) -> Tensor");
+  m.def("decode_layers_paged(Tensor x, Tensor[] tensors, int[] layout, float[] eps, Tensor cos, Tensor sin, "
+        "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor positions, Tensor token_seq, Tensor block_tables, "
+        "int n_heads, float scale) -> Tensor");
+  m.def("stream_read(Tensor data, int width=0) -> int", &stream_read);
+  // float32 values rounded to bfloat16 (as the layers round a bfloat16 model's activations), still float32
+  m.def("round_bfloat16(Tensor x) -> Tensor", [](const at::Tensor& x) -> at::Tensor {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "round_bfloat16: x must be float32 on the CPU, "
+                "got ", x.scalar_type(), " on ", x.device());
+    at::Tensor out = x.contiguous().clone();
+    round_bf16(out.data_ptr<float>(), out.numel());
+    return out;
+  });
+  m.def("matvec_max_rows() -> int", []() -> int64_t { return kMatvecMaxRows; });
+  m.def("split_keys() -> int", []() -> int64_t { return kSplitKeys; });
+  // the instruction sets in use (bits of Feature); set_cpu_features returns the bits the CPU lacks (0: set)
+  m.def("cpu_features() -> int", []() -> int64_t { return features(); });
+  m.def("set_cpu_features(int bits) -> int", [](int64_t bits) -> int64_t { return set_features(bits); });
+  // the bits the matrix-vector loops of one weight format run (MatvecKind: 0 float32, 1 bfloat16, 2 int8, 3 int4,
+  // 4 int4 with int8 activations); set_matvec_features returns the bits the process lacks (0: set)
+  m.def("matvec_features(int kind) -> int", [](int64_t kind) -> int64_t {
+    TORCH_CHECK(kind >= 0 && kind < kMatvecKinds, "matvec_features: kind ", kind, " is not one of 0..",
+                kMatvecKinds - 1);
+    return matvec_features(kind);
+  });
+  m.def("set_matvec_features(int kind, int bits) -> int", &set_matvec_features);
+}
+
+TORCH_LIBRARY_IMPL(llminfer, CPU, m) {
+  m.impl("gemv_f32", &gemv_f32);
+  m.impl("gemv_bf16", &gemv_bf16);
+  m.impl("gemv_int8", &gemv_int8);
+  m.impl("gemv_int4", &gemv_int4);
+  m.impl("gemv_int4_a8", &gemv_int4_a8);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layers", &decode_layers);
+  m.impl("paged_attention", &paged_attention);
+  m.impl("decode_layers_paged", &decode_layers_paged);
+  m.impl("decode_layers_prepared", &decode_layers_prepared);
+}
