@@ -11,7 +11,9 @@ export PYTHONHASHSEED := 0
 
 help:
 	@echo "make lab        create .venv if needed and open JupyterLab on chapters/"
-	@echo "make test       unit tests + every notebook under nbval (strict)"
+	@echo "make test       unit tests + every notebook under nbval (strict): test-unit, then test-notebooks"
+	@echo "make test-unit  the unit tests alone (pytest tests/)"
+	@echo "make test-notebooks  every chapter under nbval alone (strict)"
 	@echo "make test-e2e   the widgets in JupyterLab, driven in headless Chromium"
 	@echo "make test-gpu   on one NVIDIA GPU (< 10 min): pytest -m gpu, FlexAttention and CUDA-graph smoke tests,"
 	@echo "                every chapter under nbval on CUDA, bench --quick; one report folder in data/benchmarks/"
@@ -19,6 +21,7 @@ help:
 	@echo "make notebooks  re-execute and normalise the chapters (commits their outputs)"
 	@echo "make bench      the side-by-side benchmarks: prefill/decode/ceilings, then decode by precision"
 	@echo "                beside llama.cpp when llama_cpp is installed (writes data/benchmarks/)"
+	@echo "make bench-quick  a short run of the prefill/decode benchmark (< 2 min), written to build/bench-quick/"
 	@echo "make serve      the OpenAI-compatible server on the bundled model (127.0.0.1:8000, Ctrl-C stops it);"
 	@echo "                MODEL=smollm2-135m-instruct serves the real chat model; DTYPE=bfloat16 serves it in bf16;"
 	@echo "                ARGS=--disaggregated serves it from a prefill and a decode worker (chapter 12)"
@@ -63,8 +66,12 @@ model-smollm2: $(SMOLLM2_STAMP)
 lab: $(STAMP) $(SMOLLM2_STAMP)
 	$(VENV)/bin/jupyter lab --notebook-dir=chapters $(if $(filter 0,$(shell id -u)),--allow-root)
 
-test: $(STAMP) $(SMOLLM2_STAMP)
+test: test-unit test-notebooks
+
+test-unit: $(STAMP) $(SMOLLM2_STAMP)
 	$(PY) -m pytest -q tests
+
+test-notebooks: $(STAMP) $(SMOLLM2_STAMP)
 	$(PY) -m pytest -q --nbval --nbval-sanitize-with chapters/sanitize.cfg -p no:cacheprovider chapters
 
 test-e2e: $(STAMP)
@@ -83,6 +90,10 @@ notebooks: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m llminfer.bench
 	$(PY) -m llminfer.bench.decode
+
+# A short check that the benchmark runs (not a record: it writes under build/, not data/benchmarks/).
+bench-quick: $(STAMP)
+	$(PY) -m llminfer.bench --quick --out build/bench-quick
 
 ARGS  ?=
 MODEL ?= tiny-capitals
