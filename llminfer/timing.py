@@ -10,6 +10,10 @@
     measure_ceilings(device, dtype)              -> dict of the three
     ceiling_probes(device, dtype)                -> dict of CeilingProbe: .sample() between other
                                                     measurements, .ceiling() at the end
+    interleave(contenders, rounds, warmup=1)     contenders take turns, one call each per round, after
+                                                    untimed warm-up calls: label -> the rounds' results
+    round_order(names, rounds, alternate=True)   the order of each round (reversed in odd rounds)
+    medians(results, value)                      label -> the median of value(result) over its rounds
 
 Each call of `fn` is timed on its own after `warmup` untimed calls: on CUDA
 between two CUDA events recorded on the current stream, elsewhere with
@@ -29,7 +33,7 @@ import os
 import statistics
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch.utils.benchmark.utils.timer import timer as _benchmark_clock
@@ -41,7 +45,7 @@ __all__ = ["TimingResult", "Ceiling", "synchronize", "time_fn", "free_memory_byt
            "check_fits", "measure_copy_bandwidth", "measure_matvec_bandwidth",
            "measure_matmul_flops", "measure_ceilings", "measure_bandwidth", "dtype_bytes",
            "CeilingProbe", "ceiling_probes", "copy_probe", "matvec_probe", "matmul_probe", "load_per_core",
-           "machine_summary", "stopwatch", "Stopwatch", "probe_bytes"]
+           "machine_summary", "stopwatch", "Stopwatch", "probe_bytes", "interleave", "round_order", "medians"]
 
 
 def load_per_core() -> float:
@@ -300,3 +304,51 @@ def measure_ceilings(device, dtype=torch.float32, quick: bool = False) -> dict[s
 
 
 measure_bandwidth = measure_copy_bandwidth   # the short name: the copy is the usual bandwidth figure
+
+
+# --- contenders taking turns ----------------------------------------------------------------------------------------
+
+def round_order(names: Iterable[str], rounds: int, alternate: bool = False) -> list[list[str]]:
+    """Returns the order of each round: the names as given, or with alternate=True reversed in odd rounds, so that
+    a drift in the machine's speed falls on every contender alike. Chapter 04."""
+    names = list(names)
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+    if not names:
+        raise ValueError("no contenders to order; pass at least one name")
+    return [list(reversed(names)) if alternate and r % 2 else list(names) for r in range(rounds)]
+
+
+def interleave(contenders: dict[str, Callable[[], object]], rounds: int, warmup: int = 1, alternate: bool = False,
+               between: Callable[[], object] | None = None,
+               log: Callable[[str], object] | None = None) -> dict[str, list]:
+    """Returns label -> the results of `rounds` calls of each contender. The contenders take turns, one call each
+    per round (`round_order`), after `warmup` untimed calls each whose results are discarded; between() runs after
+    every call (a ceiling probe sampled alongside what it bounds). On a shared machine each round compares calls
+    made at the same moment, so ratios of the rounds' medians hold up where one contender's run after another's
+    would not. Chapter 04."""
+    if not contenders:
+        raise ValueError("no contenders to interleave; pass at least one")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
+    order = round_order(contenders, rounds, alternate)
+    for _ in range(warmup):
+        for runner in contenders.values():
+            runner()
+    results: dict[str, list] = {label: [] for label in contenders}
+    for index, labels in enumerate(order):
+        if log is not None:
+            log(f"round {index + 1}/{rounds}")
+        for label in labels:
+            results[label].append(contenders[label]())
+            if between is not None:
+                between()
+    return results
+
+
+def medians(results: dict[str, list], value: Callable[[object], float] = float) -> dict[str, float]:
+    """Returns label -> the median of value(result) over that contender's results (from `interleave`). Chapter 04."""
+    empty = [label for label, found in results.items() if not found]
+    if empty:
+        raise ValueError(f"no results for {empty}; run at least one round")
+    return {label: statistics.median(value(r) for r in found) for label, found in results.items()}

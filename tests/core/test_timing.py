@@ -134,3 +134,43 @@ def test_bandwidth_probes_are_at_least_a_gibibyte_on_a_gpu():
     assert timing.probe_bytes("cuda", 128 << 20) == 1 << 30            # HBM streams 128 MiB in tens of µs
     assert timing.probe_bytes("cuda", 4 << 30) == 4 << 30
     assert timing.probe_bytes("cpu") == 256 << 20
+
+
+# --- contenders taking turns -------------------------------------------------------------------------------------------
+
+def test_contenders_take_turns_after_their_warm_up_which_is_discarded():
+    calls = []
+
+    def contender(name, values):
+        values = iter(values)
+        return lambda: calls.append(name) or next(values)
+
+    found = timing.interleave({"a": contender("a", [100, 3, 1, 2]), "b": contender("b", [200, 30, 10, 20])},
+                              rounds=3, warmup=1, between=lambda: calls.append("|"))
+    assert calls == ["a", "b", "a", "|", "b", "|", "a", "|", "b", "|", "a", "|", "b", "|"]
+    assert found == {"a": [3, 1, 2], "b": [30, 10, 20]}                 # the warm-up's 100 and 200 are gone
+    assert timing.medians(found) == {"a": 2, "b": 20}
+    assert timing.medians({"x": [{"s": 4.0}, {"s": 1.0}]}, lambda r: r["s"]) == {"x": 2.5}
+
+
+def test_alternating_rounds_reverse_the_order_in_odd_rounds():
+    calls = []
+    timing.interleave({name: (lambda n=name: calls.append(n)) for name in "abc"}, rounds=2, warmup=0,
+                      alternate=True)
+    assert calls == ["a", "b", "c", "c", "b", "a"]
+    assert timing.round_order(("x", "y"), 3, alternate=True) == [["x", "y"], ["y", "x"], ["x", "y"]]
+    assert timing.round_order(["x", "y"], 2) == [["x", "y"], ["x", "y"]]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: timing.round_order(("a", "b"), 0), "rounds must be a positive integer"),
+    (lambda: timing.round_order(("a", "b"), True), "rounds must be a positive integer"),
+    (lambda: timing.round_order((), 2), "no contenders"),
+    (lambda: timing.interleave({}, 2), "no contenders"),
+    (lambda: timing.interleave({"a": lambda: 1}, 2, warmup=-1), "warmup must be a non-negative integer"),
+    (lambda: timing.interleave({"a": lambda: 1}, 1.5), "rounds must be a positive integer"),
+    (lambda: timing.medians({"a": []}), "no results for ['a']"),
+])
+def test_bad_interleaving_is_refused_before_any_call(call, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        call()
