@@ -1,5 +1,7 @@
-"""The package's import graph: acyclic, the core in dependency order, nothing in the core importing what is
-built on top of it (DESIGN.md's module map)."""
+"""The layering rule of docs/DESIGN.md: the package's import graph, read from every module, is acyclic (between
+packages and between modules), the core imports only the core modules before it, nothing imports the tooling
+(bench, widgets, notebooks, claims), every module has a place in the module map, and no module sets an attribute
+that a module below it probes for by name (a hook set from above)."""
 from __future__ import annotations
 
 import ast
