@@ -7,7 +7,7 @@ half-split pairs to llama.cpp's interleaved pairs, as its own converter does), a
 vocabulary (token ids are fed directly; no text is tokenized). Q8_0 and Q4_0 quantize in blocks of 32
 with one scale each (Q4_0 symmetric), llama.cpp's own formats, computed by the `gguf` package.
 
-`llama_cpp_generate` times greedy decoding with llama-cpp-python (`pip install llminfer[peers]`; it
+`llama_cpp_generate` times greedy decoding with llama-cpp-python (`pip install -e '.[peers]'` from a clone; it
 builds llama.cpp from source) and returns a GenerationResult like every other loop in the package.
 """
 from __future__ import annotations

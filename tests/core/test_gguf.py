@@ -218,7 +218,7 @@ def test_greedy_tokens_and_logits_agree_with_llama_cpp(path, ours):
     try:
         import llama_cpp
     except ImportError:
-        pytest.skip("llama_cpp (llama-cpp-python) is not installed here: `pip install llminfer[peers]` builds it")
+        pytest.skip("llama_cpp (llama-cpp-python) is not installed here: `pip install -e '.[peers]'` builds it")
     model, tokenizer = ours
     ids = tokenizer.encode("The capital of France is")
     from llminfer.quant.gguf_export import load_llama_cpp
