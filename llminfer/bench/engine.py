@@ -1,4 +1,4 @@
-"""The measurements of chapters 05 and 06, as functions, and `python -m llminfer.bench.engine`. Chapter 05.
+"""The measurements of chapters 05 and 06, as functions, and `python -m llminfer.bench engine`. Chapter 05.
 
     batch_sweep(model, [1, 2, 4, 8])          decode-step time and tokens/s against batch size
     compare_policies(model, workload)         sequential, static, continuous on one workload
@@ -12,24 +12,24 @@ figures, whether the targets were met) to data/benchmarks/engine-<machine>.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import re
 import time
-from pathlib import Path
 
 import torch
 
 from ..config import ModelConfig
-from ..device import cpu_capabilities, resolve_device, synchronize
+from ..device import resolve_device, synchronize
 from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import SamplingParams
 from ..engine.workload import make_workload, replay, summarize
 from ..timing import time_fn
+from .measure import threads
+from .report import device_slug, machine, publish
 
 __all__ = ["NARROW_LLAMA", "DEFAULT_WORKLOAD", "DEFAULT_ENGINE", "SLO", "TARGETS", "batch_sweep", "latency_target",
-           "compare_policies", "chunked_prefill_trade", "prefix_cache_trade", "memory_accounting", "machine_info",
-           "main"]
+           "compare_policies", "chunked_prefill_trade", "prefix_cache_trade", "memory_accounting", "add_arguments",
+           "command", "SUMMARY"]
+
+SUMMARY = "batching policies, chunked prefill, prefix caching and KV memory (chapters 05-06)"
 
 # The model the workloads run on: a Llama of SmolLM2's family, narrowed (6.8M parameters) so that the slowest
 # policy finishes in seconds on a CPU. Its weights are random: speed, not text, is measured.
@@ -186,38 +186,20 @@ def memory_accounting(model, workload, max_seq_len: int = 512, block_size: int =
             "mean_waste": sum(waste) / len(waste), "max_seqs": max(r["seqs"] for r in rows)}
 
 
-def machine_info(device) -> dict:
-    """The CPU's name and its vector flags (or the GPU's name): ratios travel between machines, times do not."""
-    info = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "python": platform.python_version()}
-    cpu = cpu_capabilities()
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma", "f16c")
-    info.update(cpu=cpu.model, cpu_isa=cpu.isa_level, cpu_flags=[f for f in wanted if f in cpu.flags])
-    if torch.device(device).type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Measure batching, chunked prefill and prefix caching "
-                                                 "(chapters 05-06) and write a JSON report.")
-    parser.add_argument("--device", default=None)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the engine benchmark's options to parser. Chapter 05."""
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (steadier with 1)")
-    parser.add_argument("--out", default="data/benchmarks", help="folder for the JSON report")
+    parser.add_argument("--out", default="data/benchmarks", help="folder for engine-<machine>.json")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each policy (the median is reported)")
-    args = parser.parse_args(argv)
-    device = resolve_device(args.device)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if device.type == "cpu":
-        torch.set_num_threads(args.threads)
+
+
+def run(device, repeats: int = 3) -> dict:
+    """Returns the report: a batch sweep, the policies compared `repeats` times, chunked prefill, prefix caching,
+    KV memory; the targets and whether they were met. Chapters 05-06."""
     torch.manual_seed(0)
-    report = {"machine": machine_info(device), "settings": {"workload": DEFAULT_WORKLOAD, "engine": DEFAULT_ENGINE,
-                                                            "slo": SLO, "model": NARROW_LLAMA.__dict__.copy()}}
+    report = {"machine": machine(device), "settings": {"workload": DEFAULT_WORKLOAD, "engine": DEFAULT_ENGINE,
+                                                       "slo": SLO, "model": NARROW_LLAMA.__dict__.copy()}}
     from ..checkpoint import load_random
 
     smollm = load_random("smollm2-135m", device=device, dtype=torch.float32)
@@ -229,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     slo = latency_target(model)
     report["latency_target"] = slo
     runs = []
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         runs.append({p: s for p, (_, s) in compare_policies(model, workload, slo=slo).items()})
         synchronize(device)
     report["policies"] = runs
@@ -252,14 +234,21 @@ def main(argv: list[str] | None = None) -> int:
     report["memory"] = {k: memory[k] for k in ("totals", "used_fraction", "mean_waste", "block_size", "max_seq_len",
                                                "max_seqs")}
     report["created"] = time.strftime("%Y-%m-%d")
-    name = _slug(report["machine"].get("gpu") or report["machine"].get("cpu") or device.type)
-    path = out_dir / f"engine-{device.type}-{name}.json"
-    path.write_text(json.dumps(report, indent=1, default=float) + "\n")
-    print(f"wrote {path}")
-    for key, row in report["targets"].items():
-        print(f"{key}: {row['measured']:.2f}x (target {row['target']}x, {'met' if row['met'] else 'short'})")
+    return report
+
+
+def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`python -m llminfer.bench engine`: runs, prints the targets, writes <out>/engine-<machine>.json. Chapter 05."""
+    if args.repeats < 1 or args.threads < 1:
+        parser.error(f"--repeats {args.repeats} and --threads {args.threads} must be positive integers")
+    device = resolve_device(args.device)
+    with threads(args.threads if device.type == "cpu" else None):
+        report = run(device, args.repeats)
+    publish(report, args.out, f"engine-{device_slug(device)}", table=table)
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def table(report: dict) -> str:
+    """The targets as lines: each ratio, its target and whether it was met. Chapter 05."""
+    return "\n".join(f"{key}: {row['measured']:.2f}x (target {row['target']}x, {'met' if row['met'] else 'short'})"
+                     for key, row in report["targets"].items())

@@ -1,4 +1,4 @@
-"""`python -m llminfer.bench.engine_decode`: the engine's batched decode beside one fast single request. Chapters 05 and 08.
+"""The engine section of `python -m llminfer.bench prefill-decode`: the engine's batched decode beside one fast single request. Chapters 05 and 08.
 
 Decode is memory-bound: a step streams every weight once, whether it carries one sequence or eight. So an
 engine step over B running requests should cost little more than one request's step, and its tokens/s be
@@ -11,13 +11,11 @@ shape (SmolLM2-135M by default), in one process, the two contenders taking turns
              decoding), B tokens each; B / median step time
 
 and reports the median of each over the rounds and their ratio (the engine's tokens/s over the single
-request's). `python -m llminfer.bench` runs it as its engine section on a CPU.
+request's). `python -m llminfer.bench prefill-decode` runs it as its engine section on a CPU (--no-engine skips it).
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -26,9 +24,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..checkpoint import load_random
-from .measure import shape_config
+from .measure import interleave, shape_config, threads
+from .report import load_average, machine
 
-__all__ = ["EngineSettings", "engine_section", "engine_table", "main"]
+__all__ = ["EngineSettings", "engine_section", "engine_table"]
 
 
 @dataclass
@@ -78,16 +77,12 @@ def engine_section(settings: EngineSettings | None = None, log=None) -> dict:
     medians over interleaved rounds, and their ratio. Chapters 05 and 08."""
     from ..engine import LLMEngine
     from ..fast import compile_decode
-    from .report import load_average, machine
 
     settings = settings or EngineSettings()
     _check(settings)
     log = log or (lambda message: print(f"[bench.engine_decode] {message}", file=sys.stderr, flush=True))
     started, load_before = time.perf_counter(), load_average()
-    saved_threads = torch.get_num_threads()
-    if settings.threads is not None:
-        torch.set_num_threads(settings.threads)
-    try:
+    with threads(settings.threads) as count:
         dtype = getattr(torch, settings.dtype)
         length = settings.prompt_len + settings.new_tokens
         cfg = shape_config(settings.shape).replace(max_seq_len=length + 8)
@@ -103,21 +98,19 @@ def engine_section(settings: EngineSettings | None = None, log=None) -> dict:
         engine = LLMEngine(copy.deepcopy(base), block_size=16, num_blocks=blocks, max_num_seqs=settings.requests,
                            max_num_batched_tokens=max(512, settings.requests * settings.prompt_len),
                            max_model_len=length, optimize=True)
-        decoder.generate(single_ids, settings.new_tokens)                    # warm-up, both
-        _engine_decode_rate(engine, prompts, settings.new_tokens)
-        single, batched, steps = [], [], 0
-        for index in range(settings.rounds):
-            log(f"round {index + 1}/{settings.rounds}")
-            result = decoder.generate(single_ids, settings.new_tokens)
-            single.append(1.0 / statistics.median(result.itl_s))
-            rate, counted = _engine_decode_rate(engine, prompts, settings.new_tokens)
-            batched.append(rate)
-            steps += counted
+        # one warm-up each, then the two take turns: tokens/s of one request, and (B / step time, steps timed)
+        found = interleave({
+            "single": lambda: 1.0 / statistics.median(decoder.generate(single_ids, settings.new_tokens).itl_s),
+            "engine": lambda: _engine_decode_rate(engine, prompts, settings.new_tokens)},
+            settings.rounds, warmup=1, log=log)
+        single = found["single"]
+        batched = [rate for rate, _ in found["engine"]]
+        steps = sum(counted for _, counted in found["engine"])
         single_rate, engine_rate = statistics.median(single), statistics.median(batched)
         return {
             "what": f"engine decode of {settings.requests} requests vs one fast request, interleaved rounds",
-            "machine": machine(torch.device("cpu")), "settings": asdict(settings),
-            "threads": torch.get_num_threads(), "load_average_before": load_before,
+            "machine": machine("cpu"), "settings": asdict(settings),
+            "threads": count, "load_average_before": load_before,
             "load_average_after": load_average(), "elapsed_s": time.perf_counter() - started,
             "single_tokens_per_s": single_rate, "engine_tokens_per_s": engine_rate,
             "ratio": engine_rate / single_rate,
@@ -125,8 +118,6 @@ def engine_section(settings: EngineSettings | None = None, log=None) -> dict:
             "single_round_tokens_per_s": single, "engine_round_tokens_per_s": batched,
             "engine_decode_steps_timed": steps, "engine_kernel": engine.cache.kernel_name,
         }
-    finally:
-        torch.set_num_threads(saved_threads)
 
 
 def engine_table(report: dict) -> str:
@@ -141,31 +132,3 @@ def engine_table(report: dict) -> str:
         f"  ratio                   {report['ratio']:>8.2f}x (rounds: "
         f"{', '.join(f'{r:.2f}' for r in report['round_ratios'])})",
     ])
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Runs the engine section from the command line and prints it (and its JSON with --json)."""
-    parser = argparse.ArgumentParser(prog="python -m llminfer.bench.engine_decode", description=__doc__.split("\n")[0])
-    defaults = EngineSettings()
-    parser.add_argument("--shape", default=defaults.shape)
-    parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16"])
-    for name in ("requests", "prompt_len", "new_tokens", "rounds", "threads"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    parser.add_argument("--no-compile", dest="compile", action="store_false")
-    parser.add_argument("--json", help="also write the report to this file")
-    args = parser.parse_args(argv)
-    try:
-        report = engine_section(EngineSettings(args.shape, args.dtype, args.requests, args.prompt_len,
-                                               args.new_tokens, args.rounds, args.threads, args.compile))
-    except (ValueError, RuntimeError, MemoryError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(engine_table(report))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(report, out, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """`make test-gpu`: the one-shot check of every CUDA path on one NVIDIA GPU, in under 10 minutes, into one folder.
 
-    python -m llminfer.bench.gpu_check [--out FOLDER] [--steps pytest,flex,graphs,chapters,bench] [--budget-s 570]
+    python -m llminfer.bench gpu [--out FOLDER] [--steps pytest,flex,graphs,chapters,bench] [--budget-s 570]
 
 The steps, in this order, each in its own process with its own time limit (a crash or a hang in one leaves
 the others to run, and the folder says which):
@@ -12,7 +12,7 @@ the others to run, and the folder says which):
     graphs     the CUDA-graph decoder on the Llama-3.2-1B shape, bfloat16: tokens against the same step run
                eagerly, ITL of both, and which SDPA kernel the masked grouped-query attention runs
     chapters   every chapter under strict nbval, on the CUDA device, a few at a time
-    bench      python -m llminfer.bench --quick --device cuda
+    bench      python -m llminfer.bench prefill-decode --quick --device cuda
 
 The folder (default data/benchmarks/gpu-check-<UTC time>) holds report.json (every step's status, seconds,
 figures), summary.md (the same as a table), each step's log and the JSON the flex and graphs steps write.
@@ -25,13 +25,17 @@ import concurrent.futures
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+__all__ = ["STEPS", "StepResult", "select_steps", "cuda_refusal", "step_budgets", "default_out", "summary_markdown",
+           "write_report", "chapter_paths", "machine_facts", "run_check", "flex_smoke", "graphs_smoke",
+           "add_arguments", "command", "SUMMARY"]
+
+SUMMARY = "make test-gpu: every CUDA path on one NVIDIA GPU in under 10 minutes, one report folder"
 STEPS = ("pytest", "flex", "graphs", "chapters", "bench")
 # seconds each step may take at most (their sum stays under the default budget; a later step gets what is left)
 STEP_LIMIT_S = {"pytest": 100, "flex": 75, "graphs": 75, "chapters": 210, "bench": 100}
@@ -108,11 +112,11 @@ def summary_markdown(machine: dict, results: list[StepResult]) -> str:
 
 def write_report(out: Path, machine: dict, results: list[StepResult]) -> Path:
     """Writes report.json and summary.md into out (created if needed); returns the report.json path."""
-    out.mkdir(parents=True, exist_ok=True)
+    from .report import publish
+
     report = {"machine": machine, "steps": [asdict(r) for r in results],
               "passed": all(r.status in ("passed", "skipped") for r in results)}
-    path = out / "report.json"
-    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (path,) = publish(report, out, "report")
     (out / "summary.md").write_text(summary_markdown(machine, results))
     return path
 
@@ -150,7 +154,7 @@ def _pytest_step(out: Path, limit_s: float) -> StepResult:
 
 def _inner_step(name: str, out: Path, limit_s: float) -> StepResult:
     """The flex and graphs steps: this module again, in a fresh process, writing <name>.json."""
-    command = [sys.executable, "-m", "llminfer.bench.gpu_check", "--inner", name, "--out", str(out)]
+    command = [sys.executable, "-m", "llminfer.bench", "gpu", "--inner", name, "--out", str(out)]
     status, seconds, _ = _run(command, out / f"{name}.log", limit_s)
     figures_path = out / f"{name}.json"
     figures = json.loads(figures_path.read_text()) if figures_path.exists() else {}
@@ -189,7 +193,8 @@ def _chapters_step(out: Path, limit_s: float, workers: int | None = None) -> Ste
 
 
 def _bench_step(out: Path, limit_s: float) -> StepResult:
-    command = [sys.executable, "-m", "llminfer.bench", "--quick", "--device", "cuda", "--out", str(out / "bench")]
+    command = [sys.executable, "-m", "llminfer.bench", "prefill-decode", "--quick", "--device", "cuda", "--out",
+               str(out / "bench")]
     status, seconds, _ = _run(command, out / "bench.log", limit_s)
     return StepResult("bench", status, seconds, _tail(out / "bench.log", 200))
 
@@ -200,28 +205,26 @@ RUNNERS = {"pytest": _pytest_step, "flex": lambda out, limit_s: _inner_step("fle
 
 
 def machine_facts() -> dict:
-    """The GPU, driver, torch / CUDA / Triton versions and the host CPU, for the report."""
+    """The machine as every benchmark describes it (`report.machine`), with the GPU's driver, compute capability
+    and Triton's version, for the report."""
     import torch
 
-    facts = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    from .report import machine
+
+    facts = machine("cuda" if torch.cuda.is_available() else "cpu")
     try:
         import triton
         facts["triton"] = triton.__version__
     except ImportError:
         facts["triton"] = None
     if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        facts.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                     capability=".".join(map(str, torch.cuda.get_device_capability(0))))
+        facts["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)
         facts["driver"] = smi.stdout.strip() or None
     except (OSError, subprocess.TimeoutExpired):
         facts["driver"] = None
-    from llminfer.device import cpu_capabilities
-    cpu = cpu_capabilities()
-    facts["host_cpu"] = f"{cpu.model} ({cpu.isa_level} class, {cpu.logical_cpus} CPUs)"
     return facts
 
 
@@ -394,14 +397,17 @@ def _inner(name: str, out: Path) -> int:
     return 0 if figures.get("ok") else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the check; exits 2 with one clear line on bad arguments or a machine without CUDA."""
-    parser = argparse.ArgumentParser(prog="python -m llminfer.bench.gpu_check", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, help="report folder (default data/benchmarks/gpu-check-<UTC time>)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the GPU check's options to parser."""
+    parser.add_argument("--out", type=Path, help="report folder (default: data/benchmarks/gpu-check-<UTC time>)")
     parser.add_argument("--steps", help=f"comma-separated subset of {','.join(STEPS)} (default: all, in order)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="seconds for all the steps")
     parser.add_argument("--inner", choices=["flex", "graphs"], help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+
+
+def command(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    """`python -m llminfer.bench gpu`: runs the check; exits 2 with one clear line on bad arguments or a machine
+    without CUDA, before it creates anything."""
     try:
         steps = select_steps(args.steps)
         step_budgets(steps, args.budget_s)
@@ -422,7 +428,3 @@ def main(argv: list[str] | None = None) -> int:
     print((out / "summary.md").read_text())
     print(f"wrote {out / 'report.json'} and {out / 'summary.md'}")
     return 0 if all(r.status in ("passed", "skipped") for r in results) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
-"""`python -m llminfer.serve.bench`: load-test any OpenAI-compatible server with the official client. Chapter 11.
+"""The load generator: load-test any OpenAI-compatible server with the official client. Chapter 11.
 
-    python -m llminfer.serve.bench --base-url http://127.0.0.1:8000/v1 --model tiny-capitals \\
+    python -m llminfer.bench serve --base-url http://127.0.0.1:8000/v1 --model tiny-capitals \\
         --num-prompts 64 --request-rate 8 --goodput ttft:500 tpot:50 --out results/
-    python -m llminfer.serve.bench --compare vllm       # llminfer's server against vLLM's (llminfer.serve.peer)
+    python -m llminfer.bench serve --compare vllm       # llminfer's server against vLLM's
 
 After the manner of `vllm bench serve`: requests go out through `openai.AsyncOpenAI` (so the same tool
 measures llminfer, vLLM, SGLang or anything else that speaks the API), streamed, with
@@ -29,11 +29,9 @@ one cut off after --request-timeout seconds; whatever is still running at the en
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -44,7 +42,7 @@ import numpy as np
 from ..engine.latency import SLO, percentiles, request_goodput
 
 __all__ = ["BenchRequest", "RequestRecord", "BenchResult", "workload_requests", "file_requests", "arrival_offsets",
-           "run_benchmark", "benchmark", "summarize", "percentiles", "plot_result", "parse_goodput", "main"]
+           "run_benchmark", "benchmark", "summarize", "percentiles", "plot_result"]
 
 
 
@@ -103,29 +101,6 @@ class BenchResult:
     def to_json(self) -> dict:
         return {"settings": self.settings, "summary": self.summary,
                 "requests": [asdict(r) for r in self.records]}
-
-    def save(self, folder: str | Path, stem: str = "serve_bench") -> tuple[Path, Path]:
-        """Writes stem.json and stem.png into folder; returns both paths."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        json_path, png_path = folder / f"{stem}.json", folder / f"{stem}.png"
-        json_path.write_text(json.dumps(_finite(self.to_json()), indent=1))
-        fig = plot_result(self)
-        fig.savefig(png_path, dpi=100, bbox_inches="tight")
-        import matplotlib.pyplot as plt
-        plt.close(fig)
-        return json_path, png_path
-
-
-def _finite(value):
-    """NaN and inf as null, so the JSON is standard."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
 
 
 # --- workloads ---------------------------------------------------------------------------------------------
@@ -387,118 +362,3 @@ def run_benchmark(*args, **kwargs) -> BenchResult:
     if "error" in box:
         raise box["error"]
     return box["result"]
-
-
-# --- the command line --------------------------------------------------------------------------------------
-
-def parse_goodput(items: list[str] | None) -> dict:
-    """['ttft:500', 'tpot:50'] (milliseconds, as vLLM writes them) -> {'ttft': 0.5, 'tpot': 0.05} (seconds)."""
-    slo = {}
-    for item in items or []:
-        name, _, value = item.partition(":")
-        if name not in ("ttft", "tpot", "e2e") or not value:
-            raise ValueError(f"--goodput takes name:milliseconds with name ttft, tpot or e2e, got {item!r}")
-        try:
-            ms = float(value)
-        except ValueError:
-            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
-        if not ms > 0:
-            raise ValueError(f"--goodput {item!r}: the target must be > 0 ms")
-        slo[name] = ms / 1e3
-    return slo
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m llminfer.serve.bench", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI base URL")
-    p.add_argument("--model", default="tiny-capitals", help="the model name the server knows")
-    p.add_argument("--api-key", default="none")
-    p.add_argument("--dataset", default="workload", help="'workload' (chapter 05's) or a JSON-lines file")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="requests (default 32; with --compare, per point and round: 50, --quick 8)")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; below 1: burstier gamma arrivals")
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-size", type=int, default=1024, help="token ids of the workload's prompts lie below this")
-    p.add_argument("--prompt-median", type=float, default=24)
-    p.add_argument("--max-prompt", type=int, default=64)
-    p.add_argument("--output-median", type=float, default=16)
-    p.add_argument("--max-output", type=int, default=64)
-    p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at the end-of-sequence token")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--goodput", nargs="*", default=None, help="targets in ms, e.g. ttft:500 tpot:50 e2e:2000")
-    p.add_argument("--request-timeout", type=float, default=60.0, help="seconds before one request is given up")
-    p.add_argument("--duration-limit", type=float, default=300.0, help="no request is sent after this many seconds")
-    p.add_argument("--out", default=None, help="folder for serve_bench.json and serve_bench.png")
-    peer = p.add_argument_group("against a peer (llminfer.serve.peer: starts each server in turn, alternating)")
-    peer.add_argument("--compare", choices=["vllm"], default=None,
-                      help="serve the real model with llminfer and with vLLM (from .venv-vllm: make peer-vllm)")
-    peer.add_argument("--quick", action="store_true", help="a short comparison that checks the harness")
-    peer.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=None,
-                      help="(default: float32 bfloat16; --quick: float32)")
-    peer.add_argument("--concurrency", nargs="+", type=int, default=None, help="(default: 1 4 8 16; --quick: 1 8)")
-    peer.add_argument("--rounds", type=int, default=None, help="rounds per dtype (default 2; --quick 1)")
-    peer.add_argument("--servers", nargs="+", choices=["llminfer", "vllm"], default=None)
-    peer.add_argument("--output-tokens", type=int, default=24, help="tokens per request (ignore_eos)")
-    peer.add_argument("--threads", type=int, default=None,
-                      help="llminfer's torch threads (default: the CPUs less one, the cores vLLM computes on)")
-    peer.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server gets to answer /health")
-    peer.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV space of each server")
-    peer.add_argument("--max-model-len", type=int, default=2048)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = _parser()
-    args = p.parse_args(argv)
-    try:
-        slo = parse_goodput(args.goodput)
-    except ValueError as exc:
-        p.error(str(exc))
-    if args.num_prompts is not None and args.num_prompts < 1:
-        p.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
-    if args.compare:
-        for name in ("rounds", "output_tokens", "threads", "max_model_len"):
-            value = getattr(args, name)
-            if value is not None and value < 1:
-                p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if any(c < 1 for c in args.concurrency or []):
-            p.error(f"--concurrency levels must be >= 1, got {args.concurrency}")
-        if not args.startup_timeout > 0:
-            p.error(f"--startup-timeout must be > 0 seconds, got {args.startup_timeout}")
-        if not args.kv_cache_gib > 0:
-            p.error(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
-        from . import peer
-        return peer.main(args)
-    args.num_prompts = args.num_prompts or 32
-    if args.dataset == "workload":
-        requests = workload_requests(args.num_prompts, args.vocab_size, args.seed, args.prompt_median,
-                                     max_prompt=args.max_prompt, output_median=args.output_median,
-                                     max_output=args.max_output)
-    else:
-        requests = file_requests(args.dataset, args.num_prompts)
-    result = run_benchmark(args.base_url, args.model, requests, args.request_rate, args.max_concurrency,
-                           args.burstiness, args.seed, slo, not args.no_ignore_eos, args.temperature,
-                           args.request_timeout, args.duration_limit, args.api_key, progress=sys.stderr.isatty())
-    s = result.summary
-    print(f"{s['completed']}/{s['requests']} requests in {s['duration_s']:.2f} s: "
-          f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s")
-    for name in ("ttft", "tpot", "itl", "e2e"):
-        print(f"  {name.upper():5s} ms  mean {1e3 * s[f'{name}_mean_s']:8.2f}  p50 {1e3 * s[f'{name}_p50_s']:8.2f}  "
-              f"p90 {1e3 * s[f'{name}_p90_s']:8.2f}  p99 {1e3 * s[f'{name}_p99_s']:8.2f}")
-    if slo:
-        print(f"  goodput {s['goodput']:.2f} req/s ({s['good_requests']}/{s['completed']} met "
-              + ", ".join(f"{k} <= {1e3 * v:g} ms" for k, v in slo.items()) + ")")
-    failed = [r for r in result.records if not r.success]
-    if failed:
-        print(f"  {len(failed)} failed; first: {failed[0].error}")
-    if args.out:
-        json_path, png_path = result.save(args.out)
-        print(f"wrote {json_path} and {png_path}")
-    return 0 if not failed else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

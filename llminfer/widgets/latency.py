@@ -79,15 +79,13 @@ def median_run(runs: list):
 
 
 def measure_both(model, prompt_len: int, new_tokens: int, repeats: int = 3, seed: int = 0) -> dict:
-    """Median step times with ('cached') and without ('recomputed') the cache on a random prompt. Chapter 04."""
+    """Median step times with ('cached') and without ('recomputed') the cache on a random prompt, the two taking
+    turns after one warm-up run each (`llminfer.timing.interleave`). Chapter 04."""
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=generator).tolist()
-    time_generation(model, prompt, min(new_tokens, 2), use_cache=True)  # warm-up: first calls allocate
-    time_generation(model, prompt, min(new_tokens, 2), use_cache=False)
-    runs = {}
-    for name, use_cache in (("cached", True), ("recomputed", False)):
-        runs[name] = median_run([time_generation(model, prompt, new_tokens, use_cache) for _ in range(repeats)])
-    return runs
+    runs = timing.interleave({name: (lambda use_cache=use_cache: time_generation(model, prompt, new_tokens, use_cache))
+                              for name, use_cache in (("cached", True), ("recomputed", False))}, repeats, warmup=1)
+    return {name: median_run(found) for name, found in runs.items()}
 
 
 def summarize(runs: dict, config=None) -> dict[str, float]:

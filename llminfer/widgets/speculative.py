@@ -21,7 +21,6 @@ choice), ``llminfer-spec-temperature`` (the temperature slider), ``llminfer-spec
 from __future__ import annotations
 
 import html
-import statistics
 from dataclasses import dataclass, field
 
 from ..speculative import ACCEPTED, BONUS, RESAMPLED, TARGET
@@ -105,21 +104,27 @@ def format_totals(totals: Totals) -> str:
 
 def timed_pair(model, input_ids, drafter, k: int, max_new_tokens: int, temperature: float, eos_token_id,
                seed: int, repeats: int = 3):
-    """(first speculative result, median plain s/token, median speculative s/token), runs interleaved. Chapter 09."""
+    """(first speculative result, median plain s/token, median speculative s/token): the two take turns, one run
+    each per round (`llminfer.timing.interleave`), round i seeded seed + i on both sides. Chapter 09."""
     import llminfer
-    from llminfer import speculative
+    from llminfer import speculative, timing
 
-    first, plain_times, spec_times = None, [], []
-    for i in range(repeats):
-        spec = speculative.generate(model, input_ids, drafter, num_speculative_tokens=k,
-                                    max_new_tokens=max_new_tokens, temperature=temperature,
-                                    eos_token_id=eos_token_id, seed=seed + i)
-        plain = llminfer.generate(model, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                  eos_token_id=eos_token_id, seed=seed + i)
-        first = spec if first is None else first
-        spec_times.append(spec.e2e_s / max(len(spec.token_ids), 1))
-        plain_times.append(plain.e2e_s / max(len(plain.token_ids), 1))
-    return first, statistics.median(plain_times), statistics.median(spec_times)
+    calls = {"speculative": 0, "plain": 0}
+
+    def next_seed(kind: str) -> int:
+        calls[kind] += 1
+        return seed + calls[kind] - 1
+
+    contenders = {
+        "speculative": lambda: speculative.generate(model, input_ids, drafter, num_speculative_tokens=k,
+                                                    max_new_tokens=max_new_tokens, temperature=temperature,
+                                                    eos_token_id=eos_token_id, seed=next_seed("speculative")),
+        "plain": lambda: llminfer.generate(model, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                           eos_token_id=eos_token_id, seed=next_seed("plain"))}
+    # no warm-up: the widget runs on a model that has decoded already, and the median leaves out a slow first run
+    runs = timing.interleave(contenders, repeats, warmup=0)
+    per_token = timing.medians(runs, lambda run: run.e2e_s / max(len(run.token_ids), 1))
+    return runs["speculative"][0], per_token["plain"], per_token["speculative"]
 
 
 @dataclass

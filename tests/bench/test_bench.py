@@ -1,4 +1,4 @@
-"""The benchmark: its figures as pure functions on synthetic timings, a smoke run of the command line on a
+"""`python -m llminfer.bench prefill-decode`: its figures as pure functions on synthetic timings, a smoke run of the command line on a
 tiny shape, the transformers contender's result type, and clear errors for bad input.
 
 Speeds are not asserted here; they belong to the benchmark, not to a timed test.
@@ -10,8 +10,9 @@ import torch
 
 import llminfer
 from llminfer import bench
-from llminfer.bench import figures
+from llminfer.bench import figures, prefill_decode
 from llminfer.bench import report as bench_report
+from llminfer.bench.measure import shape_config
 
 CONTENDERS = {"llminfer (cache)", "llminfer (no cache)"}
 SMOKE = ["--quick", "--shape", "tiny-capitals", "--no-transformers", "--device", "cpu", "--prompt-len", "16",
@@ -21,7 +22,7 @@ SMOKE = ["--quick", "--shape", "tiny-capitals", "--no-transformers", "--device",
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    assert bench.main([*SMOKE, "--out", str(out)]) == 0
+    assert bench.main(["prefill-decode", *SMOKE, "--out", str(out)]) == 0
     files = sorted(p.name for p in out.iterdir())
     assert len(files) == 2, files
     json_file = next(out.glob("*.json"))
@@ -43,7 +44,7 @@ def test_report_describes_machine_shape_and_random_weights(quick_report):
     report, _ = quick_report
     machine = report["machine"]
     assert machine["torch"] == torch.__version__ and machine["cpu_cores"] >= 1 and machine["cpu"]
-    tiny = bench.shape_config("tiny-capitals")
+    tiny = shape_config("tiny-capitals")
     assert report["shape"]["name"] == "tiny-capitals" and report["dtype"] == "float32"
     assert report["shape"]["n_params"] == tiny.n_params()
     assert "random" in report["weights"] and "shape" in report["weights"]
@@ -56,7 +57,7 @@ def test_report_holds_ceilings_prefill_and_decode(quick_report):
     assert set(report["ceilings"]) == {"copy_bandwidth", "matvec_bandwidth", "matmul_flops"}
     assert all(_positive(c["rate"]) and c["what"] for c in report["ceilings"].values())
     prefill = report["prefill"]
-    assert prefill["flops"] == llminfer.costs.prefill_flops(bench.shape_config("tiny-capitals"), 16)
+    assert prefill["flops"] == llminfer.costs.prefill_flops(shape_config("tiny-capitals"), 16)
     assert prefill["flop_per_s"] == pytest.approx(prefill["flops"] / prefill["median_s"])
     assert prefill["mfu"] == pytest.approx(prefill["flop_per_s"] / prefill["matmul_flop_per_s_alongside"])
     assert prefill["mfu_vs_run_ceiling"] == pytest.approx(
@@ -94,7 +95,7 @@ def test_report_holds_every_contender_and_the_scaling(quick_report):
 
 def test_table_names_each_contender(quick_report):
     report, _ = quick_report
-    text = bench_report.table(report)
+    text = prefill_decode.table(report)
     assert all(name in text for name in CONTENDERS) and "MFU" in text and "MBU" in text
 
 
@@ -111,25 +112,25 @@ def test_table_names_each_contender(quick_report):
 ])
 def test_bad_input_is_refused_before_any_work(argv, message, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(llminfer.device, "free_memory_bytes", lambda device: 16 * 2**30)   # whatever the host has
-    monkeypatch.setattr(bench.measure, "_measure", lambda *a: pytest.fail("measured before refusing"))
-    assert bench.main(["--quick", "--out", str(tmp_path), *argv]) == 2
+    monkeypatch.setattr(prefill_decode, "_measure", lambda *a: pytest.fail("measured before refusing"))
+    assert bench.main(["prefill-decode", "--quick", "--out", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
 def test_batch_sizes_must_be_integers():
     with pytest.raises(SystemExit):
-        bench.parse_args(["--batch-sizes", "one,four"])
+        prefill_decode.parse_args(["--batch-sizes", "one,four"])
 
 
 def test_memory_estimate_grows_with_batch_and_the_transformers_copy():
     cfg = llminfer.get_preset("smollm2-135m")
-    small = bench.Settings(batch_sizes=(1,), transformers=False)
-    assert bench.estimate_bytes(cfg, torch.float32, small) >= cfg.n_params() * 4
-    bigger = bench.Settings(batch_sizes=(1, 64), transformers=False)
-    assert bench.estimate_bytes(cfg, torch.float32, bigger) > bench.estimate_bytes(cfg, torch.float32, small)
-    with_hf = bench.Settings(batch_sizes=(1,), transformers=True)
-    extra = bench.estimate_bytes(cfg, torch.float32, with_hf) - bench.estimate_bytes(cfg, torch.float32, small)
+    small = prefill_decode.Settings(batch_sizes=(1,), transformers=False)
+    assert prefill_decode.estimate_bytes(cfg, torch.float32, small) >= cfg.n_params() * 4
+    bigger = prefill_decode.Settings(batch_sizes=(1, 64), transformers=False)
+    assert prefill_decode.estimate_bytes(cfg, torch.float32, bigger) > prefill_decode.estimate_bytes(cfg, torch.float32, small)
+    with_hf = prefill_decode.Settings(batch_sizes=(1,), transformers=True)
+    extra = prefill_decode.estimate_bytes(cfg, torch.float32, with_hf) - prefill_decode.estimate_bytes(cfg, torch.float32, small)
     assert extra == cfg.n_params() * 4
 
 
@@ -141,7 +142,7 @@ def test_device_slug_is_a_file_name():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_quick_cuda_run_has_the_graph_contender_and_cuda_targets(tmp_path):
-    assert bench.main(["--quick", "--device", "cuda", "--out", str(tmp_path)]) == 0
+    assert bench.main(["prefill-decode", "--quick", "--device", "cuda", "--out", str(tmp_path)]) == 0
     report = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert report["dtype"] == "bfloat16" and report["shape"]["name"] == "llama-3.2-1b"
     assert "llminfer (CUDA graphs)" in report["contenders"] and report["machine"]["gpu"]
@@ -151,7 +152,7 @@ def test_quick_cuda_run_has_the_graph_contender_and_cuda_targets(tmp_path):
 # ---- the figures: pure functions on synthetic timings ------------------------------------------
 
 def test_decode_figures_by_hand():
-    cfg = bench.shape_config("tiny-capitals")
+    cfg = shape_config("tiny-capitals")
     # 3 decode steps after an 8-token prompt: they attend 9, 10 and 11 positions
     per_step = sum(llminfer.costs.decode_step_bytes(cfg, cached_len=n, dtype_bytes=4) for n in (8, 9, 10)) / 3
     row = figures.decode_figures(cfg, 4, [0.02, 0.01, 0.03], batch_size=1, prompt_len=8, new_tokens=4,
@@ -162,7 +163,7 @@ def test_decode_figures_by_hand():
 
 
 def test_prefill_figures_by_hand():
-    cfg = bench.shape_config("tiny-capitals")
+    cfg = shape_config("tiny-capitals")
     flops = llminfer.costs.prefill_flops(cfg, 16)
     row = figures.prefill_figures(cfg, 16, 1, seconds=0.5, matmul_rate_alongside=4 * flops, matmul_rate_run=8 * flops)
     assert row["flop_per_s"] == 2 * flops and row["tokens_per_s"] == 32

@@ -1,4 +1,4 @@
-"""`python -m llminfer.bench.decode`, the decode-by-precision benchmark of chapter 08, as a short smoke run."""
+"""`python -m llminfer.bench decode`, the decode-by-precision benchmark of chapter 08, as a short smoke run."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from llminfer import device
+from llminfer import bench, device
 from llminfer.bench import decode
 
 
@@ -34,7 +34,7 @@ def test_a_short_run_writes_its_report(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(Transformer, "forward", forward)
     try:
-        code = decode.main(["--precisions", "fp32,int8", "--prompt-len", "8", "--new-tokens", "3", "--repeats", "1",
+        code = bench.main(["decode", "--precisions", "fp32,int8", "--prompt-len", "8", "--new-tokens", "3", "--repeats", "1",
                             "--threads", "1", "--no-compile", "--no-transformers", "--no-llama-cpp",
                             "--out", str(tmp_path)])
         report_choices = kernels.matvec_choices()
@@ -124,13 +124,13 @@ def test_a_short_run_writes_its_report(tmp_path, capsys, monkeypatch):
                                           (["--new-tokens", "1"], "--new-tokens >= 2")])
 def test_bad_settings_are_refused_before_any_work(argv, message, capsys):
     with pytest.raises(SystemExit):
-        decode.main(argv)
+        bench.main(["decode", *argv])
     assert message in capsys.readouterr().err
 
 
 def test_help_shows_the_whole_description(capsys):
     with pytest.raises(SystemExit):
-        decode.main(["--help"])
+        bench.main(["decode", "--help"])
     out = capsys.readouterr().out
     # the whole docstring, its last sentence included (a first line cut mid-sentence was all it showed)
     lines = decode.__doc__.strip().splitlines()
@@ -152,7 +152,7 @@ def _report(**extra) -> dict:
 def test_a_contender_above_the_ceiling_stops_the_benchmark_and_records_nothing(tmp_path, monkeypatch, capsys):
     report = _report(ceiling_exceeded={"llminfer fast fp32": 15e9})
     monkeypatch.setattr(decode, "run", lambda args: report)
-    assert decode.main(["--out", str(tmp_path)]) == 1
+    assert bench.main(["decode", "--out", str(tmp_path)]) == 1
     assert "STOPPED: llminfer fast fp32 streamed 15.0 GB/s above its ceiling (10.0 GB/s)" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())
 
@@ -160,7 +160,7 @@ def test_a_contender_above_the_ceiling_stops_the_benchmark_and_records_nothing(t
 def test_a_prefill_above_the_matmul_ceiling_stops_the_benchmark_and_records_nothing(tmp_path, monkeypatch, capsys):
     report = _report(matmul_ceiling_exceeded={"fp32 prefill, chosen": 140e9})
     monkeypatch.setattr(decode, "run", lambda args: report)
-    assert decode.main(["--out", str(tmp_path)]) == 1
+    assert bench.main(["decode", "--out", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "STOPPED: fp32 prefill, chosen ran at 140 GFLOP/s, above the fastest matmul sampled alongside" in out
     assert not list(tmp_path.iterdir())

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from llminfer.bench.engine_decode import EngineSettings, engine_section, engine_table, main
+from llminfer import bench
+from llminfer.bench.engine_decode import EngineSettings, engine_section, engine_table
 
 
 def test_the_engine_section_reports_both_contenders_and_their_ratio():
@@ -33,6 +34,7 @@ def test_bad_settings_are_refused_before_anything_runs(changes, message):
         engine_section(EngineSettings(**changes), log=lambda message: None)
 
 
-def test_the_command_line_refuses_bad_input_with_status_2(capsys):
-    assert main(["--requests", "0"]) == 2
-    assert "requests=0 must be a positive integer" in capsys.readouterr().err
+def test_the_engine_command_refuses_bad_input_with_status_2(capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["engine", "--repeats", "0"])
+    assert stop.value.code == 2 and "--repeats 0 and --threads 1 must be positive integers" in capsys.readouterr().err

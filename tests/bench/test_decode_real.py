@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llminfer.bench import decode, decode_real
+from llminfer import bench
+from llminfer.bench import decode_real
 from llminfer.generate import GenerationResult
 
 
@@ -39,27 +40,6 @@ def test_summarise_refuses_what_it_cannot_time():
         decode_real.summarise([_result([1], [])])
 
 
-def test_interleave_warms_up_then_takes_turns():
-    calls, probes = [], []
-
-    def runner(label):
-        def run():
-            calls.append(label)
-            return _result([len(calls)], [0.1])
-        return run
-
-    results = decode_real.interleave({"a": runner("a"), "b": runner("b")}, repeats=2,
-                                     between=lambda: probes.append(len(calls)))
-    assert calls == ["a", "b", "a", "b", "a", "b"]           # one warm-up each, then one per contender a round
-    assert probes == [3, 4, 5, 6]                             # the probes run after every timed run
-    assert [r.token_ids for r in results["a"]] == [[3], [5]]  # the warm-up is not kept
-    calls.clear()
-    results = decode_real.interleave({"a": runner("a")}, repeats=2, warm=False)
-    assert calls == ["a", "a"] and [r.token_ids for r in results["a"]] == [[1], [2]]   # warmed by the caller
-    with pytest.raises(ValueError, match="repeats=0"):
-        decode_real.interleave({"a": runner("a")}, repeats=0)
-
-
 def test_file_bytes_by_type_adds_up_the_header():
     from llminfer import gguf_reader
 
@@ -72,21 +52,20 @@ def test_file_bytes_by_type_adds_up_the_header():
     assert sum(by_type.values()) < path.stat().st_size
 
 
-def test_bad_arguments_are_refused_and_decode_real_routes_there():
+@pytest.mark.parametrize("argv, message", [(["--formats", "q4_0"], "unknown ['q4_0']"),
+                                           (["--new-tokens", "1"], "--new-tokens 1 must be >= 2"),
+                                           (["--threads", "0"], "--threads 0 must be a positive integer")])
+def test_bad_arguments_are_refused_before_any_work(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(decode_real, "run", lambda args: pytest.fail("ran before refusing"))
     with pytest.raises(SystemExit):
-        decode_real._parse(["--formats", "q4_0"])
-    with pytest.raises(SystemExit):
-        decode_real._parse(["--new-tokens", "1"])
-    with pytest.raises(SystemExit):
-        decode.main(["--real", "--threads", "0"])             # the hook hands the flags to decode_real's parser
-    args = decode_real._parse(["--formats", "q4_1,bf16", "--threads", "2"])
-    assert args.formats == ["q4_1", "bf16"] and args.threads == 2
+        bench.main(["real", *argv])
+    assert message in capsys.readouterr().err
     with pytest.raises(ValueError, match="neither an installed model"):
         decode_real._path("no-such-model")
 
 
 def test_a_short_run_writes_its_report(tmp_path, capsys):
-    code = decode.main(["--real", "--formats", "q4_1", "--new-tokens", "3", "--repeats", "1", "--threads", "1",
+    code = bench.main(["real", "--formats", "q4_1", "--new-tokens", "3", "--repeats", "1", "--threads", "1",
                         "--no-compile", "--no-llama-cpp", "--out", str(tmp_path)])
     assert code == 0
     (path,) = tmp_path.glob("decode-real-*.json")

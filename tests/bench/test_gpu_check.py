@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from llminfer import bench
 from llminfer.bench import gpu_check
 from llminfer.bench.gpu_check import StepResult
 
@@ -35,7 +36,7 @@ def test_without_cuda_the_check_is_refused_with_what_to_do():
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_the_command_refuses_on_this_machine_before_creating_anything(tmp_path):
     out = tmp_path / "report"
-    done = subprocess.run([sys.executable, "-m", "llminfer.bench.gpu_check", "--out", str(out)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "llminfer.bench", "gpu", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert re.search(r"error: make test-gpu needs an NVIDIA GPU.*torch\.cuda\.is_available\(\) is False",
@@ -44,9 +45,9 @@ def test_the_command_refuses_on_this_machine_before_creating_anything(tmp_path):
 
 
 def test_bad_arguments_exit_2_with_one_line(capsys):
-    assert gpu_check.main(["--steps", "nbval"]) == 2
+    assert bench.main(["gpu", "--steps", "nbval"]) == 2
     assert "unknown step(s) 'nbval'" in capsys.readouterr().err
-    assert gpu_check.main(["--budget-s", "0"]) == 2
+    assert bench.main(["gpu", "--budget-s", "0"]) == 2
     assert "budget_s must be positive" in capsys.readouterr().err
 
 
@@ -133,4 +134,4 @@ def test_the_default_folder_is_one_per_run_under_data_benchmarks():
 
 def test_make_has_the_target():
     text = (ROOT / "Makefile").read_text()
-    assert re.search(r"^test-gpu:.*\n\t\$\(PY\) -m llminfer\.bench\.gpu_check", text, re.M)
+    assert re.search(r"^test-gpu:.*\n\t\$\(PY\) -m llminfer\.bench gpu", text, re.M)

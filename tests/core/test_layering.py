@@ -10,54 +10,110 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "llminfer"
 
 # The core, in dependency order: a module may import only those before it.
-CORE = ["device", "config", "costs", "attention", "kv_cache", "model", "tokenizer", "gguf_reader", "checkpoint",
-        "generate", "instrument", "timing", "static_cache", "cuda_graphs"]
+CORE = ["device", "checks", "config", "costs", "attention", "kv_cache", "model", "tokenizer", "gguf_reader",
+        "checkpoint", "generate", "instrument", "timing", "static_cache", "cuda_graphs"]
 # Built on the core (may import it; the core never imports them).
 ON_TOP = ["engine", "flash", "cpu", "quant", "fast", "speculative", "parallel", "serve"]
 # Around everything: tooling and teaching aids, imported by nothing in the package but themselves.
 AROUND = ["bench", "widgets", "notebooks", "claims"]
 
 
-def _unit(path: Path) -> str:
-    """Top-level unit a file belongs to: 'model' for model.py, 'engine' for engine/x.py."""
-    return path.relative_to(PACKAGE).parts[0].removesuffix(".py")
-
-
-def _imports(path: Path) -> set[str]:
-    """Top-level llminfer units a file imports (absolute or relative)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    depth = len(path.relative_to(PACKAGE).parts) - 1          # 0 for llminfer/x.py, 1 for llminfer/pkg/x.py
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level == 0:
-                names = [node.module or ""]
-            elif node.level - 1 == depth:                       # relative to the package root
-                names = ["llminfer." + node.module] if node.module else \
-                        ["llminfer." + alias.name for alias in node.names]
-            elif node.level - 1 < depth:                        # inside its own subpackage
-                names = []
-            else:
-                raise AssertionError(f"{path}: relative import climbs above the package")
-        else:
+def module_files(root: Path = PACKAGE) -> dict[str, Path]:
+    """Every module of the package by dotted name ('llminfer.bench.decode'; a package by its own name)."""
+    files = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[0] == "models":
             continue
-        for name in names:
-            if name == "llminfer" and isinstance(node, ast.ImportFrom):
-                found |= {alias.name for alias in node.names}
-            elif name.startswith("llminfer."):
-                found.add(name.split(".")[1])
-    return found
+        name = ".".join((root.name, *parts)).removesuffix(".__init__")
+        files[name] = path
+    return files
+
+
+def module_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, anywhere in its file (inside functions too): `import a.b`,
+    `from a.b import c` (the module a.b.c where there is one, else a.b), relative imports at any depth,
+    `from llminfer import x`. An import names the module it reaches, not the packages above it."""
+    files = module_files(root)
+    edges: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                origin = node.module or ""
+                if node.level:
+                    base = package.split(".")
+                    if node.level - 1 >= len(base):
+                        raise AssertionError(f"{path}:{node.lineno}: relative import climbs above the package")
+                    origin = ".".join(base[:len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+                targets = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in files else origin
+                           for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target not in files and "." in target:     # a name inside a module: that module
+                    target = target.rpartition(".")[0]
+                if target in files and target != name:
+                    found.add(target)
+        edges[name] = found
+    return edges
+
+
+def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or not (strongly connected, of two or more), each
+    as one cycle through them: ['a', 'b', 'a']."""
+    order, low, stack, cycles = {}, {}, [], []
+
+    def visit(node):
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for target in sorted(edges.get(node, ())):
+            if target not in order:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], order[target])
+        if low[node] == order[node]:
+            group = stack[stack.index(node):]
+            del stack[stack.index(node):]
+            if len(group) > 1:
+                cycles.append(_cycle_through(sorted(group), edges))
+    for node in sorted(edges):
+        if node not in order:
+            visit(node)
+    return cycles
+
+
+def _cycle_through(group: list[str], edges: dict[str, set[str]]) -> list[str]:
+    """One path from group[0] back to itself inside group (breadth first: the shortest)."""
+    start, inside = group[0], set(group)
+    paths = {target: [start, target] for target in sorted(edges[start] & inside)}
+    queue = list(paths)
+    while start not in paths:
+        node = queue.pop(0)
+        for target in sorted(edges[node] & inside):
+            if target not in paths:
+                paths[target] = paths[node] + [target]
+                queue.append(target)
+    return paths[start]
+
+
+def _unit(module: str) -> str:
+    """Top-level unit a module belongs to: 'model' for llminfer.model, 'engine' for llminfer.engine.x."""
+    return module.split(".")[1] if "." in module else module
 
 
 def graph() -> dict[str, set[str]]:
+    """Unit -> the units it imports: the module graph seen from the top-level packages and modules."""
     edges: dict[str, set[str]] = {}
-    for path in PACKAGE.rglob("*.py"):
-        if path == PACKAGE / "__init__.py" or "models" in path.relative_to(PACKAGE).parts[:1]:
+    for module, targets in module_graph().items():
+        if module == PACKAGE.name:                                  # llminfer/__init__.py: the public names
             continue
-        unit = _unit(path)
-        edges.setdefault(unit, set()).update(_imports(path) - {unit, "__version__"})
+        unit = _unit(module)
+        edges.setdefault(unit, set()).update({_unit(target) for target in targets} - {unit})
     return edges
 
 
@@ -88,6 +144,48 @@ def test_nothing_imports_the_tooling_and_the_graph_is_acyclic():
         seen.add(unit)
     for unit in edges:
         visit(unit)
+
+
+def test_no_module_imports_a_module_that_imports_it_back():
+    cycles = import_cycles(module_graph())
+    assert not cycles, "import cycles between modules:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _write_package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "llminfer" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "llminfer"
+
+
+def test_the_module_graph_sees_every_kind_of_import(tmp_path):
+    package = _write_package(tmp_path, {
+        "__init__.py": "from .model import forward\n",
+        "model.py": "import torch\nfrom . import costs\n",
+        "costs.py": "",
+        "bench/__init__.py": "",
+        "bench/decode.py": "from .measure import interleave\nfrom ..model import forward\n",
+        "bench/measure.py": "def run():\n    from llminfer import costs\n    import llminfer.serve.peer\n",
+        "serve/__init__.py": "from . import bench\n",
+        "serve/bench.py": "from llminfer.serve import peer\n",
+        "serve/peer.py": "def main():\n    from .bench import summarize\n    from llminfer.bench.decode import x\n",
+    })
+    edges = module_graph(package)
+    assert edges == {
+        "llminfer": {"llminfer.model"}, "llminfer.model": {"llminfer.costs"}, "llminfer.costs": set(),
+        "llminfer.bench": set(), "llminfer.bench.decode": {"llminfer.bench.measure", "llminfer.model"},
+        "llminfer.bench.measure": {"llminfer.costs", "llminfer.serve.peer"},
+        "llminfer.serve": {"llminfer.serve.bench"}, "llminfer.serve.bench": {"llminfer.serve.peer"},
+        "llminfer.serve.peer": {"llminfer.serve.bench", "llminfer.bench.decode"}}
+    # serve.bench <-> serve.peer, through imports inside functions; and bench.decode -> measure -> serve.peer
+    # -> bench.decode, three modules round
+    assert import_cycles(edges) == [
+        ["llminfer.bench.decode", "llminfer.bench.measure", "llminfer.serve.peer", "llminfer.bench.decode"]]
+    edges["llminfer.serve.peer"].discard("llminfer.bench.decode")
+    assert import_cycles(edges) == [["llminfer.serve.bench", "llminfer.serve.peer", "llminfer.serve.bench"]]
+    edges["llminfer.serve.peer"] = set()
+    assert import_cycles(edges) == []
 
 
 def test_every_module_is_placed_in_the_map():
@@ -167,10 +265,9 @@ def hooks_set_from_above(sources: dict[str, list[tuple[str, str]]], edges: dict[
 
 def _package_sources() -> dict[str, list[tuple[str, str]]]:
     sources: dict[str, list[tuple[str, str]]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path == PACKAGE / "__init__.py" or "models" in path.relative_to(PACKAGE).parts[:1]:
-            continue
-        sources.setdefault(_unit(path), []).append((str(path.relative_to(PACKAGE)), path.read_text()))
+    for module, path in module_files().items():
+        if module != PACKAGE.name:
+            sources.setdefault(_unit(module), []).append((str(path.relative_to(PACKAGE)), path.read_text()))
     return sources
 
 

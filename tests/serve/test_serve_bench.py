@@ -121,7 +121,9 @@ def test_poisson_arrivals_have_the_stated_rate():
 
 
 def test_command_line_writes_json_and_plot(server, tmp_path, capsys):
-    code = bench.main(["--base-url", server.url + "/v1", "--model", MODEL, "--num-prompts", "4", "--request-rate",
+    from llminfer.bench import main as bench_main
+
+    code = bench_main(["serve", "--base-url", server.url + "/v1", "--model", MODEL, "--num-prompts", "4", "--request-rate",
                        "20", "--max-prompt", "8", "--prompt-median", "4", "--max-output", "6", "--output-median",
                        "4", "--goodput", "ttft:500", "tpot:100", "--out", str(tmp_path)])
     assert code == 0
@@ -140,7 +142,9 @@ def test_dataset_files_and_goodput_targets_are_checked(tmp_path):
     path.write_text('{"prompt": ""}\n')
     with pytest.raises(ValueError, match="non-empty"):
         bench.file_requests(path)
-    assert bench.parse_goodput(["ttft:250", "e2e:2000"]) == {"ttft": 0.25, "e2e": 2.0}
+    from llminfer.bench.serve import parse_goodput
+
+    assert parse_goodput(["ttft:250", "e2e:2000"]) == {"ttft": 0.25, "e2e": 2.0}
     for bad in (["ttft"], ["latency:5"], ["tpot:-1"], ["tpot:fast"]):
         with pytest.raises(ValueError):
-            bench.parse_goodput(bad)
+            parse_goodput(bad)
