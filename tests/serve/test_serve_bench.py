@@ -41,7 +41,9 @@ def test_figures_equal_those_recomputed_from_raw_timestamps(server, tmp_path):
     slo = {"ttft": 0.25, "tpot": 0.03}
     result = bench.run_benchmark(server.url + "/v1", MODEL, requests, request_rate=40.0, seed=1, slo=slo,
                                  return_timings=True)
-    json_path, png_path = result.save(tmp_path)
+    from llminfer.bench.report import publish        # the benchmarks' one writer: JSON (NaN as null) and the plot
+
+    json_path, png_path = publish(result.to_json(), tmp_path, "serve_bench", plot=lambda _: bench.plot_result(result))
     assert png_path.stat().st_size > 1000
     saved = json.loads(json_path.read_text())
     raw, summary = saved["requests"], saved["summary"]
