@@ -14,6 +14,7 @@ The parts, each in its own module (the way nano-vllm separates them):
     paged_cache.py         PagedKVCache: the cache protocol over a block pool
     paged_attention.py     the kernels that read K/V through block tables ('gather', 'flex', ...)
     model_runner.py        one step through the model's one forward, then sampling
+    requests.py            the request table both engines keep: the one request check, ids, outputs; PromptIds
     llm_engine.py          LLMEngine: add_request / step / abort / has_unfinished / stats / generate
     protocol.py            Engine: the protocol LLMEngine and the disaggregated pair (chapter 12) both speak
     workload.py            request streams for measuring it (Poisson arrivals, heavy-tailed lengths)
@@ -25,6 +26,7 @@ from .model_runner import ModelRunner
 from .paged_attention import get_paged_kernel, paged_kernels, register_paged_kernel
 from .paged_cache import PagedKVCache
 from .protocol import Engine
+from .requests import PromptIds, RequestTable
 from .sampling_params import SamplingParams
 from .scheduler import POLICIES, Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus, StepOutput
@@ -33,5 +35,5 @@ __all__ = [
     "LLMEngine", "SamplingParams", "RequestOutput", "StepOutput", "EngineStats", "StepRecord",
     "Sequence", "SequenceStatus", "Scheduler", "POLICIES", "BlockManager", "Block", "PoolSnapshot",
     "hash_block_tokens", "AttentionMetadata", "PagedKVCache", "ModelRunner",
-    "register_paged_kernel", "get_paged_kernel", "paged_kernels", "Engine",
+    "register_paged_kernel", "get_paged_kernel", "paged_kernels", "Engine", "RequestTable", "PromptIds",
 ]

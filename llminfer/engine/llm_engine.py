@@ -22,24 +22,23 @@ their blocks. `engine.trace` keeps what every step ran, for the scheduling chart
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Sequence as SequenceType
+from dataclasses import dataclass
 
 import torch
 
 from ..costs import kv_cache_bytes
 from ..device import check_fits, dtype_bytes, free_memory_bytes, synchronize
-from ..generate import check_flag, check_int, check_request
+from ..generate import check_flag, check_int
 from ..generate import is_int as _is_int
 from ..fast import settle_prefill_paths
 from .attention_metadata import AttentionMetadata
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
+from .requests import PromptIds, RequestTable
 from .sampling_params import SamplingParams
 from .scheduler import POLICIES, Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus, StepOutput
@@ -223,12 +222,9 @@ class LLMEngine:
             settle_prefill_paths(model, max(max_num_batched_tokens, max_model_len))
         self.clock = clock
         self.trace: deque[StepRecord] = deque(maxlen=trace_limit)
-        self._requests: dict[int, Sequence] = {}     # unfinished
-        self._finished: dict[int, Sequence] = {}     # finished, until popped
-        self._next_id = 0
+        self.requests = RequestTable(cfg, max_model_len, clock, device=model.device)
         self._steps = 0
         self._tokens_computed = 0
-        self._num_finished = 0
 
     # --- settings ----------------------------------------------------------------------------------
 
@@ -260,45 +256,26 @@ class LLMEngine:
 
     # --- requests ----------------------------------------------------------------------------------
 
-    def _check_prompt(self, prompt_ids) -> list[int]:
-        return check_request(self.config, prompt_ids, 0, single=True)[0].tolist()
-
-    def _check_request(self, prompt: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        check_request(self.config, prompt, params.max_new_tokens, params.eos_token_id, params.temperature,
-                      params.top_k, params.top_p, params.seed)
-        total = len(prompt) + params.max_new_tokens
-        positions = total - 1                          # the last token is sampled, never run through the model
+    def _check_limits(self, prompt: PromptIds, params: SamplingParams) -> None:
+        """ValueError unless the request fits this engine's KV pool and, without chunked prefill, one step."""
+        positions = len(prompt) + params.max_new_tokens - 1   # the last token is sampled, never run through the model
         needed = self.block_manager.blocks_needed(positions)
         if needed > self.num_blocks:
             raise ValueError(f"the request could never fit in the KV pool, even alone: {positions} positions need "
                              f"{needed} blocks of {self.block_size} but the pool has {self.num_blocks}; make the "
                              f"engine with num_blocks >= {needed}, or shorten the request")
-        if total > self.max_model_len:
-            raise ValueError(f"a prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} "
-                             f"exceeds the engine's max_model_len={self.max_model_len}; shorten the request")
         if not self.chunked_prefill and positions > self.max_num_batched_tokens:
             raise ValueError(f"without chunked prefill a request's {positions} positions must fit in one step's "
                              f"budget, max_num_batched_tokens={self.max_num_batched_tokens} (it may have to be "
                              "recomputed whole after a preemption); enable chunked_prefill or raise the budget")
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None, arrival_time: float | None = None) -> int:
-        """Queues one request; returns its id. Everything is checked here, before it can be scheduled."""
-        params = SamplingParams() if params is None else params
-        prompt = self._check_prompt(prompt_ids)
-        self._check_request(prompt, params)
-        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real)
-                                         or not math.isfinite(arrival_time)):
-            raise ValueError(f"arrival_time must be a finite number of seconds on the engine's clock, "
-                             f"got {arrival_time!r}")
-        request_id = self._next_id
-        self._next_id += 1
-        arrival = self.clock() if arrival_time is None else float(arrival_time)
-        seq = Sequence(request_id, prompt, params, arrival, device=self.model.device)
-        self._requests[request_id] = seq
+        """Queues one request; returns its id. Everything is checked here, before it can be scheduled (ids that
+        are already a PromptIds of this model, as the server passes them, are not checked again)."""
+        prompt, params = self.requests.check(prompt_ids, params, arrival_time, self._check_limits)
+        seq = self.requests.track(prompt, params, arrival_time)
         self.scheduler.add(seq)
-        return request_id
+        return seq.request_id
 
     def add_prefilled(self, prompt_ids, params: SamplingParams | None, first_token: int,
                       kv: list[tuple[torch.Tensor, torch.Tensor]], arrival_time: float | None = None,
@@ -312,35 +289,13 @@ class LLMEngine:
         sampled request's generator on. Returns None, changing nothing, when the running batch is full or
         the pool lacks the blocks for P + 1 positions now (offer it again after a step).
         """
-        params = SamplingParams() if params is None else params
-        prompt = self._check_prompt(prompt_ids)
-        self._check_request(prompt, params)
-        for name, value in (("arrival_time", arrival_time), ("first_token_time", first_token_time)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
-                                      or not math.isfinite(value)):
-                raise ValueError(f"{name} must be a finite number of seconds on the engine's clock, got {value!r}")
-        vocab, cfg, num_tokens = self.config.vocab_size, self.config, len(prompt)
-        if not _is_int(first_token) or not 0 <= first_token < vocab:
-            raise ValueError(f"first_token={first_token!r} is not a token id of this model (0..{vocab - 1})")
-        if (params.eos_token_id is not None and first_token == params.eos_token_id) or params.max_new_tokens == 1:
-            raise ValueError("the request finished at its first token (eos, or max_new_tokens=1), so it has nothing "
-                             "to decode; take its output where it was prefilled")
-        if not isinstance(kv, (list, tuple)) or len(kv) != cfg.n_layers:
-            got = f"{len(kv)} pairs" if isinstance(kv, (list, tuple)) else type(kv).__name__
-            raise ValueError(f"kv must hold one (k, v) pair per layer: got {got} for a model of {cfg.n_layers} layers")
-        expected = (1, cfg.n_kv_heads, num_tokens, cfg.head_dim)
-        for layer, pair in enumerate(kv):
-            if len(pair) != 2 or any(tuple(t.shape) != expected for t in pair):
-                raise ValueError(f"layer {layer}: K/V of shape {[tuple(t.shape) for t in pair]}; expected {expected} "
-                                 f"(1, n_kv_heads, positions, head_dim) for a {num_tokens}-token prompt")
-        bm, scheduler = self.block_manager, self.scheduler
+        prompt, params = self.requests.check(prompt_ids, params, arrival_time, self._check_limits)
+        self.requests.check_prefilled(prompt, params, first_token, kv, first_token_time)
+        bm, scheduler, num_tokens = self.block_manager, self.scheduler, len(prompt)
         if len(scheduler.running) >= scheduler.max_num_seqs or bm.blocks_needed(num_tokens + 1) > bm.num_free_blocks:
             return None
-        request_id = self._next_id
-        self._next_id += 1
         now = self.clock()
-        seq = Sequence(request_id, prompt, params, now if arrival_time is None else float(arrival_time),
-                       device=self.model.device)
+        seq = self.requests.track(prompt, params, now if arrival_time is None else arrival_time)
         if not bm.allocate(seq, num_tokens):                               # pragma: no cover - checked above
             raise RuntimeError("the pool refused an allocation it had room for")
         for layer, (k, v) in enumerate(kv):
@@ -348,50 +303,31 @@ class LLMEngine:
         seq.num_computed_tokens = num_tokens
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.RUNNING
-        first_time = now if first_token_time is None else float(first_token_time)
-        seq.first_scheduled_time = first_time
         if seq.generator is not None and generator_state is not None:
             seq.generator.set_state(generator_state)
-        seq.append_token(int(first_token), first_time)
-        self._requests[request_id] = seq
+        self.requests.start_decoding(seq, first_token, now if first_token_time is None else first_token_time)
         scheduler.running.append(seq)
-        return request_id
+        return seq.request_id
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running."""
-        return self.scheduler.has_unfinished()
+        return self.requests.has_unfinished()
 
     def abort(self, request_id: int) -> bool:
         """Stops a request and frees its blocks; True if it was unfinished, False if it had already finished."""
-        if not _is_int(request_id) or not 0 <= request_id < self._next_id:
-            raise ValueError(f"unknown request id {request_id!r}: this engine has issued ids 0..{self._next_id - 1}"
-                             if self._next_id else f"unknown request id {request_id!r}: no request has been added")
-        seq = self._requests.pop(request_id, None)
+        seq = self.requests.abort(request_id)
         if seq is None:
             return False
         self.scheduler.remove(seq)
-        seq.status = SequenceStatus.FINISHED_ABORTED
-        self._finish(seq)
         return True
-
-    def _finish(self, seq: Sequence) -> None:
-        self._finished[seq.request_id] = seq
-        self._num_finished += 1
 
     def pop_output(self, request_id: int) -> RequestOutput:
         """The finished request's RequestOutput, handed over once (the engine then forgets it)."""
-        seq = self._finished.pop(request_id, None)
-        if seq is None:
-            state = "still running" if request_id in self._requests else "unknown or already popped"
-            raise ValueError(f"request {request_id!r} has no finished output: it is {state}")
-        return seq.output()
+        return self.requests.pop_output(request_id)
 
     def output(self, request_id: int) -> RequestOutput:
         """A snapshot of a request's RequestOutput, running or finished (not yet popped)."""
-        seq = self._requests.get(request_id) or self._finished.get(request_id)
-        if seq is None:
-            raise ValueError(f"request {request_id!r} is unknown or its output was already popped")
-        return seq.output()
+        return self.requests.output(request_id)
 
     @property
     def unfinished_sequences(self) -> list[Sequence]:
@@ -425,8 +361,7 @@ class LLMEngine:
             events.append(StepOutput(seq.request_id, token, done))
             if done:
                 self.scheduler.remove(seq)
-                del self._requests[seq.request_id]
-                self._finish(seq)
+                self.requests.finish(seq)
                 finished.append(seq.request_id)
         entries = tuple((s.request_id, kind, q) for s, kind, q in zip(metadata.seqs, metadata.kinds, metadata.query_lens))
         self._steps += 1
@@ -469,10 +404,7 @@ class LLMEngine:
             if bm.blocks[block_id].ref_count == 1:
                 bm._evict(bm.blocks[block_id])
         self.scheduler.remove(seq)
-        seq.status = SequenceStatus.FINISHED_ERROR
-        seq.error = f"{type(exc).__name__}: {exc}"
-        del self._requests[seq.request_id]
-        self._finish(seq)
+        self.requests.fail(seq, f"{type(exc).__name__}: {exc}")
 
     @property
     def stats(self) -> EngineStats:
@@ -481,8 +413,7 @@ class LLMEngine:
         return EngineStats(
             steps=self._steps, num_blocks=bm.num_blocks, block_size=bm.block_size, blocks_used=bm.num_used_blocks,
             blocks_free=bm.num_free_blocks, blocks_cached_free=bm.num_cached_free_blocks,
-            kv_pool_bytes=self.cache.nbytes, num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running), num_finished=self._num_finished,
+            kv_pool_bytes=self.cache.nbytes, **self.requests.counts(),
             preemptions=self.scheduler.preemptions, prefix_hit_tokens=bm.hit_tokens,
             prefix_query_tokens=bm.queried_tokens, tokens_computed=self._tokens_computed, evictions=bm.evictions,
             paged_kernel=self.cache.kernel_name, kernel_fallbacks=self.cache.kernel_fallbacks,
@@ -492,22 +423,4 @@ class LLMEngine:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; returns one RequestOutput per prompt, in order. Chapter 05."""
-        if isinstance(prompts, torch.Tensor):
-            prompts = [row for row in prompts] if prompts.dim() == 2 else [prompts]
-        if not isinstance(prompts, SequenceType) or isinstance(prompts, (str, bytes)) or not prompts:
-            raise ValueError("prompts must be a non-empty list of prompts, each a list of token ids")
-        if prompts and _is_int(prompts[0]):
-            raise ValueError("prompts must be a list of prompts (lists of token ids); wrap a single prompt as "
-                             "[prompt_ids]")
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts; pass one, or one each")
-        checked = []
-        for prompt, p in zip(prompts, params_list):       # every request checked before any is queued
-            prompt = self._check_prompt(prompt)
-            self._check_request(prompt, p if p is not None else SamplingParams())
-            checked.append(prompt)
-        ids = [self.add_request(prompt, p) for prompt, p in zip(checked, params_list)]
-        while self.has_unfinished():
-            self.step()
-        return [self.pop_output(i) for i in ids]
+        return self.requests.run(prompts, params, self.add_request, self.step, self._check_limits)

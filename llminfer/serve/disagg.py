@@ -46,8 +46,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
-from ..engine.sequence import Sequence, SequenceStatus, StepOutput
-from ..generate import check_request
+from ..engine.requests import RequestTable
+from ..engine.sequence import SequenceStatus, StepOutput
 from ..kv_cache import CacheBase
 from ..parallel.launch import end_processes, join_group, process_context, rendezvous_store
 
@@ -415,10 +415,7 @@ class DisaggregatedEngine:
         self.decode_steps: list[tuple[float, float, int, int]] = []   # (end time, seconds, sequences, prompt tokens)
         self._decode_stats: EngineStats | None = None      # the decode worker's, as of its latest message
         self._prefill_tokens = 0                             # prompt positions the prefill worker ran
-        self._num_finished = 0
-        self._tracked: dict[int, Sequence] = {}
-        self._finished: dict[int, Sequence] = {}
-        self._next_id = 0
+        self.requests = RequestTable(self.config, self.max_model_len, self.clock)
         self._processes = []
         self._inboxes = []
         self._outbox = None
@@ -485,33 +482,16 @@ class DisaggregatedEngine:
 
     # --- requests ------------------------------------------------------------------------------------------
 
-    def _check(self, prompt_ids, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
-        """The request's prompt as a list of ids, and its params, checked (ValueError before anything is sent)."""
+    def _require_workers(self) -> None:
         if not self.started or not self._processes:
             raise RuntimeError("the workers are not running; call start() (or use `with DisaggregatedEngine(...)`)")
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        prompt = check_request(self.config, prompt_ids, params.max_new_tokens, params.eos_token_id, params.temperature,
-                               params.top_k, params.top_p, params.seed, single=True)[0].tolist()
-        if len(prompt) + params.max_new_tokens > self.max_model_len:
-            raise ValueError(f"a prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} exceeds "
-                             f"max_model_len={self.max_model_len}; shorten the request")
-        return prompt, params
-
-    def _track(self, prompt: list[int], params: SamplingParams, arrival_time: float | None) -> Sequence:
-        request_id = self._next_id
-        self._next_id += 1
-        arrival = self.clock() if arrival_time is None else float(arrival_time)
-        seq = Sequence(request_id, prompt, params, arrival)
-        self._tracked[request_id] = seq
-        return seq
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None, arrival_time: float | None = None) -> int:
         """Queues one request at the prefill worker; returns its id."""
-        prompt, params = self._check(prompt_ids, params)
-        seq = self._track(prompt, params, arrival_time)
-        self._prefill_in.put(("prefill", seq.request_id, prompt, asdict(params)))
+        self._require_workers()
+        prompt, params = self.requests.check(prompt_ids, params, arrival_time)
+        seq = self.requests.track(prompt, params, arrival_time)
+        self._prefill_in.put(("prefill", seq.request_id, list(prompt), asdict(params)))
         return seq.request_id
 
     def add_prefilled(self, prompt_ids, params: SamplingParams | None, first_token: int,
@@ -522,61 +502,40 @@ class DisaggregatedEngine:
         kv: per layer (k, v), each (1, n_kv_heads, P, head_dim). The decode worker installs it with its
         engine's add_prefilled as soon as its pool has room (it waits there, in order), so this never
         returns None."""
-        prompt, params = self._check(prompt_ids, params)
-        cfg = self.config
-        if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < cfg.vocab_size:
-            raise ValueError(f"first_token={first_token!r} is not a token id of this model (0..{cfg.vocab_size - 1})")
-        if (params.eos_token_id is not None and first_token == params.eos_token_id) or params.max_new_tokens == 1:
-            raise ValueError("the request finished at its first token (eos, or max_new_tokens=1), so it has nothing "
-                             "to decode; take its output where it was prefilled")
-        expected = (1, cfg.n_kv_heads, len(prompt), cfg.head_dim)
-        if len(kv) != cfg.n_layers or any(len(pair) != 2 or any(tuple(t.shape) != expected for t in pair)
-                                          for pair in kv):
-            raise ValueError(f"kv must hold {cfg.n_layers} (k, v) pairs, each of shape {expected} (1, n_kv_heads, "
-                             f"positions, head_dim) for a {len(prompt)}-token prompt")
-        seq = self._track(prompt, params, arrival_time)
-        first_time = self.clock() if first_token_time is None else float(first_token_time)
-        seq.first_scheduled_time = first_time
-        seq.append_token(first_token, first_time)
+        self._require_workers()
+        prompt, params = self.requests.check(prompt_ids, params, arrival_time)
+        self.requests.check_prefilled(prompt, params, first_token, kv, first_token_time)
+        seq = self.requests.track(prompt, params, arrival_time)
+        self.requests.start_decoding(seq, first_token, first_token_time)
         payload = [(k.detach().to("cpu").contiguous(), v.detach().to("cpu").contiguous()) for k, v in kv]
-        self._decode_in.put(("prefilled", seq.request_id, prompt, asdict(params), first_token, payload,
-                             seq.arrival_time, first_time, generator_state))
+        self._decode_in.put(("prefilled", seq.request_id, list(prompt), asdict(params), int(first_token), payload,
+                             seq.arrival_time, seq.first_scheduled_time, generator_state))
         return seq.request_id
 
     def has_unfinished(self) -> bool:
-        return bool(self._tracked)
+        """True while any request is at a worker or on its way between them."""
+        return self.requests.has_unfinished()
 
     def abort(self, request_id: int) -> bool:
         """Stops a request (the decode worker frees its blocks); True if it was unfinished, False if finished."""
-        if isinstance(request_id, bool) or not isinstance(request_id, int) or not 0 <= request_id < self._next_id:
-            raise ValueError(f"unknown request id {request_id!r}: this engine has issued ids 0..{self._next_id - 1}"
-                             if self._next_id else f"unknown request id {request_id!r}: no request has been added")
-        seq = self._tracked.pop(request_id, None)
-        if seq is None:
+        if self.requests.abort(request_id) is None:
             return False
-        seq.status = SequenceStatus.FINISHED_ABORTED
-        self._finish(seq)
         self._decode_in.put(("abort", request_id))
         return True
 
-    def _finish(self, seq: Sequence) -> None:
-        self._finished[seq.request_id] = seq
-        self._num_finished += 1
-
     def _record(self, request_id: int, token: int | None, when: float, finished: bool, events: list) -> None:
-        seq = self._tracked.get(request_id)
+        seq = self.requests.unfinished.get(request_id)
         if seq is None:
             return                                  # aborted meanwhile
         if token is None:                           # its step failed in the decode worker: it alone finishes
-            seq.status, seq.error = SequenceStatus.FINISHED_ERROR, "the decode worker's step failed on it"
-            self._finish(self._tracked.pop(request_id))
+            self.requests.fail(seq, "the decode worker's step failed on it")
             events.append(StepOutput(request_id, None, True))
             return
         done = seq.append_token(token, when)
         if done != finished:                        # pragma: no cover - the workers decide as the engine does
             raise WorkerError(f"request {request_id}: the worker says finished={finished}, its sequence {done}")
         if done:
-            self._finish(self._tracked.pop(request_id))
+            self.requests.finish(seq)
         events.append(StepOutput(request_id, token, done))
 
     def step(self, timeout_s: float = 0.002) -> list[StepOutput]:
@@ -597,7 +556,7 @@ class DisaggregatedEngine:
                 _, request_id, token, first_time, finished, (n_tokens, nbytes, start, end, sent) = message
                 self.transfers[request_id] = TransferRecord(request_id, n_tokens, nbytes, start, end, sent)
                 self._prefill_tokens += n_tokens
-                seq = self._tracked.get(request_id)
+                seq = self.requests.unfinished.get(request_id)
                 if seq is not None:
                     seq.first_scheduled_time = start
                     if not finished:
@@ -610,14 +569,14 @@ class DisaggregatedEngine:
                     record = self.transfers.get(request_id)
                     if record is not None:
                         record.recv_done_s, record.installed_s = recv_time, install_time
-                    seq = self._tracked.get(request_id)
+                    seq = self.requests.unfinished.get(request_id)
                     if seq is not None:
                         seq.status = SequenceStatus.RUNNING
             elif kind == "tokens":
                 _, when, tokens, self._decode_stats, (step_s, n_seqs, prefill_tokens) = message
                 self.decode_steps.append((when, step_s, n_seqs, prefill_tokens))
                 for request_id, token, finished, preemptions in tokens:
-                    seq = self._tracked.get(request_id)
+                    seq = self.requests.unfinished.get(request_id)
                     if seq is not None and preemptions is not None:
                         seq.preemptions = preemptions
                     self._record(request_id, token, when, finished, events)
@@ -629,30 +588,30 @@ class DisaggregatedEngine:
 
     def pop_output(self, request_id: int) -> RequestOutput:
         """The finished request's RequestOutput (times from its arrival, on the shared monotonic clock)."""
-        seq = self._finished.pop(request_id, None)
-        if seq is None:
-            raise ValueError(f"request {request_id!r} has no finished output (unknown, running, or already popped)")
-        return seq.output()
+        return self.requests.pop_output(request_id)
+
+    def output(self, request_id: int) -> RequestOutput:
+        """A snapshot of a request's RequestOutput as the router has it, running or finished (not yet popped)."""
+        return self.requests.output(request_id)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  timeout_s: float | None = None) -> list[RequestOutput]:
-        """Runs every prompt to completion; one RequestOutput per prompt, in order."""
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts; pass one, or one each")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        while self.has_unfinished():
+        """Runs every prompt to completion; one RequestOutput per prompt, in order (WorkerError past timeout_s)."""
+        limit_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + limit_s
+
+        def step() -> None:
             if time.monotonic() > deadline:
-                raise WorkerError(f"the requests did not finish within {timeout_s or self.timeout_s} s")
+                raise WorkerError(f"the requests did not finish within {limit_s} s")
             self.step(timeout_s=0.05)
-        return [self.pop_output(i) for i in ids]
+
+        self._require_workers()
+        return self.requests.run(prompts, params, self.add_request, step)
 
     @property
     def stats(self) -> EngineStats:
         """The decode worker's pool and counters (as of its latest message), with the router's queues:
         waiting = at the prefill worker or in transfer, running = decoding; tokens_computed counts both workers."""
-        waiting = sum(1 for seq in self._tracked.values() if seq.status is SequenceStatus.WAITING)
         decode = self._decode_stats
         if decode is None:                          # not started yet: an empty pool of the size asked for
             kwargs = self.decode_engine_kwargs
@@ -661,8 +620,7 @@ class DisaggregatedEngine:
                                  blocks_free=kwargs.get("num_blocks") or 0, blocks_cached_free=0, kv_pool_bytes=0,
                                  num_waiting=0, num_running=0, num_finished=0, preemptions=0, prefix_hit_tokens=0,
                                  prefix_query_tokens=0, tokens_computed=0, evictions=0)
-        return dataclasses.replace(decode, num_waiting=waiting, num_running=len(self._tracked) - waiting,
-                                   num_finished=self._num_finished,
+        return dataclasses.replace(decode, **self.requests.counts(),
                                    tokens_computed=self._prefill_tokens + decode.tokens_computed)
 
     def __repr__(self) -> str:

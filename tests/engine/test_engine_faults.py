@@ -85,8 +85,8 @@ def test_abort_frees_blocks_shared_through_the_prefix_cache(micro):
     a = engine.add_request(prefix + [20], SamplingParams(max_new_tokens=10))
     b = engine.add_request(prefix + [21], SamplingParams(max_new_tokens=10))
     engine.step()
-    shared = engine._requests[a].block_table[:4]
-    assert engine._requests[b].block_table[:4] == shared
+    shared = engine.requests.unfinished[a].block_table[:4]
+    assert engine.requests.unfinished[b].block_table[:4] == shared
     assert [engine.block_manager.blocks[i].ref_count for i in shared] == [2] * 4
     engine.abort(a)
     assert [engine.block_manager.blocks[i].ref_count for i in shared] == [1] * 4

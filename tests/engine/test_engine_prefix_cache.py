@@ -140,10 +140,10 @@ def test_vllm_design_document_example_engine():
     tokens0 = list(range(100, 115))
     r0 = engine.add_request(tokens0, SamplingParams(max_new_tokens=4))
     engine.step()                                                       # time 1: prefill
-    assert engine._requests[r0].block_table == [0, 1, 2, 3]
+    assert engine.requests.unfinished[r0].block_table == [0, 1, 2, 3]
     engine.step()                                                       # time 2: block 3 full
     engine.step()                                                       # time 3: block 4 for the next position
-    assert engine._requests[r0].block_table == [0, 1, 2, 3, 4]
+    assert engine.requests.unfinished[r0].block_table == [0, 1, 2, 3, 4]
     r1 = engine.add_request(tokens0[:10] + list(range(200, 204)), SamplingParams(max_new_tokens=2))
     events = engine.step()                                              # time 4-5: r1 admitted, r0 finishes
     assert (r0, events[0].token_id, True) == tuple(events[0])
@@ -154,7 +154,7 @@ def test_vllm_design_document_example_engine():
     assert list(bm.free_queue) == [7, 8, 9, 4, 3, 2, 6, 5, 1, 0]
     r2 = engine.add_request(tokens0[:12] + list(range(300, 317)), SamplingParams(max_new_tokens=2))
     engine.step()                                                       # time 7
-    assert engine._requests[r2].block_table == [0, 1, 2, 7, 8, 9, 4, 3]
+    assert engine.requests.unfinished[r2].block_table == [0, 1, 2, 7, 8, 9, 4, 3]
     assert engine.output(r2).num_cached_tokens == 12
     assert bm.evictions == 1
     stats = engine.stats
