@@ -185,7 +185,7 @@ def test_the_bandwidth_ceiling_is_the_fastest_sample_of_any_probe():
 
 
 def test_a_footprint_a_cache_can_hold_gets_its_own_streaming_read_as_its_ceiling(monkeypatch):
-    from llminfer.bench import decode as bench
+    from llminfer.bench import measure as bench                 # the measurement layer's BandwidthCeiling
 
     monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: 8 << 20)     # a 8 MiB cache: 32 MiB is beyond it
     ceiling = bench.BandwidthCeiling(1 << 20, footprints=[3 << 20, 3 << 20, 40 << 20])
