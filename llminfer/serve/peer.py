@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
-import time
 from pathlib import Path
 
-from .process import LOOPBACK, ServerExited, free_port, wait_until_healthy
+from .process import LOOPBACK, ChildProcess, free_port
 
 __all__ = ["ROOT", "REAL_MODEL", "vllm_python", "peer_checkpoint", "process_tree_rss", "RSSSampler", "VLLMProcess"]
 
@@ -104,13 +102,17 @@ class RSSSampler:
 
 # --- vLLM as a child process ----------------------------------------------------------------------------------
 
-class VLLMProcess:
+class VLLMProcess(ChildProcess):
     """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) from .venv-vllm on 127.0.0.1, as a
     child process with its own log file; start() waits for /health, stop() ends its process group. Chapter 11.
 
     start() raises RuntimeError, with the tail of the log, if the process exits before it is ready, and
-    TimeoutError, with the tail, if /health has not answered 200 within startup_timeout_s.
+    TimeoutError, with the tail, if /health has not answered 200 within startup_timeout_s; either way nothing it
+    started is left running. stop() sends SIGINT to its process group, then SIGTERM, then SIGKILL.
     """
+
+    name = "vLLM"
+    health_interval_s = 1.0
 
     def __init__(self, model_dir: str | Path, served_model_name: str, dtype: str = "float32",
                  max_model_len: int = 2048, max_num_seqs: int = 16, kv_cache_gib: float = 1.0,
@@ -123,80 +125,14 @@ class VLLMProcess:
             raise ValueError(f"dtype must be 'float32' or 'bfloat16' (what both servers run on a CPU), got {dtype!r}")
         if not kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be > 0 GiB, got {kv_cache_gib!r}")
-        self.port = port or free_port()
-        self.startup_timeout_s = startup_timeout_s
-        self.startup_s = float("nan")
-        self.log_path = Path(log_path) if log_path is not None else ROOT / "build" / "peer" / f"vllm-{self.port}.log"
-        self.command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                        "--served-model-name", served_model_name, "--host", LOOPBACK, "--port", str(self.port),
-                        "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-                        *(extra_args or [])]
+        port = port or free_port()
+        log_path = Path(log_path) if log_path is not None else ROOT / "build" / "peer" / f"vllm-{port}.log"
+        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                   "--served-model-name", served_model_name, "--host", LOOPBACK, "--port", str(port),
+                   "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+                   *(extra_args or [])]
         # VLLM_HOST_IP: vLLM otherwise looks up this host's network address, which fails without a network
-        self.env = {**os.environ, "VLLM_HOST_IP": LOOPBACK, "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
-                    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        return self.url + "/v1"
-
-    def log_tail(self, chars: int = 3000) -> str:
-        """The last chars characters of vLLM's log."""
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def start(self) -> "VLLMProcess":
-        if self.process is not None:
-            raise RuntimeError("this VLLMProcess was already started; make a new one")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        started = time.perf_counter()
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            wait_until_healthy(self.url, self.process, self.startup_timeout_s, interval_s=1.0)
-        except ServerExited as exc:
-            raise RuntimeError(f"vLLM exited with code {exc.returncode} before it was ready; its log "
-                               f"({self.log_path}) ends:\n{self.log_tail()}") from None
-        except TimeoutError:
-            self.stop()
-            raise TimeoutError(f"vLLM did not answer /health within {self.startup_timeout_s:g} s; its log "
-                               f"({self.log_path}) ends:\n{self.log_tail()}") from None
-        self.startup_s = time.perf_counter() - started
-        return self
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def stop(self) -> int | None:
-        """SIGINT to its process group, then SIGTERM, then SIGKILL; returns the exit code."""
-        if self.process is None:
-            return None
-        for sig, wait in ((signal.SIGINT, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-            if self.process.poll() is not None:
-                break
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
-        try:                                   # workers it left behind in its group
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        return self.process.returncode
-
-    def __enter__(self) -> "VLLMProcess":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        env = {**os.environ, "VLLM_HOST_IP": LOOPBACK, "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+        stop_steps = ((signal.SIGINT, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0))
+        super().__init__(command, port, startup_timeout_s, stop_steps, env=env, log_path=log_path, signal_group=True)

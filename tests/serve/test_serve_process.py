@@ -129,3 +129,59 @@ def test_wait_until_healthy_polls_until_200_and_reports_an_exit_or_a_timeout():
         wait_until_healthy(f"http://{LOOPBACK}:1", dead, timeout_s=30)
     assert caught.value.returncode == 3 and isinstance(caught.value, RuntimeError)
 
+
+
+# --- a child that is never ready: reported with its log, nothing left running ------------------------------------
+
+HELPER = """
+import subprocess, sys, time
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(f"started helper {helper.pid}", flush=True)
+print("loading weights, slowly", flush=True)
+"""
+
+
+def ended(pid: int, timeout_s: float = 10.0) -> bool:
+    """True once pid is no process, or a zombie (dead, waiting to be reaped by its new parent)."""
+    import time
+    from pathlib import Path
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state == "Z":
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("ending,error,words", [
+    ("raise SystemExit(3)", "ChildNotReady", "exited with code 3 before it was ready"),
+    ("time.sleep(120)", "ChildTimedOut", "did not answer /health within 1.5 s"),
+])
+def test_a_child_that_is_never_ready_is_reported_with_its_log_and_leaves_nothing_behind(ending, error, words):
+    import re
+    import signal
+    import sys
+
+    from llminfer.serve import process
+    child = process.ChildProcess([sys.executable, "-c", HELPER + ending], process.free_port(), startup_timeout_s=1.5,
+                                 stop_steps=((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)))
+    with pytest.raises(getattr(process, error), match=rf"(?s){words}.*loading weights, slowly") as caught:
+        child.start()
+    assert isinstance(caught.value, RuntimeError)
+    assert isinstance(caught.value, TimeoutError) == (error == "ChildTimedOut")
+    helper = int(re.search(r"started helper (\d+)", child.log()).group(1))      # the log outlives its file
+    assert not child.alive() and ended(child.process.pid)
+    assert ended(helper)                                 # what the child started went with it
+    assert child.stop() == child.process.returncode     # stopping again changes nothing
+
+
+def test_a_server_that_cannot_start_says_why():
+    server = ServerProcess(["--max-num-seqs", "0"], startup_timeout_s=60)
+    with pytest.raises(RuntimeError, match=r"(?s)the server exited with code 2 before it was ready.*--max-num-seqs"):
+        server.start()
+    assert not server.alive() and "--max-num-seqs" in server.log()
