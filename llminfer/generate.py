@@ -18,8 +18,6 @@ consecutive tokens, TPOT (end-to-end − TTFT) / (tokens − 1), E2E the time to
 """
 from __future__ import annotations
 
-import math
-import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -27,18 +25,17 @@ from typing import Sequence
 import torch
 
 from . import costs
+from .checks import (MIN_TEMPERATURE, SEED_RANGE, check_flag, check_int, check_sampling, check_token_ids, is_int,
+                     refuse_keywords)
 from .device import check_fits, dtype_bytes, synchronize
 from .kv_cache import Cache
-from .model import Transformer, check_token_ids
+from .model import Transformer
 
 __all__ = ["GenerationResult", "TokenTimer", "is_int", "check_flag", "check_int", "check_sampling", "check_capacity",
            "check_request", "as_token_batch", "prefill", "decode_step", "probabilities", "sample_next", "new_generator",
-           "trim_at_eos", "EagerSteps", "token_loop", "generate", "MIN_TEMPERATURE", "SEED_RANGE"]
+           "trim_at_eos", "EagerSteps", "token_loop", "model_eos_token_id", "generate", "MIN_TEMPERATURE",
+           "SEED_RANGE"]
 
-# The smallest temperature sampling takes: the smallest normal float32. Logits are divided by it in float32,
-# so a smaller one (1e-300, say) becomes 0 there and every logit turns into inf or nan.
-MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
-SEED_RANGE = (-2**63, 2**64 - 1)          # what torch.Generator.manual_seed takes
 
 
 @dataclass
@@ -94,71 +91,7 @@ class TokenTimer:
         return GenerationResult(token_ids, ttft, itl, e2e, num_prompt_tokens, use_cache, logits or [])
 
 
-# --- the one request check: every user value checked before any compute ---------------------------------
-
-def is_int(value) -> bool:
-    """Whether value is an integer (a bool is not). Chapter 01."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_flag(name: str, value) -> bool:
-    """Returns value if it is True or False, else raises ValueError naming the option (so "no" never means yes).
-    Chapter 01."""
-    if value is not True and value is not False:
-        raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__}); pass a bool")
-    return value
-
-
-def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
-    """Returns value if it is an integer (not a bool, a float or a string) within [minimum, maximum], else raises
-    ValueError naming the option and the range. Chapter 01."""
-    bounds = (f" >= {minimum}" if maximum is None else f" in {minimum}..{maximum}") if minimum is not None else \
-        (f" <= {maximum}" if maximum is not None else "")
-    if not is_int(value):
-        raise ValueError(f"{name} must be an integer{bounds}, got {value!r} ({type(value).__name__})")
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be an integer{bounds}, got {value!r}")
-    return value
-
-
-def check_sampling(max_new_tokens: int = 1, temperature: float = 0.0, top_k: int | None = None,
-                   top_p: float | None = None, seed: int | None = None, eos_token_id: int | None = None,
-                   vocab_size: int | None = None) -> None:
-    """Raise ValueError naming the first sampling or stopping setting that cannot work. Chapter 01.
-
-    The EOS id is checked against vocab_size where it is known (an engine's SamplingParams are made
-    before they meet a model)."""
-    if not is_int(max_new_tokens) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if 0 < temperature < MIN_TEMPERATURE:
-        raise ValueError(f"temperature={temperature!r} is below {MIN_TEMPERATURE:.3g}, the smallest temperature "
-                         "sampling can divide float32 logits by (the scaled logits would overflow to inf and nan); "
-                         "pass temperature=0 for greedy decoding, which such a temperature amounts to")
-    if top_k is not None and (not is_int(top_k) or top_k < 1):
-        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)
-                              or not 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
-    if seed is not None and not is_int(seed):
-        raise ValueError(f"seed must be an integer or None, got {seed!r}")
-    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        raise ValueError(f"seed={seed} is outside the range a random generator takes, -2**63 .. 2**64 - 1; pass a "
-                         "smaller seed (or None)")
-    if eos_token_id is None:
-        return
-    if not is_int(eos_token_id):
-        raise ValueError(f"eos_token_id must be an integer token id or None, got {eos_token_id!r}")
-    if vocab_size is None and eos_token_id < 0:
-        raise ValueError(f"eos_token_id must be a token id >= 0 or None, got {eos_token_id!r}")
-    if vocab_size is not None and not 0 <= eos_token_id < vocab_size:
-        raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary of {vocab_size} ids "
-                         f"(0..{vocab_size - 1}), so generation would never stop on it; pass the tokenizer's "
-                         "eos_token_id")
-
+# --- the one request check: every user value checked before any compute (the generic checks: checks.py) ---
 
 def as_token_batch(input_ids) -> torch.Tensor:
     """Returns the ids as a (B, T) long tensor; refuses text, empty prompts and non-integer values. Chapter 01."""
@@ -399,16 +332,35 @@ def token_loop(steps, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int 
     return timer.result(rows[0] if batch == 1 else rows, prompt_len, getattr(steps, "use_cache", True), all_logits)
 
 
+def model_eos_token_id(model: Transformer) -> int | None:
+    """The id generation stops at by default: the model's end-of-sequence token (config.json's eos_token_id, or
+    the GGUF header's; the first of a list), None for a model without one. Chapter 01."""
+    return model.config.eos_token_id
+
+
 def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache: bool = True,
              eos_token_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, return_logits: bool = False,
-             step=None) -> GenerationResult:
-    """Generate up to max_new_tokens after the prompt; returns the tokens and their timings. Chapter 01.
+             step=None, ignore_eos: bool = False, **unsupported) -> GenerationResult:
+    """Generate up to max_new_tokens after the prompt, stopping at the end-of-sequence token; returns the tokens
+    (the EOS included) and their timings. Chapter 01.
 
+    eos_token_id: the token to stop at; None (the default) is the model's own, model.config.eos_token_id (from
+    config.json or the GGUF header; for the bundled models the id their generation_config.json names and their
+    tokenizer carries as tokenizer.eos_token_id). A model without one runs to max_new_tokens.
+    ignore_eos=True runs on past any EOS to exactly max_new_tokens tokens (a timing loop, or a comparison with a
+    loop that does not stop).
     step: how each step runs; None is the model's eager forward (`EagerSteps`), or pass a decoder made for
     this model, e.g. `llminfer.fast.compile_decode(model)`'s compiled step.
+    A keyword this function does not take (do_sample=, max_tokens=, ...) raises TypeError naming its equivalent.
     """
-    ids = check_request(model.config, input_ids, max_new_tokens, eos_token_id, temperature, top_k, top_p, seed)
+    refuse_keywords(generate, unsupported)
+    check_flag("ignore_eos", ignore_eos)
+    if ignore_eos and eos_token_id is not None:
+        raise ValueError(f"ignore_eos=True runs past every end-of-sequence token, so eos_token_id={eos_token_id!r} "
+                         "would never be used; pass one of them")
+    eos = None if ignore_eos else eos_token_id if eos_token_id is not None else model_eos_token_id(model)
+    ids = check_request(model.config, input_ids, max_new_tokens, eos, temperature, top_k, top_p, seed)
     if step is None:
         step = EagerSteps(model, use_cache)
     elif getattr(step, "model", None) is not model:
@@ -418,4 +370,4 @@ def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache:
     elif not use_cache:
         raise ValueError("a step strategy decodes over its own cache, so use_cache=False cannot apply; drop step= "
                          "to recompute without a cache")
-    return token_loop(step, ids, max_new_tokens, eos_token_id, temperature, top_k, top_p, seed, return_logits)
+    return token_loop(step, ids, max_new_tokens, eos, temperature, top_k, top_p, seed, return_logits)

@@ -12,22 +12,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import get_backend
+from .checks import check_token_ids
 from .config import ModelConfig
 from .kv_cache import Cache, KVCache
 
 __all__ = ["Transformer", "DecoderStack", "RMSNorm", "rope_frequencies", "apply_rope", "check_token_ids"]
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Raise ValueError if any id lies outside 0..vocab_size-1 (one host sync: once per request). Chapter 01."""
-    lo, hi = torch.aminmax(input_ids.detach())
-    lo, hi = int(lo), int(hi)
-    if lo < 0 or hi >= vocab_size:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"token id {bad} is outside the vocabulary of {vocab_size} ids (valid ids are "
-                         f"0..{vocab_size - 1}); was the text encoded by this model's own tokenizer?")
 
 
 class RMSNorm(nn.Module):

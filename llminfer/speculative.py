@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .checks import is_int
 from .device import synchronize
-from .generate import (GenerationResult, TokenTimer, check_request, is_int, new_generator, probabilities, sample_next,
+from .generate import (GenerationResult, TokenTimer, check_request, new_generator, probabilities, sample_next,
                        trim_at_eos)
 from .model import Transformer
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..generate import check_sampling
+from ..checks import check_sampling
 
 __all__ = ["SamplingParams"]
 
@@ -12,8 +12,9 @@ __all__ = ["SamplingParams"]
 class SamplingParams:
     """Sampling settings of one request: greedy by default, stops at max_new_tokens or eos. Chapter 05.
 
-    The same settings as `llminfer.generate`, checked the same way when made (the eos id is checked
-    against the model's vocabulary when the request reaches an engine). With a `seed`, a request
+    The same settings as `llminfer.generate`, checked the same way when made (`checks.check_sampling`:
+    temperature and top_p must survive float32; the eos id is checked against the model's vocabulary when the
+    request reaches an engine). Unlike `generate`, eos_token_id=None never stops early: pass the tokenizer's. With a `seed`, a request
     sampled at temperature > 0 draws the same tokens as `llminfer.generate(..., seed=seed)`.
     """
 

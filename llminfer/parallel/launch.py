@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..generate import check_int
+from ..checks import check_int
 from .plan import LOOPBACK, check_backend, check_port, check_world_size, loopback_interface
 
 __all__ = ["WorkerContext", "WorkerError", "launch", "check_worker", "distributed_worker", "join_group",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generate import is_int
+from ..checks import is_int
 
 __all__ = ["QuantizedTensor", "quantize_tensor", "dequantize", "qrange", "SUPPORTED_BITS", "SUPPORTED_GROUPS",
            "check_scheme"]

@@ -18,7 +18,7 @@ import os
 import re
 import sys
 
-from ..generate import MIN_TEMPERATURE
+from ..checks import MIN_TEMPERATURE, HelpFormatter
 
 # The server's default cap on the KV pool, as a share of free memory (the library's LLMEngine takes up to half):
 # a server shares its machine, and short requests need far less than max_num_seqs full-length ones.
@@ -57,7 +57,7 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m llminfer.serve", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="tiny-capitals", help="a bundled model's name, a folder, or a hub id")
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the server to the network")

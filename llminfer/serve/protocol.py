@@ -17,8 +17,10 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..checks import FLOAT32_MAX, FLOAT32_TINY, float32_edge
+
 __all__ = ["APIError", "error_body", "CompletionRequest", "ChatCompletionRequest", "ChatMessage",
-           "StreamOptions", "check_sampling_fields", "new_id", "now_s"]
+           "StreamOptions", "check_float_fields", "check_sampling_fields", "new_id", "now_s"]
 
 
 class APIError(Exception):
@@ -143,8 +145,43 @@ _UNSUPPORTED_IF_SET = {
 }
 
 
+def _floats(request: BaseModel, where: str = ""):
+    """(field path, value) of every float the parsed request carries, in its nested models and containers too."""
+    stack = [(where, request)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float):
+            yield path, value
+        elif isinstance(value, BaseModel):
+            stack.extend((f"{path}.{k}" if path else k, v) for k, v in value)
+        elif isinstance(value, dict):
+            stack.extend((f"{path}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", v) for i, v in enumerate(value))
+
+
+def check_float_fields(request: BaseModel) -> None:
+    """APIError (400) for a float in the request that float32, where sampling computes, cannot hold as itself: NaN,
+    inf, a subnormal, or a value that becomes 0 or inf there (temperature=1e-45, top_p=1e-300, 1e39). Chapter 11."""
+    for where, value in _floats(request):
+        problem = float32_edge(value)
+        if problem is not None:
+            name = where.split(".")[0]
+            fix = _FLOAT_FIXES.get(name) or (_UNSUPPORTED_IF_SET[name][1] if name in _UNSUPPORTED_IF_SET else
+                                             f"pass 0 or a value from {FLOAT32_TINY:.3g} to {FLOAT32_MAX:.3g}")
+            raise APIError(f"{where}={value!r} is invalid: it {problem}; {fix}", param=where)
+
+
+_FLOAT_FIXES = {
+    "temperature": "pass temperature=0 for greedy decoding, or a temperature from 1.18e-38 to 2",
+    "top_p": "pass top_p from 1.18e-38 to 1 (any top_p that small keeps only the most likely token)",
+}
+
+
 def check_sampling_fields(request: _Sampling) -> None:
-    """APIError (400) for a value the OpenAI API allows but this server cannot honour, or one out of range."""
+    """APIError (400) for a value the OpenAI API allows but this server cannot honour, or one out of range
+    (every float first: it must survive float32). Chapter 11."""
+    check_float_fields(request)
     for name, (neutral, fix) in _UNSUPPORTED_IF_SET.items():
         if name in type(request).model_fields:
             value = getattr(request, name)

@@ -11,9 +11,10 @@ Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent e
 With an API key (ServeConfig.api_key, `--api-key` or LLMINFER_API_KEY) every /v1 route wants it as a Bearer token.
 
 A request's path: parse and check the body (400 with an OpenAI error body if anything is wrong, before
-the engine sees it), render the chat template, tokenize, hand the token ids to the engine loop (429 if
-its queue is full), then turn the token ids coming back into text, incrementally (a multi-byte character
-split across tokens is held back until it is whole; so is text that may be the start of a stop string).
+the engine sees it), render the chat template, tokenize, check the ids once (`PromptIds`: the engine takes them
+as checked) and hand them to the engine loop (429 if its queue is full), then turn the token ids coming back
+into text, incrementally (a multi-byte character split across tokens is held back until it is whole; so is text
+that may be the start of a stop string).
 A client that goes away mid-request has its request aborted, which frees its KV blocks before the
 engine's next step.
 """
@@ -38,8 +39,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..engine import Engine, LLMEngine, SamplingParams
-from ..generate import check_flag, check_int, check_sampling
+from .. import checks
+from ..checks import check_flag, check_int, check_sampling
+from ..engine import Engine, LLMEngine, PromptIds, SamplingParams
 from .async_engine import EngineLoop, EngineUnavailable, QueueFull, RequestHandle, Update
 from .chat import ChatTemplate, load_chat_template
 from .limits import uvicorn_options
@@ -205,11 +207,7 @@ class OpenAIServer:
     def _token_prompt(self, ids: list[int], where: str) -> list[int]:
         if not ids:
             raise APIError(f"{where} is empty; send at least one token", param="prompt")
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise APIError(f"{where} holds token id {bad[0]}, outside this model's vocabulary of {self.vocab_size} "
-                           f"ids (0..{self.vocab_size - 1})", param="prompt")
-        return list(ids)
+        return ids                                  # its ids are checked once, by submit
 
     def _check_text_length(self, text: str, where: str, param: str) -> None:
         if len(text) > self.max_prompt_chars:
@@ -287,6 +285,18 @@ class OpenAIServer:
 
     # --- submitting --------------------------------------------------------------------------------------
 
+    def prompt_ids(self, prompts: list[list[int]]) -> list[PromptIds]:
+        """Each prompt's ids checked, once on their way to the engine, which takes them as checked (a 400 naming the
+        prompt and the id otherwise). Chapter 11."""
+        checked = []
+        for index, prompt in enumerate(prompts):
+            try:
+                checked.append(PromptIds(self.engine.config, prompt))
+            except ValueError as exc:
+                where = "the prompt" if len(prompts) == 1 else f"prompt[{index}]"
+                raise APIError(f"{where}: {exc}", param="prompt") from None
+        return checked
+
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestHandle]:
         """Hands every prompt to the engine loop; all or none (an error aborts those already added)."""
         handles: list[RequestHandle] = []
@@ -294,8 +304,9 @@ class OpenAIServer:
             raise APIError(f"the request holds {len(prompts)} prompts but this server queues at most "
                            f"{self.loop.max_queued_requests} requests (max_queued_requests); send at most that many "
                            "prompts per request", param="prompt", code="too_many_prompts")
+        checked = self.prompt_ids(prompts)
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p in zip(checked, params):
                 handles.append(await self.loop.add_request(prompt, p))
         except BaseException as exc:
             for handle in handles:
@@ -323,28 +334,12 @@ MAX_JSON_DEPTH = 32      # objects and arrays inside one another; OpenAI request
 
 
 def check_json_values(body) -> None:
-    """APIError (400) for JSON nested deeper than MAX_JSON_DEPTH or a string that is not valid Unicode (a lone
-    surrogate such as "\\ud800", which JSON allows but UTF-8 cannot encode). Chapter 11."""
-    stack = [(body, 1, "")]
-    while stack:
-        value, depth, where = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise APIError(f"the string at {where or 'the top level'} is not valid Unicode ({exc.reason} at "
-                               f"character {exc.start}); send UTF-8 text without lone surrogates",
-                               param=where or None) from None
-            continue
-        if isinstance(value, (dict, list)):
-            if depth > MAX_JSON_DEPTH:
-                raise APIError(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels at {where}; a request "
-                               f"nests at most {MAX_JSON_DEPTH}", param=where.split(".")[0] or None)
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, item in items:
-                if isinstance(key, str):
-                    stack.append((key, depth, where))
-                stack.append((item, depth + 1, f"{where}.{key}" if where else str(key)))
+    """APIError (400) for JSON nested deeper than MAX_JSON_DEPTH or a string that is not valid Unicode
+    (`checks.check_json_values`). Chapter 11."""
+    try:
+        checks.check_json_values(body, MAX_JSON_DEPTH)
+    except checks.InvalidValue as exc:
+        raise APIError(str(exc), param=exc.param) from None
 
 
 def longest_token_chars(tokenizer) -> int:

@@ -317,3 +317,73 @@ def test_the_vocabulary_is_checked_once_per_request_and_not_inside_the_timed_loo
     with pytest.raises(ValueError, match="token id 97"):           # a direct prefill still checks its ids
         llminfer.prefill(model, torch.tensor([[1, 97]]), model.new_cache(max_seq_len=8))
     assert calls == ["request", "forward"]
+
+
+# --- stopping at the model's end-of-sequence token, and keywords of other APIs ------------------------------------
+
+@pytest.fixture(scope="module")
+def bundled():
+    return llminfer.load_pretrained("tiny-capitals")
+
+
+def test_generate_stops_at_the_models_end_of_sequence_token_by_default(bundled):
+    """Without eos_token_id the bundled model's answer ends at <eos> (the tokenizer's id, read from the folder's
+    generation_config.json); ignore_eos=True runs on to exactly max_new_tokens."""
+    model, tokenizer = bundled
+    ids = tokenizer.encode("The capital of France")
+    stopped = llminfer.generate(model, ids, max_new_tokens=8)
+    assert tokenizer.tokens(stopped.token_ids) == [" is", " Paris", ".", "<eos>"]
+    assert stopped.token_ids[-1] == tokenizer.eos_token_id and len(stopped.itl_s) == 3
+    assert stopped.token_ids == llminfer.generate(model, ids, max_new_tokens=8,
+                                                  eos_token_id=tokenizer.eos_token_id).token_ids
+    run_on = llminfer.generate(model, ids, max_new_tokens=8, ignore_eos=True).token_ids
+    assert len(run_on) == 8 and run_on[:4] == stopped.token_ids and tokenizer.eos_token_id in run_on[4:]
+    batch = llminfer.generate(model, [ids, ids], max_new_tokens=8).token_ids       # a batch stops the same way
+    assert batch == [stopped.token_ids, stopped.token_ids]
+
+
+def test_ignore_eos_is_a_checked_flag_that_contradicts_an_explicit_eos(guarded_model):
+    with pytest.raises(ValueError, match=r"ignore_eos must be True or False, got 'yes'"):
+        llminfer.generate(guarded_model, [1, 2], ignore_eos="yes")
+    with pytest.raises(ValueError, match=r"ignore_eos=True runs past every end-of-sequence token, so "
+                                         r"eos_token_id=5 would never be used; pass one of them"):
+        llminfer.generate(guarded_model, [1, 2], eos_token_id=5, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"do_sample": True}, r"generate\(\) has no do_sample: sampling is on when temperature > 0 .*pass temperature="),
+    ({"max_tokens": 5}, r"generate\(\) has no max_tokens: pass max_new_tokens="),
+    ({"max_length": 20}, r"generate\(\) has no max_length: .*pass max_new_tokens="),
+    ({"colour": "red"}, r"generate\(\) has no colour: it takes model, input_ids, max_new_tokens, .*ignore_eos"),
+])
+def test_keywords_of_other_apis_name_this_ones_equivalent(guarded_model, kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        llminfer.generate(guarded_model, [1, 2], **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"top_p": 1e-300}, r"top_p=1e-300 is below 1\.18e-38, the smallest normal float32, where it becomes 0; "
+                        r"pass top_p >= 1\.18e-38"),
+    ({"top_p": 1e-40}, r"top_p=1e-40 is below 1\.18e-38.*where it becomes a subnormal number"),
+    ({"top_p": 5e-324}, r"top_p=5e-324 is below 1\.18e-38"),
+    ({"temperature": 1e-45}, r"temperature=1e-45 is below 1\.18e-38.*pass temperature=0"),
+    ({"temperature": 5e-324}, r"temperature=5e-324 is below 1\.18e-38.*pass temperature=0"),
+    ({"temperature": 1e39}, r"temperature=1e\+39 is beyond 3\.403e\+38, the largest float32, where it becomes inf; "
+                            r"pass a temperature of at most 3\.4e38"),
+    ({"temperature": 10**400}, r"temperature=1000000000000000000000000000000000000\.\.\. is beyond 3\.403e\+38"),
+])
+def test_sampling_settings_at_float32s_edges_are_refused_before_compute(guarded_model, kwargs, message):
+    """Sampling computes in float32: a setting that becomes 0, inf or a subnormal there is refused, naming the
+    value, float32's limit and the fix."""
+    with pytest.raises(ValueError, match=message):
+        llminfer.generate(guarded_model, [1, 2], **{"temperature": 1.0, **kwargs})
+
+
+def test_sampling_settings_just_inside_float32_work():
+    """The limits are where float32 stops holding the value, not further in: the smallest normal float32 as top_p
+    is greedy, the largest float32 as temperature samples without inf or nan."""
+    from llminfer.checks import FLOAT32_MAX, FLOAT32_TINY
+    model = random_model(SMALL_CONFIGS["llama-mha-untied"], seed=4)
+    greedy = llminfer.generate(model, [1, 2, 3], 6).token_ids
+    assert llminfer.generate(model, [1, 2, 3], 6, temperature=1.0, top_p=FLOAT32_TINY, seed=1).token_ids == greedy
+    assert len(llminfer.generate(model, [1, 2, 3], 6, temperature=FLOAT32_MAX, seed=1).token_ids) == 6

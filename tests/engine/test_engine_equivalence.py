@@ -91,7 +91,8 @@ def test_preemption_changes_no_output(cases, model_name, policy, optimize):
     model, prompts, _, _ = cases[model_name]
     prompts = [p[:12] for p in prompts[:6]]
     params = [SamplingParams(max_new_tokens=6 + i) for i in range(len(prompts))]
-    refs = [llminfer.generate(model, p, max_new_tokens=sp.max_new_tokens).token_ids for p, sp in zip(prompts, params)]
+    refs = [llminfer.generate(model, p, max_new_tokens=sp.max_new_tokens, ignore_eos=True).token_ids
+            for p, sp in zip(prompts, params)]
     # 8 blocks of 4 positions: each request alone fits, the six together do not
     engine = LLMEngine(model, block_size=4, num_blocks=8, max_model_len=32, max_num_seqs=8,
                        max_num_batched_tokens=64, policy=policy, optimize=optimize)

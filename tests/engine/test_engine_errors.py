@@ -75,6 +75,13 @@ def test_bad_prompts(engine, prompt, message):
     (dict(top_p=0.0), r"top_p must lie in \(0, 1\]"),
     (dict(eos_token_id=-1), "eos_token_id must be a token id >= 0"),
     (dict(seed="x"), "seed must be an integer"),
+    # float32's edges, where sampling computes: the value, the limit and the fix
+    (dict(temperature=1e-45), r"temperature=1e-45 is below 1\.18e-38.*pass temperature=0"),
+    (dict(temperature=1e39), r"temperature=1e\+39 is beyond 3\.403e\+38, the largest float32, where it becomes "
+                             r"inf; pass a temperature of at most 3\.4e38"),
+    (dict(temperature=1.0, top_p=1e-300), r"top_p=1e-300 is below 1\.18e-38, the smallest normal float32, where it "
+                                          r"becomes 0; pass top_p >= 1\.18e-38"),
+    (dict(temperature=1.0, top_p=1e-40), r"top_p=1e-40 is below 1\.18e-38.*becomes a subnormal number"),
 ])
 def test_bad_sampling_parameters(settings, message):
     with pytest.raises(ValueError, match=message):
