@@ -16,7 +16,3 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # is first imported (torch._dynamo and transformers import it too): without CUDA, choose it before they do.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# The fast path's prefill takes the path measured at first use (llminfer.cpu.prefill_path), which can
-# differ between runs on a busy machine; tests assert logic, so they fix it to the blocked kernel (the tests of
-# the measurement itself unset this).
-os.environ.setdefault("LLMINFER_PREFILL", "blocked")

@@ -1,96 +1,65 @@
-"""Native matrix-vector kernels for decode on a CPU (float32, bfloat16, int8, int4 weights). Chapter 08.
+"""The native CPU backend: matrix-vector and blocked products, decode attention and whole layers in C++. Chapter 08,
+Appendix A1.
 
-A decode step is one activation row times every weight matrix. torch's own kernels for that shape leave
-bandwidth unused on many CPUs: its bfloat16 path converts the whole matrix, and its packed int8/int4
-kernels are written for other shapes. The C++ beside this file streams each weight row once,
-widens it to float32 in registers and multiply-adds it (AVX2 and FMA where the CPU has them, portable
-loops elsewhere), reading the checkpoint's own layout. It is one extension built from units by job
-(`SOURCES`): `cpu_matvec.cpp` (matrix-vector), `cpu_gemm.cpp` (the blocked matrix multiply),
-`cpu_attention.cpp` (decode attention), `cpu_layers.cpp` (whole layers), `cpu_ops.cpp` (the ops'
-schemas), with `cpu_kernels.h` between them.
+A decode step is one activation row times every weight matrix, so its speed is how fast the weights stream from
+memory; a prefill is many rows, so its speed is how fast they are multiplied. The C++ beside this file does both for
+float32, bfloat16, int8 and int4 weights (int4 also with int8 activations, W4A8), reading each weight once in its
+stored layout. It follows ggml's layout: `cpu_ref.cpp` holds the readable portable loop of each product (what
+Appendix A1 shows), and the per-ISA units reuse its names for the vector versions; `cpu_kernels.h` is shared.
 
-Which loops run is chosen once per process, when the kernels load (`choose_isa`), from the one
-CPU-capabilities reader (`llminfer.device.cpu_capabilities`): the highest level of `KERNEL_LEVELS` the CPU has.
-`LLMINFER_ISA=portable|avx2|avx_vnni|avx512|avx512_vnni|avx512_bf16` forces a level at or below that (a level
-runs its own instructions and those of every lower level the CPU has); one above it is refused with an error
-naming the flags the CPU lacks. `isa()` says which level runs, `isa_features()` which instruction sets. Within the
-level, each weight format's decode loops are chosen by a timing when the kernels load (`matvec_choices()`): the
-widest loops are not the fastest on every CPU.
+Which loops run is chosen once per process, when the kernels load, from the CPU's features (`choose_isa`, from the
+one CPU-capabilities reader `llminfer.device.cpu_capabilities`): the highest level of KERNEL_LEVELS the CPU has, and
+for each weight format's decode loops the level that won in the records of the CPU's class (DECODE_LOOPS). Nothing
+is timed at load or at first use, and nothing is kept between processes. `LLMINFER_ISA=portable|avx2|avx_vnni|
+avx512|avx512_vnni|avx512_bf16|amx` forces a level (every format then runs that level's own loops), and
+`LLMINFER_PREFILL=blocked|torch` (or `force_prefill`) a prefill's path.
 
-The source is compiled the first time it is needed (about 15 s with a C++ compiler; torch's extension
-builder) and kept in `LLMINFER_KERNEL_CACHE` (default `~/.cache/llminfer/kernels`). Without a compiler
-`available()` is False, `why_unavailable()` says why, and the callers keep torch's kernels.
-`LLMINFER_NATIVE_KERNELS=0` turns them off.
+The source is compiled the first time it is needed (about 15 s with a C++ compiler, by torch's extension builder)
+into `LLMINFER_KERNEL_CACHE` (default `~/.cache/llminfer/kernels`). Without a compiler `available()` is False,
+`why_unavailable()` says why, and the callers keep torch's kernels; `LLMINFER_NATIVE_KERNELS=0` turns them off.
 
-The ops are `torch.ops.llminfer.gemv_f32(x, w)`, `gemv_bf16(x, w)`, `gemv_int8(x, codes, scale)` and
-`gemv_int4(x, nibbles, scale, offset, group)`: x (tokens, K) float32 or bfloat16 (any number of rows), the
-weight (N, K) row-major (int4: (N, K/2) bytes, the even input in the low nibble), the result (tokens, N) in
-x's dtype. Beside them,
-`decode_attention(q, k, v, mask, scale)`: a few queries against the K/V cache read in place (grouped-query
-heads shared, masked positions skipped), registered as the attention backend 'native'. And
-`decode_layer(...)`: a whole decoder layer for a few tokens in one call (norms, the four products, RoPE,
-the cache write, attention, SwiGLU, the residuals), which `llminfer.fast.NativeDecoderLayer` calls, and
-`decode_layers(...)`, every layer of a stack in one call (`llminfer.fast.NativeDecoderStack`);
-`paged_attention(...)` and `decode_layers_paged(...)`, the same over a paged cache's block pool and block
-tables, for an engine step of several sequences (`llminfer.engine`, chapter 06). `prepare_stack(...)` keeps a
-stack's weights and caches once (`PreparedStack`), and `decode_layers_prepared(stack, x, cos, sin, positions)` runs
-it: a compiled decoder's step then hands over four tensors, not the hundreds of weights. `round_bfloat16(x)` rounds float32
-values to bfloat16 as the layers round a bfloat16 model's activations (8 at a time with AVX2). They carry fake
-implementations, so `torch.compile` traces through them.
-
-A prefill (many rows of x) runs through the same ops: from 16 rows on, products take a blocked kernel
-(tiles of 6 weight rows by 16 tokens in registers, 64 with AVX-512, x repacked once per product, bfloat16 and
-quantized rows widened to float32 a block of 6 at a time; with AVX512-BF16, bfloat16 rows read as stored by
-`vdpbf16ps` in tiles of 12 rows, and with AMX by `tdpbf16ps` in tiles of 32) or torch's matmul, whichever ran a
-prefill in the format faster: timed at first use on a few layers (`measure_prefill`), or by a benchmark on a whole
-model (`remeasure_prefill`), and kept for later processes (`blocked_prefill()`).
+The ops: `gemv(x, weight, ...)` (torch.ops.llminfer.gemv_f32/bf16/int8/int4/int4_a8: x (tokens, K), any number of
+rows, the matrix-vector loops up to MAX_TOKENS rows and the blocked kernel past them), `decode_attention` (the
+attention backend 'native'), `paged_attention`, the layer ops (`llminfer.fast`) and `stream_read` (the benchmark's
+bandwidth probe). They carry fake implementations, so `torch.compile` traces through them.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
-import statistics
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from llminfer.attention import fast_attention, register_backend
 
-__all__ = ["PreparedStack", "available", "why_unavailable", "load", "isa", "isa_features", "choose_isa", "IsaChoice",
-           "ISA_ENV", "KERNEL_LEVELS", "gemv", "decode_attention", "paged_attention", "attention_backend", "loaded",
-           "prefill_path", "prefill_choice", "prefill_choices", "set_prefill_probe", "prefill_probe_name",
-           "check_prefill_dtypes", "PREFILL_PROBE_LAYERS", "PREFILL_LAYERS_PROBE", "measure_prefill",
-           "remeasure_prefill", "force_prefill", "layer_products", "rows_bucket", "stream_read", "PREFILL_PATHS",
-           "PREFILL_ENV", "PREFILL_DTYPES", "PREFILL_PRODUCTS", "MAX_TOKENS", "SPLIT_KEYS", "blocked_prefill",
-           "tile_int4", "untile_int4", "cpu_flags", "bfloat16_in_hardware", "MATVEC_CANDIDATES", "MATVEC_VARIANTS",
-           "MATVEC_PROBE_BYTES", "choose_fastest", "matvec_candidates", "measure_matvec", "matvec_choices",
-           "remeasure_matvec", "MATVEC_STEP", "PREFILL_STEP", "SOURCES", "HEADERS", "cache_dir"]
+__all__ = ["PreparedStack", "available", "why_unavailable", "load", "loaded", "isa", "isa_features", "choose_isa",
+           "IsaChoice", "ISA_ENV", "KERNEL_LEVELS", "DECODE_FORMATS", "DECODE_LOOPS", "decode_loops", "gemv",
+           "decode_attention", "paged_attention", "attention_backend", "prefill_path", "force_prefill",
+           "blocked_prefill", "rows_bucket", "layer_products", "stream_read", "PREFILL_PATHS", "PREFILL_ENV",
+           "PREFILL_PROBE_SHAPES", "MAX_TOKENS", "SPLIT_KEYS", "tile_int4", "untile_int4", "cpu_flags",
+           "bfloat16_in_hardware", "SOURCES", "HEADERS", "cache_dir"]
 
 _HERE = Path(__file__).parent
-# the units of the one extension, by job, and the header they share (the build's hash covers all of them)
+# the units of the one extension (the build's hash covers all of them): the portable loops, then one unit per
+# instruction set under the same names, then attention, the layers and the ops' schemas
 SOURCES = tuple(_HERE / name for name in ("cpu_matvec.cpp", "cpu_gemm.cpp", "cpu_attention.cpp", "cpu_layers.cpp",
                                           "cpu_ops.cpp"))
 HEADERS = (_HERE / "cpu_kernels.h",)
-# The one matrix-vector threshold: products of up to this many rows of x take the matrix-vector loops; past
-# it (a prefill, a large engine batch) a blocked matmul reuses each weight many times and wins. The C++ is
-# compiled with it (-DLLMINFER_MATVEC_MAX_ROWS), so Python and the kernels cannot disagree;
-# torch.ops.llminfer.matvec_max_rows() reads it back.
+# Products of up to this many rows of x take the matrix-vector loops; past it (a prefill, a large engine batch) the
+# blocked kernel reuses each weight many times. Compiled in (-DLLMINFER_MATVEC_MAX_ROWS), so Python and the kernels
+# cannot disagree; torch.ops.llminfer.matvec_max_rows() reads it back.
 MAX_TOKENS = 8
 # A decode step's attention is shared among its threads by K/V heads, and from this many cached positions on by
-# blocks of keys (every head's, split equally: SmolLM2-135M's 3 K/V heads went 2 and 1 to 2 threads, and past a few
-# thousand positions attention is a large part of a step). The same blocks, merged in order, on any number of
-# threads, so the numbers do not depend on it. Compiled in as MAX_TOKENS is (-DLLMINFER_SPLIT_KEYS);
-# torch.ops.llminfer.split_keys() reads it back. Appendix A1.
+# blocks of keys, merged in order, so the numbers do not depend on the thread count. Compiled in
+# (-DLLMINFER_SPLIT_KEYS); torch.ops.llminfer.split_keys() reads it back. Appendix A1.
 SPLIT_KEYS = 1024
 
-_lock = threading.RLock()          # re-entrant: a decode step timed while it is held (remeasure_matvec) loads
+_lock = threading.Lock()
 _state: dict = {"loaded": False, "error": None}
 
 ISA_ENV = "LLMINFER_ISA"
@@ -102,24 +71,57 @@ KERNEL_LEVELS: dict[str, tuple[int, frozenset[str]]] = {
     "avx2": (1, frozenset({"f16c"})),                                   # 8-lane float loops, maddubs W4A8
     "avx_vnni": (16, frozenset()),                                      # W4A8 by vpdpbusd (VEX)
     "avx512": (2, frozenset({"avx512bw", "avx512vl"})),                 # 16-lane float loops
-    "avx512_vnni": (4, frozenset({"avx512bw", "avx512vl"})),            # W4A8 by vpdpbusd (EVEX)
+    "avx512_vnni": (4, frozenset({"avx512bw", "avx512vl"})),            # int4 and W4A8 by vpdpbusd (EVEX)
     "avx512_bf16": (8, frozenset({"avx512bw", "avx512vl"})),            # bfloat16 by vdpbf16ps
     "amx": (32, frozenset({"avx512bw", "avx512vl", "avx512_bf16"})),    # a prefill's bfloat16 products by tdpbf16ps
 }
+# The weight formats with their own decode loops, in the C++'s order (MatvecKind in cpu_kernels.h).
+DECODE_FORMATS = ("float32", "bfloat16", "int8", "int4", "int4a8")
+# Each format's decode loops by CPU class: the first row whose vendor and flags the CPU has applies. Each entry is
+# the level whose loops ran that format's decode steps fastest in the class's record (data/benchmarks/
+# decode-cpu-<class>.json, "kernels" > "matvec": each level's loops timed on SmolLM2-135M's decode steps in that
+# format, medians in seconds, docs/performance/); the widest is not the fastest everywhere (a Zen 4 runs 512-bit
+# operations as two halves). A class without a record takes the nearest row that has one.
+DECODE_LOOPS: tuple[tuple[str, str, frozenset[str], dict[str, str]], ...] = (
+    # decode-cpu-intel-xeon-avx512-amx.json: float32 avx512 1.475 < avx2 1.515; bfloat16 avx512_bf16 0.871 <
+    # avx2 0.921 < avx512 0.946; int8 avx512 0.544 < 0.551; int4 avx512_vnni 0.315 < avx512 0.331 < avx2 0.358;
+    # W4A8 avx512_vnni 0.240 < avx_vnni 0.253 < avx2 0.258. Intel's other AVX-512 Xeons take it too.
+    ("Intel Xeon, AVX-512", "GenuineIntel", frozenset({"avx512f"}),
+     {"float32": "avx512", "bfloat16": "avx512_bf16", "int8": "avx512", "int4": "avx512_vnni", "int4a8": "avx512_vnni"}),
+    # decode-cpu-amd-epyc-zen5-avx512.json: float32 avx2 0.841 < avx512 0.931; bfloat16 avx512 0.402 < avx512_bf16
+    # 0.405 < avx2 0.409; int8 avx2 0.225 < avx512 0.238; int4 avx512 0.205 < avx512_vnni 0.208 < avx2 0.246; W4A8
+    # avx2 0.174 < avx_vnni 0.175 < avx512_vnni 0.181. (A Zen 5 has AVX-VNNI, a Zen 4 does not.)
+    ("AMD Zen 5, AVX-512", "AuthenticAMD", frozenset({"avx512f", "avx_vnni"}),
+     {"float32": "avx2", "bfloat16": "avx512", "int8": "avx2", "int4": "avx512", "int4a8": "avx2"}),
+    # decode-cpu-amd-epyc-zen4-avx512.json: float32 avx2 1.262 < avx512 1.392; bfloat16 avx2 0.669 < avx512 0.704 <
+    # avx512_bf16 0.756; int8 avx512 0.363 < avx2 0.383; int4 avx512 0.313 < avx512_vnni 0.316 < avx2 0.376; W4A8
+    # avx2 0.227 < avx512_vnni 0.253.
+    ("AMD Zen 4, AVX-512", "", frozenset({"avx512f"}),
+     {"float32": "avx2", "bfloat16": "avx2", "int8": "avx512", "int4": "avx512", "int4a8": "avx2"}),
+    # decode-cpu-amd-epyc.json (AVX2 only): the one vector level.
+    ("AVX2", "", frozenset({"avx2"}), {name: "avx2" for name in DECODE_FORMATS}),
+)
 
 
 @dataclass(frozen=True)
 class IsaChoice:
-    """The kernels' level and the instruction sets it runs. Appendix A1."""
+    """The kernels' level, the instruction sets it runs and each format's decode loops. Appendix A1."""
 
     level: str                   # one of KERNEL_LEVELS
     features: tuple[str, ...]    # the levels whose instructions run, lowest first (level among them)
     forced: bool                 # chosen by LLMINFER_ISA rather than by the CPU's flags
+    decode: tuple[tuple[str, str], ...] = ()    # (format, level) of DECODE_FORMATS: the level its decode loops run
+    cpu_class: str = ""          # the row of DECODE_LOOPS that chose them ("" where forced or none applies)
 
     @property
     def bits(self) -> int:
         """Returns the feature bits the C++ takes (set_cpu_features)."""
-        return sum(KERNEL_LEVELS[name][0] for name in self.features)
+        return self.level_bits(self.level)
+
+    def level_bits(self, level: str) -> int:
+        """Returns the feature bits of `level` and every lower level this choice runs."""
+        order = list(KERNEL_LEVELS)
+        return sum(KERNEL_LEVELS[name][0] for name in self.features if order.index(name) <= order.index(level))
 
 
 def _level_runs(name: str, flags: frozenset[str]) -> bool:
@@ -130,15 +132,14 @@ def _level_runs(name: str, flags: frozenset[str]) -> bool:
 
 def choose_isa(capabilities=None, requested: str | None = None) -> IsaChoice:
     """Returns the IsaChoice for a CPU (default this one): `requested` (default $LLMINFER_ISA) if the CPU has it,
-    else the highest level it has; ValueError for an unknown level or one above the CPU. Appendix A1."""
+    else the highest level it has, with each format's decode loops from DECODE_LOOPS (a forced level: its own);
+    ValueError for an unknown level or one above the CPU. Appendix A1."""
     from ..device import ISA_LEVELS, cpu_capabilities
 
     capabilities = capabilities or cpu_capabilities()
     flags = capabilities.flags
     if requested is None:
         requested = os.environ.get(ISA_ENV) or None
-        if requested is None and os.environ.get("LLMINFER_CPU_KERNELS_PORTABLE") == "1":    # the older switch
-            requested = "portable"
     order = list(KERNEL_LEVELS)
     runnable = [name for name in order if _level_runs(name, flags)]
     if requested is None:
@@ -146,9 +147,9 @@ def choose_isa(capabilities=None, requested: str | None = None) -> IsaChoice:
     else:
         requested = requested.strip().lower()
         if requested not in order:
-            why = f"known levels are {', '.join(order)}"
-            raise ValueError(f"{ISA_ENV}={requested!r} is not a level the kernels have ({why}); set it to one of "
-                             f"{', '.join(runnable)} (what this CPU runs) or unset it")
+            raise ValueError(f"{ISA_ENV}={requested!r} is not a level the kernels have (known levels are "
+                             f"{', '.join(order)}); set it to one of {', '.join(runnable)} (what this CPU runs) or "
+                             "unset it")
         if requested not in runnable:
             needed = dict(ISA_LEVELS)[requested] | KERNEL_LEVELS[requested][1]
             raise ValueError(f"{ISA_ENV}={requested} needs the CPU flags {', '.join(sorted(needed - flags))}, which "
@@ -156,7 +157,21 @@ def choose_isa(capabilities=None, requested: str | None = None) -> IsaChoice:
                              f"{ISA_ENV} to one of {', '.join(runnable)} or unset it")
         level = requested
     features = tuple(name for name in order[1:order.index(level) + 1] if name in runnable)
-    return IsaChoice(level=level, features=features, forced=requested is not None)
+    widest = features[-1] if features else "portable"
+    decode, cpu_class = {name: widest for name in DECODE_FORMATS}, ""
+    if requested is None:
+        for name, vendor, needed, loops in DECODE_LOOPS:
+            if needed <= flags and vendor in ("", capabilities.vendor):
+                cpu_class = name
+                decode.update({fmt: loop for fmt, loop in loops.items() if loop in features})
+                break
+    return IsaChoice(level=level, features=features, forced=requested is not None,
+                     decode=tuple(decode.items()), cpu_class=cpu_class)
+
+
+def decode_loops() -> dict[str, str]:
+    """Returns, per weight format of DECODE_FORMATS, the level whose decode loops run in this process. Appendix A1."""
+    return dict(_state["isa"].decode) if load() else {}
 
 
 def cache_dir() -> Path:
@@ -231,15 +246,18 @@ def load() -> bool:
             print(f"llminfer: the native CPU decode kernels did not build ({_state['error']}); torch's kernels run "
                   "instead. A C++ compiler (g++ or clang) and ninja build them.", file=sys.stderr)
             return False
-        missing = int(torch.ops.llminfer.set_cpu_features(choice.bits))
+        decode = [choice.level_bits(level) for _, level in choice.decode]
+        missing = int(torch.ops.llminfer.set_cpu_features(choice.bits, decode))
         if missing:                            # the flags said yes, the CPU itself says no
             raise RuntimeError(f"the CPU lacks instruction sets (bits {missing}) that its flags list for "
                                f"{choice.level}; set {ISA_ENV} to a lower level")
         _state["isa"] = choice
         _state["loaded"] = True
-        _choose_matvec(choice)
         return True
 
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The prepared stack: a layer stack's weights and caches held by the kernels (llminfer.fast's native-call contract)
 
 class PreparedStack:
     """A layer stack's weights and caches kept by the kernels under a number (`torch.ops.llminfer.prepare_stack`),
@@ -268,6 +286,8 @@ class PreparedStack:
         except (RuntimeError, AttributeError, TypeError):   # interpreter shutdown: the table goes with the process
             pass
 
+
+# ---------------------------------------------------------------------------------------------------------------------
 
 def loaded() -> bool:
     """Whether the kernels are loaded already (a dict read: cheap enough for every forward)."""
@@ -315,462 +335,40 @@ def bfloat16_in_hardware() -> bool:
     return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
-def _kept_file(name: str) -> Path | None:
-    """Where answers measured on this machine are kept: beside the kernel build (None before it exists)."""
-    build = _state.get("build")
-    return None if build is None else Path(build) / name
-
-
-def _read_kept(path: Path | None) -> dict:
-    """The answers kept in `path` ({} where there are none, or they cannot be read)."""
-    try:
-        return json.loads(path.read_text()) if path is not None and path.is_file() else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_kept(path: Path | None, answers: dict) -> None:
-    """Keeps `answers` in `path`, where it can be written (a read-only cache just measures again next time)."""
-    if path is not None:
-        try:
-            path.write_text(json.dumps(answers, indent=1, sort_keys=True))
-        except OSError:
-            pass
-
-
-def _machine_key(level: str) -> str:
-    """The start of a measured answer's key: the CPU, the kernels' level and torch's thread count."""
-    from ..device import cpu_slug
-
-    return f"{cpu_slug()}|{level}|{torch.get_num_threads()} threads"
-
-
-# A layer's products, (N, K) each: SmolLM2-135M's fused qkv, o, gate_up and down. The decode loops' probe and the
-# prefill's (below) both time them, as a step runs them.
-PREFILL_PROBE_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
-
-# The decode loops' choice. Each weight format's matrix-vector loops exist at several levels, and the widest is not
-# always the fastest: on a Zen 4 (512-bit operations run as two 256-bit halves) the AVX2 loops stream float32 and
-# bfloat16 weights faster than the AVX-512 ones. So when the kernels load, each format's candidate loops (those of
-# MATVEC_CANDIDATES that this process runs) take turns on about MATVEC_PROBE_BYTES of weights, about twice a server's
-# last-level cache, and the fastest median of MATVEC_REPEATS turns wins (`choose_fastest`). The bytes are read as a
-# decode step reads them: a layer's four products (PREFILL_PROBE_SHAPES, SmolLM2-135M's), layer after layer on
-# fresh weights. A loop can win on one large matrix and lose on a step's small ones (each starts a new stream cold,
-# and a call's fixed work, such as rounding x to int8 for W4A8, weighs more): on a Zen 5 the 1 MiB products picked
-# a float32 loop that lost the step by 8 %. The W4A8 loop on 512-bit registers still edges this probe there (by
-# 2-5 %) and loses the step by 6 %. The answers are kept beside the kernel
-# build, keyed by CPU class (`llminfer.device.cpu_slug`), level and thread count at load, so a machine measures once.
-# With LLMINFER_ISA set, nothing is measured: every format runs the forced level's own loops (so each level's loops
-# can be tested on any machine that has it).
-# A candidate is a level's loops, or one of MATVEC_VARIANTS: another loop at a level (its name, the level's and
-# the loop's). int4 with float x has two on AVX2: x widened against the codes in float32 ('avx2'), or x as three int8
-# planes by maddubs ('avx2_planes', as 'avx512_vnni' does with vpdpbusd): on a Zen 3 the float loop's conversions
-# and FMAs bound it at about 17 GB/s of a 34 GB/s read.
-MATVEC_CANDIDATES: dict[str, tuple[int, tuple[str, ...]]] = {     # format -> (MatvecKind in C++, candidates)
-    "float32": (0, ("avx2", "avx512")),
-    "bfloat16": (1, ("avx2", "avx512", "avx512_bf16")),
-    "int8": (2, ("avx2", "avx512")),
-    "int4": (3, ("avx2", "avx2_planes", "avx512", "avx512_vnni")),   # the planes loops: float x as three int8 planes
-    "int4a8": (4, ("avx2", "avx_vnni", "avx512_vnni")),
-}
-# candidate -> (the level it runs at, the C++ loop's bit: LoopVariant in cpu_kernels.h)
-MATVEC_VARIANTS: dict[str, tuple[str, int]] = {"avx2_planes": ("avx2", 1 << 16)}
-MATVEC_PROBE_BYTES = 64 << 20
-MATVEC_REPEATS = 15                     # turns of each candidate: about 2 ms each, so 0.1-0.2 s a format
-# what a kept answer was timed on: an answer timed otherwise (an earlier version's probe) is timed again
-MATVEC_PROBE = (f"{MATVEC_PROBE_BYTES >> 20} MiB as layers of products "
-                + ", ".join(f"{n}x{k}" for n, k in PREFILL_PROBE_SHAPES))
-# what an answer timed on a real decode step was timed on (`remeasure_matvec(steps=...)`, as the decode benchmark
-# times each format's loops on its own contender): a step and the probe can disagree (on a Zen 5 the probe put the
-# W4A8 loop on 512-bit registers, and the step ran 6 % faster on the 256-bit one), and the step is what is served
-MATVEC_STEP = "the decode step of a model in the format"
-MATVEC_STEP_REPEATS = 5                 # turns of each candidate on a step's run (a few tens of tokens each)
-_matvec: dict = {"choices": {}}
-
-
-def choose_fastest(timings: dict[str, list[float]]) -> str:
-    """Returns the key of `timings` {level: [s, ...]} with the lowest median; on a tie, the first. Appendix A1."""
-    if not timings or not all(timings.values()):
-        raise ValueError(f"choose_fastest needs some timings for every candidate, got {timings}")
-    medians = {key: statistics.median(times) for key, times in timings.items()}
-    return min(medians, key=lambda key: (medians[key], list(medians).index(key)))
-
-
-def matvec_candidates(name: str, choice: IsaChoice | None = None) -> tuple[str, ...]:
-    """Returns the levels whose matrix-vector loops for weight format `name` (a key of MATVEC_CANDIDATES) this
-    process can run: those among its features (default: the process's own choice). Appendix A1."""
-    if name not in MATVEC_CANDIDATES:
-        raise ValueError(f"format {name!r} is not one of {', '.join(MATVEC_CANDIDATES)}")
-    choice = choice or _state["isa"]
-    return tuple(candidate for candidate in MATVEC_CANDIDATES[name][1]
-                 if MATVEC_VARIANTS.get(candidate, (candidate,))[0] in choice.features)
-
-
-def _level_bits(level: str, choice: IsaChoice) -> int:
-    """The feature bits of `level` (a level, or a candidate of MATVEC_VARIANTS: its level's bits and its loop's) and
-    every lower level the process runs."""
-    level, loop = MATVEC_VARIANTS.get(level, (level, 0))
-    order = list(KERNEL_LEVELS)
-    return loop + sum(KERNEL_LEVELS[name][0] for name in choice.features if order.index(name) <= order.index(level))
-
-
-def _matvec_probe(name: str) -> tuple[list[tuple[torch.Tensor, list]], str]:
-    """Random weights of about MATVEC_PROBE_BYTES in all in format `name`, as a decode step's products: layers of
-    PREFILL_PROBE_SHAPES on fresh weights (views of one block a shape, on 2 MiB pages); returns each product's x
-    and gemv's arguments after x, in the order a step runs them, and the activations."""
-    from ..device import huge_page_copy
-
-    generator = torch.Generator().manual_seed(0)
-
-    def per_row(K: int) -> int:
-        return {"float32": 4 * K, "bfloat16": 2 * K, "int8": K + 4}.get(name, K // 2 + 4 * (K // 32))
-
-    layer_bytes = sum(N * per_row(K) for N, K in PREFILL_PROBE_SHAPES)
-    layers = max(1, -(-MATVEC_PROBE_BYTES // layer_bytes))
-
-    by_shape = []
-    for N, K in PREFILL_PROBE_SHAPES:                             # every layer's (N, K) product: one block
-        rows = layers * N
-        if name in ("float32", "bfloat16"):
-            dense = (torch.rand(rows, K, generator=generator) - 0.5).to(getattr(torch, name))
-            whole, steps = [huge_page_copy(dense)], (1,)
-            extra: tuple = ()
-        elif name == "int8":
-            whole = [huge_page_copy(torch.randint(-127, 128, (rows, K), dtype=torch.int8, generator=generator)),
-                     torch.rand(rows, generator=generator)]
-            steps, extra = (1, 1), ()
-        else:                                                     # int4 tiles, float16 terms as the layers keep
-            nibbles = torch.randint(0, 256, (rows, K // 2), dtype=torch.uint8, generator=generator)
-            scale, offset = (torch.rand(rows, K // 32, generator=generator).half() for _ in range(2))
-            whole, steps, extra = [huge_page_copy(t) for t in tile_int4(nibbles, scale, offset)], (8, 8, 8), (32,)
-        x = torch.randn(1, K, generator=generator)
-        x = x.to(getattr(torch, name)) if name in ("float32", "bfloat16") else x
-        by_shape.append([(x, [t[n // step:(n + N) // step] for t, step in zip(whole, steps)] + list(extra))
-                         for n in range(0, rows, N)])
-    products = [by_shape[s][layer] for layer in range(layers) for s in range(len(PREFILL_PROBE_SHAPES))]
-    return products, "int8" if name == "int4a8" else "float"
-
-
-def measure_matvec(name: str, levels: tuple[str, ...], repeats: int = MATVEC_REPEATS,
-                   run: Callable[[], float] | None = None) -> dict[str, list[float]]:
-    """Returns the seconds to multiply one row by about MATVEC_PROBE_BYTES of weights in format `name` (layers of a
-    decode step's products, one after the other), by level, the levels taking turns (after one warm-up each); the
-    format's loops are left as they were. With `run`, the seconds it returns are timed instead (decode steps of a
-    model in the format, say). Appendix A1."""
-    _require()
-    choice, (kind, _) = _state["isa"], MATVEC_CANDIDATES[name]
-    unknown = [level for level in levels if level not in matvec_candidates(name, choice)]
-    if unknown:
-        raise ValueError(f"{unknown} are not levels this process runs {name} loops at; choose from "
-                         f"{matvec_candidates(name, choice)}")
-    before = int(torch.ops.llminfer.matvec_features(kind))
-    if run is None:
-        products, activations = _matvec_probe(name)
-
-        def run() -> float:
-            start = time.perf_counter()
-            for x, parts in products:
-                gemv(x, *parts, activations=activations)
-            return time.perf_counter() - start
-    timings: dict[str, list[float]] = {level: [] for level in levels}
-    try:
-        with torch.inference_mode():
-            for round_index in range(repeats + 1):
-                for level in levels:
-                    torch.ops.llminfer.set_matvec_features(kind, _level_bits(level, choice))
-                    seconds = run()
-                    if round_index:                          # the first round warms up
-                        timings[level].append(seconds)
-    finally:
-        torch.ops.llminfer.set_matvec_features(kind, before)
-    return timings
-
-
-def _choose_matvec(choice: IsaChoice, fresh: bool = False, steps: dict[str, Callable[[], float]] | None = None) -> None:
-    """Sets each format's matrix-vector loops: measured (or read from the kept answers unless `fresh`), or the forced
-    level's; the formats in `steps` timed on their run (`measure_matvec`'s run) rather than on the probe."""
-    steps = steps or {}
-    _matvec["choices"] = {}
-    path = _kept_file("matvec_choices.json")
-    kept = {} if choice.forced else _read_kept(path)
-    changed = False
-    for name, (kind, _) in MATVEC_CANDIDATES.items():
-        torch.ops.llminfer.set_matvec_features(kind, -1)            # the process's own loops, unless measured
-        levels = matvec_candidates(name, choice)
-        if not levels:
-            continue
-        if choice.forced or len(levels) == 1:
-            _matvec["choices"][name] = {"level": levels[-1], "measured": False}
-            continue
-        key = f"{_machine_key(choice.level)}|{name}"
-        if (fresh or key not in kept or kept[key].get("level") not in levels
-                or kept[key].get("probe") not in (MATVEC_PROBE, MATVEC_STEP)):
-            if name in steps:
-                timings, probe = measure_matvec(name, levels, MATVEC_STEP_REPEATS, run=steps[name]), MATVEC_STEP
-            else:
-                timings, probe = measure_matvec(name, levels), MATVEC_PROBE
-            kept[key] = {"level": choose_fastest(timings), "probe": probe,
-                         "median_s": {level: statistics.median(t) for level, t in timings.items()}}
-            changed = True
-        torch.ops.llminfer.set_matvec_features(kind, _level_bits(kept[key]["level"], choice))
-        _matvec["choices"][name] = dict(kept[key], measured=True)
-    if changed:
-        _write_kept(path, kept)
-
-
-def remeasure_matvec(steps: dict[str, Callable[[], float]] | None = None) -> dict[str, dict]:
-    """Times each format's candidate decode loops again now (a benchmark does, so that its choice is made under the
-    same conditions as its rounds, not at load), sets and keeps the winners; returns `matvec_choices()`. `steps`
-    maps formats (keys of MATVEC_CANDIDATES) to a run that returns the seconds of some decode steps of a model in
-    that format: those formats are timed on their steps, the rest on the probe. With LLMINFER_ISA set, nothing is
-    measured. Appendix A1."""
-    _require()
-    unknown = sorted(set(steps or {}) - set(MATVEC_CANDIDATES))
-    if unknown:
-        raise ValueError(f"steps for {unknown}: formats are {', '.join(MATVEC_CANDIDATES)}")
-    with _lock:
-        _choose_matvec(_state["isa"], fresh=True, steps=steps)
-    return matvec_choices()
-
-
-def matvec_choices() -> dict[str, dict]:
-    """Returns, per weight format, the level whose matrix-vector loops run here ('level'), whether it was measured
-    here (else forced by LLMINFER_ISA, or the only candidate) and the median seconds of each candidate. Appendix
-    A1."""
-    load()
-    return {name: dict(entry) for name, entry in _matvec["choices"].items()}
-
-
-# The prefill choice. For each (weight dtype, rows) the first prefill asks: does the blocked kernel or torch's matmul
-# (after dequantizing, for int8/int4 weights: what the modules do) run a prefill of that many rows faster on this
-# machine? A short timing answers, once per process, each path in turn, the lower median winning (the blocked
-# kernel on a tie), on what the choice moves. With `llminfer.fast` imported (`set_prefill_probe`), that is a
-# prefill of a few random layers of SmolLM2-135M's shape with weights in the format: through the native stack (the
-# layers in one call, the products by the blocked kernel) or through the modules (the products by torch's matmul).
-# Without it, no stack runs, only the products of quantized layers (`quant.QuantizedLinear`), and the probe is a
-# layer's products (PREFILL_PROBE_SHAPES) alone. The answers are also kept beside the kernel build, keyed by CPU
-# class, level and threads (`prefill_choices()` reports them).
-# The probe once timed a layer's products even for the stack, and took torch's matmul where they ran more than 25 %
-# faster. On an Intel Xeon with AMX at 2 threads, oneDNN's bfloat16 products ran 1.43 times as fast as the blocked
-# kernel's (1.18 against 1.69 ms), so a fresh process took torch's path for bfloat16; yet a 128-token prefill of
-# SmolLM2-135M ran 1.9 times as fast through the stack (49 against 93 ms): the modules' norms, RoPE, attention and
-# SwiGLU, bfloat16 ops one after another, outweighed the products.
+# A prefill (more than MAX_TOKENS rows) runs its products by the blocked kernel or by torch's matmul (after
+# dequantizing, for int8/int4 weights: what the modules do). The blocked kernel ran every format's 128-token prefill
+# of SmolLM2-135M faster on every class recorded (data/benchmarks/decode-cpu-*.json, "prefill" > "by_precision",
+# blocked_s against torch_s: AVX2 EPYC 1.5-5.5x, Zen 4 1.5-2.8x, Zen 5 1.2-3.4x, Xeon with AMX 1.6-2.8x), so it is the
+# path wherever the vector loops run (AVX2 and above), and torch's matmul with the portable loops.
 PREFILL_PATHS = ("blocked", "torch")
-# the weight dtypes with a prefill choice, and the scheme a probe's weights are quantized with (`quant.quantize`)
-PREFILL_DTYPES = {torch.float32: None, torch.bfloat16: None, torch.int8: ("int8", None), torch.uint8: ("int4", 32)}
-# what a kept answer was timed on (an answer timed otherwise, by an earlier version, is timed again)
-PREFILL_PRODUCTS = "products " + ", ".join(f"{n}x{k}" for n, k in PREFILL_PROBE_SHAPES)
-PREFILL_PROBE_LAYERS = 2
-PREFILL_LAYERS_PROBE = f"the prefill of {PREFILL_PROBE_LAYERS} layers of SmolLM2-135M's shape in the format"
-# what an answer timed on a whole model's prefill was timed on (`remeasure_prefill`, as the decode benchmark times
-# each format's own prefill both ways), decided by the same rule. On an Intel Xeon with AMX, the first-use probe of
-# the time (a layer's products) took torch's matmul for float32, and the whole 128-token prefill ran 1.22 times
-# faster on the blocked path (131 against 160 ms).
-PREFILL_STEP = "the prefill of a model in the format"
-PREFILL_STEP_REPEATS = 5                # turns of each path on a whole prefill
-PREFILL_ENV = "LLMINFER_PREFILL"           # 'blocked' or 'torch' forces the path (for comparisons); unset: measured
-_prefill: dict = {"choices": {}, "forced": None, "loaded_from_disk": False, "probe": None}
+PREFILL_ENV = "LLMINFER_PREFILL"           # 'blocked' or 'torch' forces the path (for comparisons)
+_prefill: dict = {"forced": None}
+# A layer's products, (N, K) each: SmolLM2-135M's fused qkv, o, gate_up and down (the benchmark's matmul probe).
+PREFILL_PROBE_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
 
 def rows_bucket(rows: int) -> int:
-    """Returns the rows a prefill's timing stands for: the power of two at or above rows, from 16 to 512."""
+    """Returns the power of two at or above rows, from 16 to 512: the rows a compiled prefill step is kept for."""
     bucket = 16
     while bucket < rows and bucket < 512:
         bucket *= 2
     return bucket
 
 
-def check_prefill_dtypes(dtypes) -> None:
-    """Raises ValueError naming any of dtypes that has no prefill choice (PREFILL_DTYPES)."""
-    unknown = [dtype for dtype in dtypes if dtype not in PREFILL_DTYPES]
-    if unknown:
-        raise ValueError(f"prefills for {unknown}: the weight dtypes with a prefill choice are float32, bfloat16, "
-                         "int8 and uint8 (int4)")
-
-
-def _probe_weight(dtype: torch.dtype, shape: tuple[int, int], seed: int) -> tuple[list[torch.Tensor], callable]:
-    """A random (N, K) = `shape` weight of dtype as the kernel takes it, and the modules' product for x."""
-    import torch.nn.functional as F
-
-    generator = torch.Generator().manual_seed(seed)
-    N, K = shape
-    if dtype in (torch.float32, torch.bfloat16):
-        weight = torch.randn(N, K, generator=generator).to(dtype)
-        return [weight], lambda x: F.linear(x, weight)
-    if dtype == torch.int8:
-        codes = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator)
-        scale = torch.rand(N, generator=generator)
-        return [codes, scale], lambda x: F.linear(x, codes.to(x.dtype) * scale[:, None].to(x.dtype))
-    if dtype == torch.uint8:
-        group = 32
-        nibbles = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=generator)
-        scale, offset = torch.rand(N, K // group, generator=generator), torch.rand(N, K // group, generator=generator)
-
-        def modules(x):
-            codes = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).reshape(N, K // group, group).float()
-            weight = (codes * scale[..., None] + offset[..., None]).reshape(N, K)
-            return F.linear(x, weight.to(x.dtype))
-        return [nibbles, scale, offset, group], modules
-    check_prefill_dtypes([dtype])
-
-
-def layer_products(dtype: torch.dtype, rows: int, shapes=PREFILL_PROBE_SHAPES) -> tuple[dict, int]:
-    """Returns ({path: run}, FLOPs): `rows` rows of x times a random weight of dtype for each (N, K) of shapes (a
-    layer's products, one after the other), by the blocked kernel and by torch's matmul on the modules' weights.
-    x is bfloat16 for bfloat16 weights, float32 for the others. The prefill choice's probe where no stack runs
-    (`set_prefill_probe`), and the benchmark's native matmul probe. Appendix A1."""
-    _require()
-    x_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-    products = []
-    for seed, shape in enumerate(shapes):
-        parts, modules = _probe_weight(dtype, shape, seed)
-        x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(100 + seed)).to(x_dtype)
-        products.append((parts, modules, x))
-    run = {"blocked": lambda: [gemv(x, *parts) for parts, _, x in products],
-           "torch": lambda: [modules(x) for _, modules, x in products]}
-    return run, sum(2 * rows * n * k for n, k in shapes)
-
-
-def _time_paths(run: Callable[[], float], repeats: int) -> dict[str, list[float]]:
-    """{path: seconds} of `run` (which returns its seconds) forced onto each prefill path in turn, `repeats` turns
-    each after a warm-up turn."""
-    timings: dict[str, list[float]] = {path: [] for path in PREFILL_PATHS}
-    for round_index in range(repeats + 1):
-        for path in PREFILL_PATHS:
-            with force_prefill(path):
-                seconds = run()
-            if round_index:                      # the first round warms up
-                timings[path].append(seconds)
-    return timings
-
-
-def set_prefill_probe(make_run: Callable[[torch.dtype, int], Callable[[], None]] | None) -> None:
-    """Sets how the first use of a (weight dtype, rows) times a prefill: make_run(dtype, rows) returns a run of a
-    prefill of that many rows through PREFILL_PROBE_LAYERS layers with weights of dtype, on the path in force
-    (`force_prefill`; PREFILL_LAYERS_PROBE). `llminfer.fast` sets one (`fast.prefill_probe`) when it is imported;
-    None restores the default, a layer's products (`layer_products`). Choices made on the products are dropped where
-    a prefill probe is set, to be timed again at their next use. Appendix A1."""
-    with _lock:
-        _prefill["probe"] = make_run
-        kept = _prefill_kept_probes()
-        _prefill["choices"] = {k: v for k, v in _prefill["choices"].items() if v.get("probe") in kept}
-
-
-def prefill_probe_name() -> str:
-    """What the first use of a prefill choice times here (`set_prefill_probe`)."""
-    return PREFILL_LAYERS_PROBE if _prefill["probe"] else PREFILL_PRODUCTS
-
-
-def _prefill_kept_probes() -> tuple[str, ...]:
-    """The probes whose kept answers this process takes: those timed on prefills always, the products only where no
-    prefill is timed here."""
-    return (PREFILL_STEP, PREFILL_LAYERS_PROBE) + (() if _prefill["probe"] else (PREFILL_PRODUCTS,))
-
-
-def measure_prefill(dtype: torch.dtype, rows: int, repeats: int = 5) -> dict[str, list[float]]:
-    """Returns the seconds of the probe (`prefill_probe_name()`) with `rows` rows and weights of dtype, by path:
-    the blocked kernel (in the native stack, with `llminfer.fast`) and torch's matmul (in the modules), taking
-    turns after one warm-up each. Appendix A1."""
-    check_prefill_dtypes([dtype])
-    if _prefill["probe"]:
-        run = _prefill["probe"](dtype, rows)
-    else:
-        products, _ = layer_products(dtype, rows)
-
-        def run():
-            products[_prefill["forced"]]()
-
-    def timed() -> float:
-        start = time.perf_counter()
-        run()
-        return time.perf_counter() - start
-    return _time_paths(timed, repeats)
-
-
-def _choice_key(dtype: torch.dtype, rows: int) -> str:
-    return f"{_machine_key(isa())}|{str(dtype).removeprefix('torch.')}|{rows}"
-
-
 def prefill_path(weight_dtype: torch.dtype = torch.float32, rows: int = 128) -> str:
-    """Returns 'blocked' or 'torch': the path a prefill of `rows` rows with weights of weight_dtype takes here,
-    measured at first use (`prefill_choice`) and cached; 'torch' without the vector loops. LLMINFER_PREFILL or
-    `force_prefill` overrides it. Appendix A1."""
+    """Returns 'blocked' or 'torch': the path a prefill of `rows` rows with weights of weight_dtype takes here (the
+    blocked kernel wherever the vector loops run); LLMINFER_PREFILL or `force_prefill` overrides it. Appendix A1."""
     forced = _prefill["forced"] or os.environ.get(PREFILL_ENV) or None
     if forced is not None and forced not in PREFILL_PATHS:
-        raise ValueError(f"{PREFILL_ENV}={forced!r} must be one of {PREFILL_PATHS}, or unset to measure")
+        raise ValueError(f"{PREFILL_ENV}={forced!r} must be one of {PREFILL_PATHS}, or unset for the blocked kernel")
     if not ((_state["loaded"] or load()) and isa() != "portable"):
         return "torch"
-    return forced or prefill_choice(weight_dtype, rows)["path"]
-
-
-def prefill_choice(weight_dtype: torch.dtype = torch.float32, rows: int = 128) -> dict:
-    """Returns the measured choice for a prefill of `rows` rows with weights of weight_dtype, {'path', 'probe',
-    'median_s': {path: seconds}}: kept from an earlier process, or timed now (`measure_prefill`, `choose_fastest`)
-    and kept. A forced path (`force_prefill`, LLMINFER_PREFILL) is not consulted. Appendix A1."""
-    check_prefill_dtypes([weight_dtype])
-    _require()
-    if isa() == "portable":
-        raise RuntimeError("no prefill choice to make: the kernels run portable loops here, so prefills take torch's "
-                           f"matmul (the blocked kernel needs AVX2; {ISA_ENV} may have lowered the level)")
-    key = _choice_key(weight_dtype, rows_bucket(rows))
-    choices = _prefill["choices"]
-    if key not in choices:
-        with _lock:
-            _read_kept_prefill()
-            if key not in choices:
-                timings = measure_prefill(weight_dtype, rows_bucket(rows))
-                choices[key] = {"path": choose_fastest(timings), "probe": prefill_probe_name(),
-                                "median_s": {p: statistics.median(t) for p, t in timings.items()}}
-                _write_kept(_kept_file("prefill_choices.json"), choices)
-    return dict(choices[key])
-
-
-def _read_kept_prefill() -> None:
-    """Adds the kept prefill answers to the process's, once, each decided by today's rule: the lower median
-    (`choose_fastest`); an answer timed on a probe this process does not take (`_prefill_kept_probes`: an earlier
-    version's, or the products where a prefill is timed here) is left out, to be timed again. Called under _lock."""
-    choices = _prefill["choices"]
-    if _prefill["loaded_from_disk"]:
-        return
-    for k, v in _read_kept(_kept_file("prefill_choices.json")).items():
-        if k not in choices and set(v.get("median_s", {})) == set(PREFILL_PATHS):
-            medians = {p: [v["median_s"][p]] for p in PREFILL_PATHS}
-            if v.get("probe") in _prefill_kept_probes():
-                choices[k] = dict(v, path=choose_fastest(medians))
-    _prefill["loaded_from_disk"] = True
-
-
-def remeasure_prefill(prefills: dict[torch.dtype, Callable[[], float]], rows: int,
-                      repeats: int = PREFILL_STEP_REPEATS) -> dict[str, dict]:
-    """Times each weight dtype's prefill path on a whole prefill and keeps the faster: `prefills` maps weight dtypes
-    (float32, bfloat16, int8, uint8 for int4) to a run that prefills `rows` rows through a model with such weights
-    and returns its seconds. Each run takes its turn forced onto the blocked kernel and onto torch's matmul
-    (`force_prefill`), after one warm-up each; the lower median wins (the blocked kernel on a tie), is set for
-    (dtype, rows' bucket) and kept beside the kernel build, as the first use's probe would be (a benchmark does
-    this, so that the path served is the one that ran its own model's prefill faster, where the first use times a
-    few layers, `measure_prefill`). Returns `prefill_choices()`. Without the vector loops nothing is measured.
-    Appendix A1."""
-    check_prefill_dtypes(prefills)
-    if not (_state["loaded"] or load()) or isa() == "portable":
-        return prefill_choices()
-    with _lock:
-        _read_kept_prefill()                             # the kept answers read first, so these replace theirs
-        for dtype, run in prefills.items():
-            timings = _time_paths(run, repeats)
-            _prefill["choices"][_choice_key(dtype, rows_bucket(rows))] = {
-                "path": choose_fastest(timings), "probe": PREFILL_STEP,
-                "median_s": {p: statistics.median(t) for p, t in timings.items()}}
-        _write_kept(_kept_file("prefill_choices.json"), _prefill["choices"])
-    return prefill_choices()
-
-
-def prefill_choices() -> dict[str, dict]:
-    """Returns the prefill choices made so far: key (CPU|level|threads|dtype|rows) -> path and median seconds."""
-    return dict(_prefill["choices"])
+    return forced or "blocked"
 
 
 class force_prefill:
-    """Context manager: every prefill takes `path` ('blocked' or 'torch'; None: measured) inside it. Appendix A1."""
+    """Context manager: every prefill takes `path` ('blocked' or 'torch'; None: the default) inside it, for a
+    benchmark's comparison. Appendix A1."""
 
     def __init__(self, path: str | None):
         if path is not None and path not in PREFILL_PATHS:
@@ -787,8 +385,40 @@ class force_prefill:
 
 def blocked_prefill(weight_dtype: torch.dtype | None = None, rows: int = 128) -> bool:
     """Whether products of `rows` rows of x (a prefill) with weights of `weight_dtype` (float32 when None) run
-    the blocked kernel rather than torch's matmul: as measured here (`prefill_path`). Chapter 08."""
+    the blocked kernel rather than torch's matmul (`prefill_path`). Chapter 08."""
     return prefill_path(torch.float32 if weight_dtype is None else weight_dtype, rows) == "blocked"
+
+
+def layer_products(dtype: torch.dtype, rows: int, shapes=PREFILL_PROBE_SHAPES) -> tuple[dict, int]:
+    """Returns ({path: run}, FLOPs): `rows` rows of x times a random weight of dtype (float32, bfloat16, int8 codes
+    or uint8 for int4 tiles, groups of 32) for each (N, K) of shapes, by the blocked kernel and by torch's matmul on
+    the dequantized weights. x is bfloat16 for bfloat16 weights, float32 otherwise. The benchmark's matmul probe."""
+    import torch.nn.functional as F
+
+    _require()
+    x_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    products = []
+    for seed, (N, K) in enumerate(shapes):
+        generator = torch.Generator().manual_seed(seed)
+        if dtype in (torch.float32, torch.bfloat16):
+            parts = [torch.randn(N, K, generator=generator).to(dtype)]
+            weight = parts[0]
+        elif dtype == torch.int8:
+            parts = [torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator), torch.rand(N)]
+            weight = parts[0].float() * parts[1][:, None]
+        elif dtype == torch.uint8:
+            nibbles = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=generator)
+            scale, offset = torch.rand(N, K // 32, generator=generator), torch.rand(N, K // 32, generator=generator)
+            codes = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).reshape(N, K // 32, 32).float()
+            weight = (codes * scale[..., None] + offset[..., None]).reshape(N, K)
+            parts = [*tile_int4(nibbles, scale, offset), 32]
+        else:
+            raise ValueError(f"no native product for {dtype} weights; float32, bfloat16, int8 and uint8 (int4) have one")
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(100 + seed)).to(x_dtype)
+        products.append((parts, weight.to(x_dtype), x))
+    run = {"blocked": lambda: [gemv(x, *parts) for parts, _, x in products],
+           "torch": lambda: [F.linear(x, weight) for _, weight, x in products]}
+    return run, sum(2 * rows * n * k for n, k in shapes)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -796,17 +426,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     """x (tokens, K) times the weight's transpose, by the kernel for the weight's dtype. Chapter 08.
 
     float32 and bfloat16 weights (N, K); int8 codes (N, K) with `scale` (N,) or (N, K/group) (GGUF's Q8_0:
-    groups of 32); int4 nibbles (N, K/2) uint8 with `scale` and `offset` (N, K/group) float32, where
-    w = q·scale + offset, or the same in tiles of 8 rows (`tile_int4`: codes (N/8, K/8, 32), scale and offset
-    (N/8, K/group, 8), float32 or float16), the layout the fastest int4 loops read. activations="int8" (int4 only,
-    W4A8) rounds x to int8 per block of 32 inputs and multiplies in integers: faster, and it changes the numbers.
+    groups of 32); int4 in tiles of 8 rows (`tile_int4`: codes (N/8, K/8, 32), scale and offset (N/8, K/group, 8),
+    float32 or float16, where w = q·scale + offset). activations="int8" (int4 only, W4A8) rounds x to int8 per block
+    of 32 inputs and multiplies in integers: faster, and it changes the numbers.
     """
     _require()
     if activations not in ("float", "int8"):
         raise ValueError(f"activations={activations!r} must be 'float' or 'int8'")
+    if weight.dtype == torch.uint8 and weight.dim() != 3:
+        raise ValueError(f"int4 weights are read in tiles of 8 rows, got nibbles of shape {tuple(weight.shape)}; "
+                         "pass tile_int4(nibbles, scale, offset)")
     if activations == "int8":
         if weight.dtype != torch.uint8:
-            raise ValueError(f"activations='int8' is for int4 weights (uint8 nibbles), got {weight.dtype}")
+            raise ValueError(f"activations='int8' is for int4 weights (uint8 tiles), got {weight.dtype}")
         return torch.ops.llminfer.gemv_int4_a8(x, weight, scale, offset, group)
     if weight.dtype == torch.float32:
         return torch.ops.llminfer.gemv_f32(x, weight)
@@ -817,26 +449,30 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     if weight.dtype == torch.uint8:
         return torch.ops.llminfer.gemv_int4(x, weight, scale, offset, group)
     raise ValueError(f"no native kernel for {weight.dtype} weights; float32, bfloat16, int8 and int4 (uint8 "
-                     "nibbles) have one")
+                     "tiles) have one")
 
 
 def tile_int4(nibbles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row-major int4 (nibbles (N, K/2), scale and offset (N, G)) in tiles of 8 rows: codes (N/8, K/8, 32), where
-    tile t, chunk c holds rows 8t..8t+7's 4 bytes for inputs 8c..8c+7 side by side, and scale, offset (N/8, G, 8)
-    in their own dtype (float32, or float16: 2 bytes a term, as GGUF's Q4_0 and Q4_1 keep theirs). Chapter 08."""
+    """Row-major int4 (nibbles (N, K/2), the even input in the low nibble; scale and offset (N, G)) in tiles of 8
+    rows, the layout the kernels read: codes (N'/8, K/8, 32), where tile t, chunk c holds rows 8t..8t+7's 4 bytes for
+    inputs 8c..8c+7 side by side, and scale, offset (N'/8, G, 8) in their own dtype (float32, or float16 as GGUF's
+    Q4_0 and Q4_1 keep theirs). N is padded with zero rows to N', a multiple of 8 (their outputs are 0). Chapter 08."""
     n, half = nibbles.shape
-    if n % 8 or half % 4:
-        raise ValueError(f"tiles of 8 rows need N a multiple of 8 and K a multiple of 8, got a ({n} x {half * 2}) "
-                         "weight; keep it row-major")
-    codes = nibbles.reshape(n // 8, 8, half // 4, 4).permute(0, 2, 1, 3).reshape(n // 8, half // 4, 32)
-    tiles = [t.reshape(n // 8, 8, t.shape[1]).transpose(1, 2) for t in (scale, offset)]
-    return codes.contiguous(), tiles[0].contiguous(), tiles[1].contiguous()
+    if half % 4:
+        raise ValueError(f"tiles of 8 rows need K a multiple of 8, got a ({n} x {half * 2}) weight")
+    pad = -n % 8
+    if pad:
+        nibbles, scale, offset = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (nibbles, scale, offset))
+    tiles = (n + pad) // 8
+    codes = nibbles.reshape(tiles, 8, half // 4, 4).permute(0, 2, 1, 3).reshape(tiles, half // 4, 32)
+    terms = [t.reshape(tiles, 8, t.shape[1]).transpose(1, 2) for t in (scale, offset)]
+    return codes.contiguous(), terms[0].contiguous(), terms[1].contiguous()
 
 
 def untile_int4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of `tile_int4`: row-major nibbles (N, K/2), scale and offset (N, G). Chapter 08."""
+    """The inverse of `tile_int4`: row-major nibbles (N', K/2), scale and offset (N', G). Chapter 08."""
     tiles, chunks, _ = codes.shape
     nibbles = codes.reshape(tiles, chunks, 8, 4).permute(0, 2, 1, 3).reshape(tiles * 8, chunks * 4)
     rows = [t.transpose(1, 2).reshape(tiles * 8, t.shape[1]) for t in (scale, offset)]

@@ -180,7 +180,7 @@ __attribute__((target("avx2,fma,f16c"))) void widen_rows(const Weight& W, int64_
         }
       }
       for (; k < kc; ++k) o[k] = static_cast<float>(src[k]) * scales[(k0 + k) / W.group];
-    } else if (W.tiled) {                         // int4 in tiles of 8 rows: one 32-bit word, 8 inputs
+    } else {                                      // int4 in tiles of 8 rows: one 32-bit word, 8 inputs
       const int64_t G = K / W.group;
       const uint8_t* src = static_cast<const uint8_t*>(W.w) + (row / 8) * (K / 8) * 32 + (row % 8) * 4;
       const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low = _mm256_set1_epi32(0xF);
@@ -194,23 +194,6 @@ __attribute__((target("avx2,fma,f16c"))) void widen_rows(const Weight& W, int64_
           std::memcpy(&word, src + (k0 + k) * 4, 4);
           const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), low);
           _mm256_storeu_ps(o + k, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, z));
-        }
-      }
-    } else {                                      // int4: byte j holds input 2j (low nibble) and 2j + 1
-      const int64_t G = K / W.group;
-      const uint8_t* src = static_cast<const uint8_t*>(W.w) + row * (K / 2);
-      const __m128i low = _mm_set1_epi8(0x0F);
-      for (; k + 32 <= kc; k += 32) {
-        const int64_t at = k0 + k, g = at / W.group;
-        const __m256 s = _mm256_set1_ps(W.scale[row * G + g]), z = _mm256_set1_ps(W.offset[row * G + g]);
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at / 2));
-        const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-        const __m128i q[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};   // inputs in order
-        for (int h = 0; h < 2; ++h) {
-          const __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[h]));
-          const __m256 second = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q[h], 8)));
-          _mm256_storeu_ps(o + k + 16 * h, _mm256_fmadd_ps(first, s, z));
-          _mm256_storeu_ps(o + k + 16 * h + 8, _mm256_fmadd_ps(second, s, z));
         }
       }
     }
@@ -586,9 +569,8 @@ struct TileAMX {                                // the bfloat16 tile's packed x,
 Ahead block_ahead(const Weight& W, int64_t n, int64_t r, int64_t k0, int64_t kc) {
   const int64_t K = W.K;
   const char* w = static_cast<const char*>(W.w);
-  if (W.format == Weight::I4 && W.tiled)         // the tiles of 8 rows that hold them, 4 bytes an input
+  if (W.format == Weight::I4)                    // the tiles of 8 rows that hold them, 4 bytes an input
     return Ahead{w + (n / 8) * (K / 8) * 32 + k0 * 4, (K / 8) * 32, kc * 4, (n + r - 1) / 8 - n / 8 + 1};
-  if (W.format == Weight::I4) return Ahead{w + n * (K / 2) + k0 / 2, K / 2, kc / 2, r};
   const int64_t size = W.format == Weight::F32 ? 4 : W.format == Weight::BF16 ? 2 : 1;
   return Ahead{w + (n * K + k0) * size, K * size, kc * size, r};
 }
@@ -721,7 +703,7 @@ bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y, const Ga
             for (int64_t i = 0; i < r; ++i)
               std::memcpy(wide.data + i * kc, static_cast<const uint16_t*>(W.w) + (n + i) * K + k0, kc * 2);
           } else {
-            if (std::is_same_v<Tile, TileAVX512> && W.format == Weight::I4 && W.tiled)
+            if (std::is_same_v<Tile, TileAVX512> && W.format == Weight::I4)
               widen_int4_tiles_avx512(W, n, r, k0, kc, wide.data);
             else
               widen_rows(W, n, r, k0, kc, wide.data);

@@ -81,24 +81,19 @@ enum Feature : int64_t {
                       // tile state: arch_prctl(ARCH_REQ_XCOMP_PERM), asked once when the CPU is read)
 };
 int64_t features();
-// sets the features (bits of Feature); returns the bits the CPU lacks (nothing is set then)
-int64_t set_features(int64_t bits);
 inline bool has(Feature f) { return (features() & f) != 0; }
 // Whether the AVX2 + FMA loops run
 inline bool has_avx2() { return has(kAVX2); }
 
-// The matrix-vector loops of each weight format may run a lower level than the process's own: which is faster
-// depends on the machine (on a Zen 4, double-pumped 512-bit loads stream float32 slower than 256-bit ones), so
-// llminfer/cpu/__init__.py times the candidates at first use and sets the winner (`set_matvec_features`). Until
-// then, and where LLMINFER_ISA forces a level, each format runs the process's widest loops.
+// Each weight format's decode (matrix-vector) loops may run a lower level than the process's own: the static table
+// in llminfer/cpu/__init__.py (DECODE_LOOPS) names the one that won each format's decode steps in the records of the
+// CPU's class. The blocked kernel, attention and the layers' other loops run the process's own level.
 enum MatvecKind : int64_t { kMatvecF32 = 0, kMatvecBF16, kMatvecI8, kMatvecI4, kMatvecI4A8, kMatvecKinds };
-// Bits of a format's matrix-vector loops that name a loop, not an instruction set (any process may set them):
-// kPlanes, int4 with float x as three int8 planes on AVX2 (maddubs) rather than widened to float32
-enum LoopVariant : int64_t { kPlanes = 1 << 16, kLoopVariants = kPlanes };
 // the bits the matrix-vector loops for weights of `kind` run (within features())
 int64_t matvec_features(int64_t kind);
-// sets them (-1: the process's own again); returns the bits the process does not run (nothing is set then)
-int64_t set_matvec_features(int64_t kind, int64_t bits);
+// Sets the features (bits of Feature) and each format's decode loops' bits (by MatvecKind; empty: the process's
+// own); returns the bits the CPU, or the features for a format's loops, lack (nothing is set then)
+int64_t set_features(int64_t bits, const std::vector<int64_t>& decode);
 
 #ifdef LLMINFER_X86
 __attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -277,12 +272,10 @@ inline void prefetch_terms(const Terms& t, int64_t i) {
 struct Weight {
   enum Format { F32, BF16, I8, I4 } format;
   const void* w;
-  const float* scale = nullptr;    // int8: (N, K / group), group = K for one scale a row; int4: (N, K / group)
-  const float* offset = nullptr;   // int4: (N, K / group)
+  const float* scale = nullptr;    // int8: (N, K / group), group = K for one scale a row
   int64_t N = 0, K = 0, group = 0;
   bool int8_activations = false;   // int4 only: x rounded to int8 per block of 32, integer dot products (W4A8)
-  bool tiled = false;              // int4 only: codes (N/8, K/8, 32) and scale, offset (N/8, G, 8), tiles of 8 rows
-  Terms terms;                     // tiled int4: its scale and offset, float32 or float16
+  Terms terms;                     // int4 (codes (N/8, K/8, 32) in tiles of 8 rows): scale, offset (N/8, G, 8)
 };
 
 // a weight from its tensors, checked (`op` names the caller in errors)
@@ -291,8 +284,8 @@ Weight int8_weight(const at::Tensor& w, const at::Tensor& scale, const char* op)
 Weight int4_weight(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset, int64_t group,
                    const char* op);
 // A linear given as its parts: [weight] (float32 or bfloat16), [codes, scale] (int8, the group size read from
-// the scale's shape), [nibbles, scale, offset] (int4, likewise; row-major (N, K/2) nibbles with (N, G) scales, or
-// tiles of 8 rows: (N/8, K/8, 32) codes with (N/8, G, 8) scales) or [nibbles, scale, offset, marker] (int4 with
+// the scale's shape), [codes, scale, offset] (int4 in tiles of 8 rows: (N/8, K/8, 32) codes with (N/8, G, 8)
+// scales, likewise) or [codes, scale, offset, marker] (int4 with
 // int8 activations; the marker is any tensor: the layers pass their codes again, which makes no new tensor a step).
 Weight weight_from_parts(at::TensorList parts, const char* op);
 

@@ -87,26 +87,21 @@ namespace {
 std::atomic<int64_t> g_matvec[kMatvecKinds] = {-1, -1, -1, -1, -1};
 }
 
-int64_t set_features(int64_t bits) {
-  const int64_t missing = bits & ~cpu_supported();
-  if (missing == 0) {
-    g_features.store(bits, std::memory_order_relaxed);
-    for (auto& kind : g_matvec) kind.store(-1, std::memory_order_relaxed);   // each format: the widest again
-  }
-  return missing;
+int64_t set_features(int64_t bits, const std::vector<int64_t>& decode) {
+  TORCH_CHECK(decode.empty() || static_cast<int64_t>(decode.size()) == kMatvecKinds, "set_cpu_features: decode holds ",
+              kMatvecKinds, " formats' bits, got ", decode.size());
+  int64_t missing = bits & ~cpu_supported();
+  for (const int64_t loop : decode) missing |= loop & ~bits;
+  if (missing) return missing;
+  g_features.store(bits, std::memory_order_relaxed);
+  for (int64_t kind = 0; kind < kMatvecKinds; ++kind)
+    g_matvec[kind].store(decode.empty() ? -1 : decode[kind], std::memory_order_relaxed);
+  return 0;
 }
 
 int64_t matvec_features(int64_t kind) {
   const int64_t bits = g_matvec[kind].load(std::memory_order_relaxed);
   return bits < 0 ? features() : bits;
-}
-
-int64_t set_matvec_features(int64_t kind, int64_t bits) {
-  TORCH_CHECK(kind >= 0 && kind < kMatvecKinds, "set_matvec_features: kind ", kind, " is not one of 0..",
-              kMatvecKinds - 1);
-  const int64_t missing = bits < 0 ? 0 : bits & ~(features() | kLoopVariants);
-  if (missing == 0) g_matvec[kind].store(bits, std::memory_order_relaxed);
-  return missing;
 }
 
 namespace {
@@ -141,58 +136,6 @@ void rows_portable(const float* x, int64_t M, int64_t K, const void* w, const fl
         float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
         for (; k < end; ++k) sum += xm[k] * weight_at<kind>(w, n * K + k);
         total += scale ? sum * scale[n * G + g] : sum;
-      }
-      y[m * N + n] = total;
-    }
-  }
-}
-
-// int4 in the checkpoint's order (byte j: input 2j in the low nibble, 2j + 1 in the high one). For a group,
-//   sum_k w_k x_k = scale · sum_k q_k x_k + offset · sum_k x_k
-// so the loop accumulates q·x and the group sums of x (xsum, per row of x) are added at the end.
-void rows_int4_portable(const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
-                        const float* scale, const float* offset, int64_t group, float* y, int64_t N,
-                        int64_t n0, int64_t n1) {
-  const int64_t G = K / group;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * (K / 2);
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      float total = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        float even = 0.f, odd = 0.f;
-        for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
-          even += static_cast<float>(row[k / 2] & 0xF) * xm[k];
-          odd += static_cast<float>(row[k / 2] >> 4) * xm[k + 1];
-        }
-        total += (even + odd) * scale[n * G + g] + offset[n * G + g] * xsum[m * G + g];
-      }
-      y[m * N + n] = total;
-    }
-  }
-}
-
-// W4A8: x rounded to int8 per block of 32 inputs (xq, one float step dx a block, x ≈ xq·dx), the codes
-// multiplied by xq in integers: per group, scale · sum_blocks dx · (sum_k q_k xq_k) + offset · sum_k x_k.
-// xq holds each block as its 16 even inputs, then its 16 odd ones (the order the vector loops read).
-void rows_int4_a8_portable(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K,
-                           const uint8_t* w, const float* scale, const float* offset, int64_t group, float* y,
-                           int64_t N, int64_t n0, int64_t n1) {
-  const int64_t G = K / group, B = K / 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * (K / 2);
-    for (int64_t m = 0; m < M; ++m) {
-      float total = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        float acc = 0.f;
-        for (int64_t b = g * group / 32; b < (g + 1) * group / 32; ++b) {
-          const int8_t* xb = xq + m * K + b * 32;
-          int32_t dot = 0;
-          for (int j = 0; j < 16; ++j)
-            dot += (row[b * 16 + j] & 0xF) * xb[j] + (row[b * 16 + j] >> 4) * xb[16 + j];
-          acc += static_cast<float>(dot) * dx[m * B + b];
-        }
-        total += acc * scale[n * G + g] + offset[n * G + g] * xsum[m * G + g];
       }
       y[m * N + n] = total;
     }
@@ -314,154 +257,6 @@ __attribute__((target("avx2,fma"))) void rows_int8g_avx2(const float* x, int64_t
   for (; n < n1; ++n)
     for (int64_t m = 0; m < M; ++m) {
       int8g_rows_avx2<1>(x + m * K, K, w, scale, group, n, out, nullptr);
-      y[m * N + n] = out[0];
-    }
-}
-
-// the offset term of an int4 row, sum_g offset_g · xsum_g, 8 groups a step (a scalar loop is one chain of
-// dependent adds, as long as the row's whole vector work at group 32)
-__attribute__((target("avx2,fma"))) inline float offset_dot_avx2(const float* offset, const float* xsum, int64_t G) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(offset + g), _mm256_loadu_ps(xsum + g), acc);
-  float out = hsum(acc);
-  for (; g < G; ++g) out += offset[g] * xsum[g];
-  return out;
-}
-
-// int4, R rows. xp is x with each chunk of 16 inputs as its 8 even then its 8 odd entries: 8 code bytes
-// widened to 8 int32 lanes (one vpmovzxbd from memory) give the low nibbles (an AND) for the even inputs and
-// the high ones (a shift) for the odd. Per block of 32 weights: two loads, four integer ops, four conversions
-// and four multiply-adds (x read from L1 as their memory operand), then one FMA by the block's scale. The
-// offset term (offset · group sum of x) is a dot product over the groups, after.
-template <int R>
-__attribute__((target("avx2,fma"))) void int4_rows_avx2(const float* xp, const float* xsum, int64_t K,
-                                                         const uint8_t* w, const float* scale,
-                                                         const float* offset, int64_t group, int64_t n,
-                                                         float* out, const char* ahead) {
-  const int64_t G = K / group;
-  const __m256i low = _mm256_set1_epi32(0x0F);
-  const uint8_t* rows[R];
-  const float* scales[R];
-  for (int r = 0; r < R; ++r) rows[r] = w + (n + r) * (K / 2), scales[r] = scale + (n + r) * G;
-  __m256 total[R];
-  for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
-  // groups outside, blocks of 32 inside: the group index is a counter, never a division in the loop
-  for (int64_t g = 0, b = 0; g < G; ++g) {
-    __m256 even[R], odd[R];
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-    for (const int64_t end = b + group; b < end; b += 32) {
-      if (ahead && b % 128 == 0) {                               // 64 bytes a row every 128 inputs
-        for (int64_t line = 0; line < 64 * R; line += 64) _mm_prefetch(ahead + b / 2 * R + line, _MM_HINT_T0);
-      }
-      const __m256 x0 = _mm256_loadu_ps(xp + b), x1 = _mm256_loadu_ps(xp + b + 8);
-      const __m256 x2 = _mm256_loadu_ps(xp + b + 16), x3 = _mm256_loadu_ps(xp + b + 24);
-      for (int r = 0; r < R; ++r) {
-        const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[r] + b / 2)));
-        const __m256i v1 = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[r] + b / 2 + 8)));
-        even[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), x0, even[r]);
-        odd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), x1, odd[r]);
-        even[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), x2, even[r]);
-        odd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), x3, odd[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      total[r] = _mm256_fmadd_ps(_mm256_add_ps(even[r], odd[r]), _mm256_broadcast_ss(scales[r] + g), total[r]);
-  }
-  for (int r = 0; r < R; ++r) {
-    out[r] = hsum(total[r]) + offset_dot_avx2(offset + (n + r) * G, xsum, G);
-  }
-}
-
-__attribute__((target("avx2,fma"))) void rows_int4_avx2(const float* xp, const float* xsum, int64_t M,
-                                                         int64_t K, const uint8_t* w, const float* scale,
-                                                         const float* offset, int64_t group, float* y,
-                                                         int64_t N, int64_t n0, int64_t n1) {
-  const int64_t G = K / group;
-  float out[4];
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const char* ahead = n + 8 <= n1 ? reinterpret_cast<const char*>(w + (n + 4) * (K / 2)) : nullptr;
-    for (int64_t m = 0; m < M; ++m) {
-      int4_rows_avx2<4>(xp + m * K, xsum + m * G, K, w, scale, offset, group, n, out, m == 0 ? ahead : nullptr);
-      for (int r = 0; r < 4; ++r) y[m * N + n + r] = out[r];
-    }
-  }
-  for (; n < n1; ++n) {
-    for (int64_t m = 0; m < M; ++m) {
-      int4_rows_avx2<1>(xp + m * K, xsum + m * G, K, w, scale, offset, group, n, out, nullptr);
-      y[m * N + n] = out[0];
-    }
-  }
-}
-
-// W4A8, R rows, one 32-input block per step: the 16 code bytes broadcast to both halves of a register, the
-// upper half shifted right by 4 (one vpsrlvd) and masked, give the 16 even codes then the 16 odd ones as
-// unsigned bytes, against xq's block (16 even, 16 odd int8). The byte products summed in fours into 8 int32
-// lanes are `DOT`: maddubs + madd with ones (AVX2), or one vpdpbusd (VNNI); then one conversion and one FMA
-// by the block's dx. Per group, one FMA by the scale.
-#define LLMINFER_INT4_A8_ROWS(NAME, TARGET, DOT)                                                                   \
-  template <int R>                                                                                               \
-  __attribute__((target(TARGET))) void NAME(const int8_t* xq, const float* dx, const float* xsum, int64_t K,     \
-                                            const uint8_t* w, const float* scale, const float* offset,           \
-                                            int64_t group, int64_t n, float* out, const char* ahead) {           \
-    const int64_t G = K / group;                                                                                 \
-    const __m256i low = _mm256_set1_epi8(0x0F), shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);             \
-    const __m256i ones = _mm256_set1_epi16(1);                                                                   \
-    (void)ones;                                                                                                  \
-    __m256 total[R];                                                                                             \
-    for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();                                                  \
-    for (int64_t g = 0; g < G; ++g) {                                                                            \
-      __m256 acc[R];                                                                                             \
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();                                                  \
-      for (int64_t b = g * group; b < (g + 1) * group; b += 32) {                                                \
-        if (ahead && b % 128 == 0) {                                                                             \
-          for (int64_t line = 0; line < 64 * R; line += 64) _mm_prefetch(ahead + b / 2 * R + line, _MM_HINT_T0); \
-        }                                                                                                        \
-        const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b));                         \
-        const __m256 step = _mm256_set1_ps(dx[b / 32]);                                                          \
-        for (int r = 0; r < R; ++r) {                                                                            \
-          const __m256i v = _mm256_broadcastsi128_si256(                                                         \
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + r) * (K / 2) + b / 2)));                 \
-          const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(v, shift), low);                                  \
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT), step, acc[r]);                                       \
-        }                                                                                                        \
-      }                                                                                                          \
-      for (int r = 0; r < R; ++r)                                                                                \
-        total[r] = _mm256_fmadd_ps(acc[r], _mm256_set1_ps(scale[(n + r) * G + g]), total[r]);                    \
-    }                                                                                                            \
-    for (int r = 0; r < R; ++r) {                                                                                \
-      out[r] = hsum(total[r]) + offset_dot_avx2(offset + (n + r) * G, xsum, G);                                 \
-    }                                                                                                            \
-  }
-
-LLMINFER_INT4_A8_ROWS(int4_a8_rows_avx2, "avx2,fma", _mm256_madd_epi16(_mm256_maddubs_epi16(q, xb), ones))
-LLMINFER_INT4_A8_ROWS(int4_a8_rows_avxvnni, "avx2,fma,avxvnni", _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, xb))
-LLMINFER_INT4_A8_ROWS(int4_a8_rows_avx512vnni, "avx2,fma,avx512f,avx512vl,avx512vnni",
-                      _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, xb))
-#undef LLMINFER_INT4_A8_ROWS
-
-template <void (*Rows4)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const float*,
-                        const float*, int64_t, int64_t, float*, const char*),
-          void (*Rows1)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const float*,
-                        const float*, int64_t, int64_t, float*, const char*)>
-void rows_int4_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
-                  const float* scale, const float* offset, int64_t group, float* y, int64_t N, int64_t n0,
-                  int64_t n1) {
-  const int64_t G = K / group, B = K / 32;
-  float out[4];
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const char* ahead = n + 8 <= n1 ? reinterpret_cast<const char*>(w + (n + 4) * (K / 2)) : nullptr;
-    for (int64_t m = 0; m < M; ++m) {
-      Rows4(xq + m * K, dx + m * B, xsum + m * G, K, w, scale, offset, group, n, out, m == 0 ? ahead : nullptr);
-      for (int r = 0; r < 4; ++r) y[m * N + n + r] = out[r];
-    }
-  }
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      Rows1(xq + m * K, dx + m * B, xsum + m * G, K, w, scale, offset, group, n, out, nullptr);
       y[m * N + n] = out[0];
     }
 }
@@ -953,59 +748,6 @@ __attribute__((target(LLMINFER_AVX512 ",avx512bf16"))) void dot_rows_bf16dp(cons
   }
 }
 
-// int4, 16 lanes: xp holds each chunk of 32 inputs as its 16 even then 16 odd entries; 16 code bytes widened
-// to 16 int32 lanes give both halves
-template <int R>
-__attribute__((target(LLMINFER_AVX512))) void int4_rows_avx512(const float* xp, const float* xsum, int64_t K,
-                                                                const uint8_t* w, const float* scale,
-                                                                const float* offset, int64_t group, int64_t n,
-                                                                float* out, const char* ahead) {
-  const int64_t G = K / group;
-  const __m512i low = _mm512_set1_epi32(0x0F);
-  __m512 total[R];
-  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 even[R], odd[R];
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-    for (int64_t b = g * group; b < (g + 1) * group; b += 32) {
-      if (ahead && b % 128 == 0) {
-        for (int64_t line = 0; line < 64 * R; line += 64) _mm_prefetch(ahead + b / 2 * R + line, _MM_HINT_T0);
-      }
-      const __m512 xe = _mm512_loadu_ps(xp + b), xo = _mm512_loadu_ps(xp + b + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512i v = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + r) * (K / 2) + b / 2)));
-        even[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), xe, even[r]);
-        odd[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), xo, odd[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      total[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), _mm512_set1_ps(scale[(n + r) * G + g]), total[r]);
-  }
-  for (int r = 0; r < R; ++r) {
-    out[r] = hsum16(total[r]) + offset_dot_avx2(offset + (n + r) * G, xsum, G);
-  }
-}
-
-void rows_int4_avx512(const float* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
-                      const float* scale, const float* offset, int64_t group, float* y, int64_t N, int64_t n0,
-                      int64_t n1) {
-  const int64_t G = K / group;
-  float out[4];
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const char* ahead = n + 8 <= n1 ? reinterpret_cast<const char*>(w + (n + 4) * (K / 2)) : nullptr;
-    for (int64_t m = 0; m < M; ++m) {
-      int4_rows_avx512<4>(xp + m * K, xsum + m * G, K, w, scale, offset, group, n, out, m == 0 ? ahead : nullptr);
-      for (int r = 0; r < 4; ++r) y[m * N + n + r] = out[r];
-    }
-  }
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      int4_rows_avx512<1>(xp + m * K, xsum + m * G, K, w, scale, offset, group, n, out, nullptr);
-      y[m * N + n] = out[0];
-    }
-}
 #endif
 
 // ---------------------------------------------------------------------------------------------------
@@ -1085,34 +827,24 @@ Weight int8_weight(const at::Tensor& w, const at::Tensor& scale, const char* op)
 
 Weight int4_weight(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset, int64_t group,
                    const char* op) {
-  const bool tiled = w.dim() == 3;
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() &&
-              (w.dim() == 2 || (tiled && w.size(2) == 32)), op,
-              ": the codes must be contiguous uint8 on the CPU, (N, K/2) nibbles or (N/8, K/8, 32) tiles, got ",
-              w.sizes(), " ", w.scalar_type());
-  const int64_t N = tiled ? w.size(0) * 8 : w.size(0), K = tiled ? w.size(1) * 8 : w.size(1) * 2;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() && w.dim() == 3 &&
+              w.size(2) == 32, op, ": int4 codes must be contiguous uint8 tiles (N/8, K/8, 32) on the CPU "
+              "(llminfer.cpu.tile_int4 makes them from (N, K/2) nibbles), got ", w.sizes(), " ", w.scalar_type());
+  const int64_t N = w.size(0) * 8, K = w.size(1) * 8;
   TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, op, ": group ", group,
               " must be a multiple of 32 that divides ", K);
-  // tiled codes take float32 or float16 terms (both the same), row-major ones float32
-  const bool half = tiled && scale.scalar_type() == at::kHalf;
-  for (const at::Tensor* t : {&scale, &offset}) {
-    TORCH_CHECK((t->scalar_type() == at::kFloat || (tiled && t->scalar_type() == at::kHalf)) &&
-                t->scalar_type() == scale.scalar_type() && t->is_contiguous() && t->numel() == N * (K / group), op,
-                ": scale and offset must be contiguous (", N, ", ", K / group, "), both float32",
-                tiled ? " or both float16" : "", "; got ", scale.scalar_type(), " and ", offset.scalar_type());
-    TORCH_CHECK(!tiled || (t->dim() == 3 && t->size(0) == N / 8 && t->size(2) == 8), op,
-                ": tiled codes take (", N / 8, ", ", K / group, ", 8) scales and offsets, got ", t->sizes());
-  }
+  for (const at::Tensor* t : {&scale, &offset})      // float32 or float16 terms, both the same
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
+                t->scalar_type() == scale.scalar_type() && t->is_contiguous() && t->dim() == 3 &&
+                t->size(0) == N / 8 && t->size(1) == K / group && t->size(2) == 8, op,
+                ": scale and offset must be contiguous (", N / 8, ", ", K / group, ", 8), both float32 or both "
+                "float16; got ", scale.sizes(), " ", scale.scalar_type(), " and ", offset.sizes(), " ",
+                offset.scalar_type());
   Weight W{Weight::I4, w.data_ptr()};
-  if (!half) {
-    W.scale = scale.data_ptr<float>();
-    W.offset = offset.data_ptr<float>();
-  }
-  W.terms = Terms{scale.data_ptr(), offset.data_ptr(), half};
+  W.terms = Terms{scale.data_ptr(), offset.data_ptr(), scale.scalar_type() == at::kHalf};
   W.N = N;
   W.K = K;
   W.group = group;
-  W.tiled = tiled;
   return W;
 }
 
@@ -1129,9 +861,9 @@ Weight weight_from_parts(at::TensorList parts, const char* op) {
     return dense_weight(w, op);
   }
   if (parts.size() == 2) return int8_weight(w, parts[1], op);
-  TORCH_CHECK((parts[1].dim() == 2 || parts[1].dim() == 3) && parts[1].size(1) > 0, op,
-              ": int4 scales must be (N, groups) or, for tiled codes, (N/8, groups, 8)");
-  const int64_t K = w.dim() == 3 ? w.size(1) * 8 : w.size(1) * 2;
+  TORCH_CHECK(parts[1].dim() == 3 && parts[1].size(1) > 0 && w.dim() == 3, op,
+              ": int4 is (N/8, K/8, 32) tiles with (N/8, groups, 8) scales");
+  const int64_t K = w.size(1) * 8;
   Weight W = int4_weight(w, parts[1], parts[2], K / parts[1].size(1), op);
   W.int8_activations = parts.size() == 4;               // the marker: any tensor (the layers pass their codes again)
   return W;
@@ -1151,30 +883,18 @@ std::vector<float> even_odd(const float* x, int64_t M, int64_t K, int64_t chunk)
   return xp;
 }
 
-// the reorders and sums of x the int4 loops read, for rows M of x (K inputs, groups of `group`):
-// xp, `even_odd` by `chunk` (chunk 0: none), and the group sums
-struct Int4X {
-  std::vector<float> xp, xsum;
-};
-
-Int4X int4_x(const float* x, int64_t M, int64_t K, int64_t group, int64_t chunk) {
-  const int64_t G = K / group;
-  Int4X out;
-  out.xsum.assign(M * G, 0.f);
-  if (chunk) out.xp = even_odd(x, M, K, chunk);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) out.xsum[m * G + g] += xm[k];
-  }
-  return out;
+// the group sums of x (M, K) for the int4 loops' offset terms: xsum (M, K / group)
+std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t group) {
+  std::vector<float> xsum(M * (K / group), 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xsum[m * (K / group) + k / group] += x[m * K + k];
+  return xsum;
 }
 
 // x rounded to int8 per block of 32 for the W4A8 loops: dx[b] = max |x| / 127 of block b, and its 32 codes
-// lrint(x / dx) stored in the order the loops read them: row-major codes take the block's 16 even inputs, then its
-// 16 odd; tiled codes take each chunk of 8 as its 4 even, then its 4 odd. (lrint rounds half to even, as
-// vcvtps2dq does, so both versions give the same bytes.)
-void quantize_x_blocks_portable(const float* x, int64_t n_blocks, bool tiled, int8_t* xq, float* dx) {
+// lrint(x / dx) stored in the order the tile loops read them: each chunk of 8 as its 4 even, then its 4 odd inputs.
+// (lrint rounds half to even, as vcvtps2dq does, so both versions give the same bytes.)
+void quantize_x_blocks_portable(const float* x, int64_t n_blocks, int8_t* xq, float* dx) {
   for (int64_t b = 0; b < n_blocks; ++b) {
     const float* xb = x + b * 32;
     float amax = 0.f;
@@ -1183,22 +903,18 @@ void quantize_x_blocks_portable(const float* x, int64_t n_blocks, bool tiled, in
     dx[b] = step;
     int8_t* q = xq + b * 32;
     for (int j = 0; j < 32; ++j) {
-      const int at = tiled ? j / 8 * 8 + (j % 2) * 4 + (j % 8) / 2 : (j % 2) * 16 + j / 2;
-      q[at] = static_cast<int8_t>(std::lrint(xb[j] * inverse));
+      q[j / 8 * 8 + (j % 2) * 4 + (j % 8) / 2] = static_cast<int8_t>(std::lrint(xb[j] * inverse));
     }
   }
 }
 
 #ifdef LLMINFER_X86
-__attribute__((target("avx2,fma"))) void quantize_x_blocks_avx2(const float* x, int64_t n_blocks, bool tiled,
-                                                                int8_t* xq, float* dx) {
+__attribute__((target("avx2,fma"))) void quantize_x_blocks_avx2(const float* x, int64_t n_blocks, int8_t* xq,
+                                                                float* dx) {
   const __m256 sign = _mm256_set1_ps(-0.f);
-  // within each 16-byte lane: every chunk of 8 as its 4 even bytes, then its 4 odd (tiled); or the lane's 8 even
-  // bytes, then its 8 odd, the lanes' halves then put in order by a permute of 8-byte quarters (row-major)
+  // within each 16-byte lane: every chunk of 8 as its 4 even bytes, then its 4 odd
   const __m256i chunks = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
                                           0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-  const __m256i halves = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                          0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   for (int64_t b = 0; b < n_blocks; ++b) {
     const float* xb = x + b * 32;
     const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
@@ -1221,10 +937,7 @@ __attribute__((target("avx2,fma"))) void quantize_x_blocks_avx2(const float* x, 
     // groups restores x0..x31
     const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
     const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    __m256i out;
-    if (tiled) out = _mm256_shuffle_epi8(ordered, chunks);
-    else out = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(ordered, halves), 0xD8);   // quarters 0, 2, 1, 3
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * 32), out);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * 32), _mm256_shuffle_epi8(ordered, chunks));
   }
 }
 #endif
@@ -1235,43 +948,32 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y, const 
   const int64_t N = W.N, K = W.K, B = K / 32;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * B);
-  Int4X sums = int4_x(x, M, K, W.group, 0);
+  const std::vector<float> xsum = group_sums(x, M, K, W.group);
 #ifdef LLMINFER_X86
-  if (has_avx2()) quantize_x_blocks_avx2(x, M * B, W.tiled, xq.data(), dx.data());
+  if (has_avx2()) quantize_x_blocks_avx2(x, M * B, xq.data(), dx.data());
   else
 #endif
-    quantize_x_blocks_portable(x, M * B, W.tiled, xq.data(), dx.data());
-  // the loops for the layout (rows, or tiles of 8 rows) and the instruction set: VNNI, AVX2 or plain
-  using Rows = void (*)(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, const float*,
-                        const float*, int64_t, float*, int64_t, int64_t, int64_t);
+    quantize_x_blocks_portable(x, M * B, xq.data(), dx.data());
+  // the loops for the instruction set: VNNI, AVX2 or plain
   using Tiles = void (*)(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, Terms, int64_t,
                          float*, int64_t, int64_t, int64_t);
-  Rows rows = rows_int4_a8_portable;
   Tiles tiles = rows_int4t_a8_portable;
   const int64_t bits = matvec_features(kMatvecI4A8);
 #ifdef LLMINFER_X86
-  std::vector<int8_t> spread;                              // the tile loops' layout of xq
+  std::vector<int8_t> spread;                              // the 512-bit loops' layout of xq
   if (bits & kAVX512VNNI) {
     tiles = rows_int4t_a8<int4t_dp_avx512<1>, 8>;
-    rows = rows_int4_a8<int4_a8_rows_avx512vnni<4>, int4_a8_rows_avx512vnni<1>>;
-  } else if (bits & kAVXVNNI) {
-    tiles = rows_int4t_a8<int4t_a8_avxvnni<1>>;
-    rows = rows_int4_a8<int4_a8_rows_avxvnni<4>, int4_a8_rows_avxvnni<1>>;
-  } else if (bits & kAVX2) {
-    tiles = rows_int4t_a8<int4t_a8_avx2<1>>;
-    rows = rows_int4_a8<int4_a8_rows_avx2<4>, int4_a8_rows_avx2<1>>;
-  }
-  if ((bits & kAVX512VNNI) && W.tiled) {
     spread.resize(M * K * 8);
     for (int64_t m = 0; m < M; ++m) int4t_spread(xq.data() + m * K, K, spread.data() + m * K * 8);
+  } else if (bits & kAVXVNNI) {
+    tiles = rows_int4t_a8<int4t_a8_avxvnni<1>>;
+  } else if (bits & kAVX2) {
+    tiles = rows_int4t_a8<int4t_a8_avx2<1>>;
   }
 #endif
-  const int64_t unit = W.tiled ? 8 : 1;                    // the loops take tiles of 8 rows, or rows
   const uint8_t* wp = static_cast<const uint8_t*>(W.w);
-  split_rows(team, N / unit, kGrain / unit, unit, y, M, N, residual, [&](int64_t a, int64_t b) {
-    if (W.tiled) tiles(spread.empty() ? xq.data() : spread.data(), dx.data(), sums.xsum.data(), M, K, wp, W.terms,
-                       W.group, y, N, a, b);
-    else rows(xq.data(), dx.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, a, b);
+  split_rows(team, N / 8, kGrain / 8, 8, y, M, N, residual, [&](int64_t a, int64_t b) {
+    tiles(spread.empty() ? xq.data() : spread.data(), dx.data(), xsum.data(), M, K, wp, W.terms, W.group, y, N, a, b);
   });
 }
 
@@ -1325,10 +1027,10 @@ __attribute__((target("avx2,fma"))) void int4_x_digits(const float* x, int64_t K
 // where x has an inf or a NaN (then a group's sum of x has one too). Each thread lays out its own planes: spread, they are
 // 24 bytes an input, and read from the core that wrote them they cost more than writing them again.
 bool linear_rows_planes(const Weight& W, const float* x, int64_t M, float* y, const Team* team,
-                        const Residual* residual, bool vnni512) {
+                        const Residual* residual) {
   const int64_t N = W.N, K = W.K, B = K / 32;
-  const Int4X sums = int4_x(x, M, K, W.group, 0);
-  for (const float sum : sums.xsum)
+  const std::vector<float> xsum = group_sums(x, M, K, W.group);
+  for (const float sum : xsum)
     if (!std::isfinite(sum)) return false;
   const uint8_t* wp = static_cast<const uint8_t*>(W.w);
   split_rows(team, N / 8, kGrain / 8, 8, y, M, N, residual, [&](int64_t a, int64_t b) {
@@ -1337,12 +1039,9 @@ bool linear_rows_planes(const Weight& W, const float* x, int64_t M, float* y, co
     digits.resize(M * 3 * K);
     dx.resize(M * B);
     for (int64_t m = 0; m < M; ++m) int4_x_digits(x + m * K, K, digits.data() + m * 3 * K, dx.data() + m * B);
-    if (!vnni512)
-      return rows_int4t_a8<int4t_a8_avx2<3>, 3>(digits.data(), dx.data(), sums.xsum.data(), M, K, wp, W.terms,
-                                                W.group, y, N, a, b);
     spread.resize(M * 3 * K * 8);
     for (int64_t p = 0; p < M * 3; ++p) int4t_spread(digits.data() + p * K, K, spread.data() + p * K * 8);
-    rows_int4t_a8<int4t_dp_avx512<3>, 24>(spread.data(), dx.data(), sums.xsum.data(), M, K, wp, W.terms, W.group, y,
+    rows_int4t_a8<int4t_dp_avx512<3>, 24>(spread.data(), dx.data(), xsum.data(), M, K, wp, W.terms, W.group, y,
                                           N, a, b);
   });
   return true;
@@ -1366,13 +1065,12 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y, const Tea
   const bool avx2 = bits & kAVX2, avx512 = bits & kAVX512;
   if (W.format == Weight::I4 && W.int8_activations && M <= kMatvecMaxRows)
     return linear_rows_a8(W, x, M, y, team, residual);
-  if (W.format == Weight::I4 && W.tiled) {
+  if (W.format == Weight::I4) {
 #ifdef LLMINFER_X86
     // int4 with float x by int8 dot products (three int8 planes of x: VNNI, or maddubs on AVX2) where they were
     // measured fastest and the groups hold whole blocks of 32; else the float loops (and always for an x with an inf
     // or a NaN)
-    if (((bits & kAVX512VNNI) || ((bits & kPlanes) && avx2)) && W.group % 32 == 0 &&
-        linear_rows_planes(W, x, M, y, team, residual, bits & kAVX512VNNI))
+    if ((bits & kAVX512VNNI) && W.group % 32 == 0 && linear_rows_planes(W, x, M, y, team, residual))
       return;
 #endif
     const Int4TX sums = int4t_x(x, M, K, W.group, avx2 && !avx512);
@@ -1388,22 +1086,6 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y, const Tea
 #endif
       rows_int4t_portable(x, sums.xsum.data(), M, K, wp, W.terms, W.group, y, N, t0, t1);
     });
-    return;
-  }
-  if (W.format == Weight::I4) {
-    const int64_t G = K / W.group;
-    const Int4X sums = int4_x(x, M, K, W.group, avx512 ? 32 : avx2 ? 16 : 0);
-    const uint8_t* wp = static_cast<const uint8_t*>(W.w);
-    split_rows(team, N, kGrain, 1, y, M, N, residual, [&](int64_t n0, int64_t n1) {
-#ifdef LLMINFER_X86
-      if (avx512) return rows_int4_avx512(sums.xp.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group,
-                                          y, N, n0, n1);
-      if (avx2) return rows_int4_avx2(sums.xp.data(), sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y,
-                                      N, n0, n1);
-#endif
-      rows_int4_portable(x, sums.xsum.data(), M, K, wp, W.scale, W.offset, W.group, y, N, n0, n1);
-    });
-    (void)G;
     return;
   }
   const bool grouped = W.format == Weight::I8 && W.group != K;

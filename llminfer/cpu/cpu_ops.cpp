@@ -45,15 +45,15 @@ TORCH_LIBRARY(llminfer, m) {
   m.def("split_keys() -> int", []() -> int64_t { return kSplitKeys; });
   // the instruction sets in use (bits of Feature); set_cpu_features returns the bits the CPU lacks (0: set)
   m.def("cpu_features() -> int", []() -> int64_t { return features(); });
-  m.def("set_cpu_features(int bits) -> int", [](int64_t bits) -> int64_t { return set_features(bits); });
-  // the bits the matrix-vector loops of one weight format run (MatvecKind: 0 float32, 1 bfloat16, 2 int8, 3 int4,
-  // 4 int4 with int8 activations); set_matvec_features returns the bits the process lacks (0: set)
+  // set_cpu_features(bits, decode): the instruction sets in use and each format's decode loops' (float32, bfloat16,
+  // int8, int4, W4A8); returns the bits the CPU lacks (0: set)
+  m.def("set_cpu_features(int bits, int[] decode=[]) -> int", [](int64_t bits, at::IntArrayRef decode) -> int64_t {
+    return set_features(bits, decode.vec());
+  });
   m.def("matvec_features(int kind) -> int", [](int64_t kind) -> int64_t {
-    TORCH_CHECK(kind >= 0 && kind < kMatvecKinds, "matvec_features: kind ", kind, " is not one of 0..",
-                kMatvecKinds - 1);
+    TORCH_CHECK(kind >= 0 && kind < kMatvecKinds, "matvec_features: kind ", kind, " is not one of 0..", kMatvecKinds - 1);
     return matvec_features(kind);
   });
-  m.def("set_matvec_features(int kind, int bits) -> int", &set_matvec_features);
 }
 
 TORCH_LIBRARY_IMPL(llminfer, CPU, m) {

@@ -234,9 +234,10 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("kernel_offset", None if bits == 8 else offsets.float().contiguous()
                                  if offsets is not None else
                                  (zeros.float() - 2 ** (bits - 1) * scale32).contiguous(), persistent=False)
-            if bits == 4 and out_features % 8 == 0:
-                # int4 in tiles of 8 rows, the layout the fastest loops read (native_cpu.tile_int4), with the
-                # terms in float16 where they are float16 values (as `quantize` makes them, and GGUF stores them)
+            if bits == 4:
+                # int4 in tiles of 8 rows, the layout the kernels read (native_cpu.tile_int4: N padded to a multiple
+                # of 8, the extra outputs cut off after each product), with the terms in float16 where they are
+                # float16 values (as `quantize` makes them, and GGUF stores them)
                 terms = _half_terms(self.kernel_scale, self.kernel_offset, zeros, bits)
                 self.qweight, self.kernel_scale, self.kernel_offset = native_cpu.tile_int4(
                     self.qweight, *(terms or (self.kernel_scale, self.kernel_offset)))
@@ -310,7 +311,7 @@ class QuantizedLinear(nn.Module):
         if self.bits == 4:
             nibbles = self.qweight
             if nibbles.dim() == 3:                                       # tiles of 8 rows
-                nibbles = native_cpu.untile_int4(nibbles, self.kernel_scale, self.kernel_offset)[0]
+                nibbles = native_cpu.untile_int4(nibbles, self.kernel_scale, self.kernel_offset)[0][:self.out_features]
             return _unpack_nibbles(nibbles)
         return self.qweight
 
@@ -371,7 +372,7 @@ class QuantizedLinear(nn.Module):
             terms = self._kernel_terms_dtype()
             offset = None if self.kernel_offset is None else self.kernel_offset.to(terms)
             y = native_cpu.gemv(x2, self.qweight, self.kernel_scale.to(terms), offset, self.kernel_group,
-                                activations=self.activations if few else "float")
+                                activations=self.activations if few else "float")[:, :self.out_features]
         elif self.kernel == "int8pack" and few:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)         # (tokens, N)
         elif self.kernel == "int4pack" and few:

@@ -1,8 +1,10 @@
-"""The kernels' instruction-set dispatch (llminfer.cpu.choose_isa), every level this CPU runs against a
-float64 reference, the W4A8 and grouped-int8 paths, and the measured prefill choice's logic. Appendix A1."""
+"""The kernels' instruction-set dispatch (llminfer.cpu.choose_isa) and its static table of decode loops against the
+benchmark records, every level this CPU runs against a float64 reference, the W4A8 and grouped-int8 paths, and the
+prefill path. Appendix A1."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -40,7 +42,6 @@ RUNNABLE = {
 @pytest.mark.parametrize("name", sorted(RUNNABLE))
 def test_every_level_at_or_below_the_cpu_is_taken_and_every_level_above_is_refused(name, monkeypatch):
     monkeypatch.delenv(cpu.ISA_ENV, raising=False)
-    monkeypatch.delenv("LLMINFER_CPU_KERNELS_PORTABLE", raising=False)
     caps = _fixture(name)
     runnable = RUNNABLE[name]
     assert cpu.choose_isa(caps).level == runnable[-1]
@@ -58,7 +59,6 @@ def test_every_level_at_or_below_the_cpu_is_taken_and_every_level_above_is_refus
 
 def test_the_default_is_the_highest_level_and_unknown_levels_are_refused(monkeypatch):
     monkeypatch.delenv(cpu.ISA_ENV, raising=False)
-    monkeypatch.delenv("LLMINFER_CPU_KERNELS_PORTABLE", raising=False)
     amx = _fixture("intel_xeon_amx")
     assert amx.isa_level == "amx"
     default = cpu.choose_isa(amx)
@@ -72,8 +72,7 @@ def test_the_default_is_the_highest_level_and_unknown_levels_are_refused(monkeyp
         cpu.choose_isa(amx, "sse9")
     monkeypatch.setenv(cpu.ISA_ENV, "AVX2")                            # the environment, any case
     assert cpu.choose_isa(amx).level == "avx2" and cpu.choose_isa(amx).features == ("avx2",)
-    monkeypatch.delenv(cpu.ISA_ENV)
-    monkeypatch.setenv("LLMINFER_CPU_KERNELS_PORTABLE", "1")          # the older switch still works
+    monkeypatch.setenv(cpu.ISA_ENV, "portable")
     assert cpu.choose_isa(amx).level == "portable" and cpu.choose_isa(amx).bits == 0
 
 
@@ -82,6 +81,97 @@ def test_isa_reports_what_runs_here():
     here = cpu.choose_isa(cpu_capabilities())
     assert cpu.isa() == here.level and cpu.isa_features() == here.features
     assert int(torch.ops.llminfer.cpu_features()) == here.bits
+    # each format's decode loops run the bits of the level the table names (and of every lower level it runs)
+    assert cpu.decode_loops() == dict(here.decode)
+    for kind, (name, level) in enumerate(here.decode):
+        assert name == cpu.DECODE_FORMATS[kind]
+        assert int(torch.ops.llminfer.matvec_features(kind)) == here.level_bits(level), name
+    with pytest.raises(RuntimeError, match="matvec_features: kind 7 is not one of 0..4"):
+        torch.ops.llminfer.matvec_features(7)
+
+
+# fixture -> the decode loops the table gives it (a format: the level whose loops run)
+EXPECTED_LOOPS = {
+    "arm_neoverse": ("", dict.fromkeys(cpu.DECODE_FORMATS, "portable")),
+    "amd_epyc_avx2": ("AVX2", dict.fromkeys(cpu.DECODE_FORMATS, "avx2")),
+    "amd_zen4_avx512_bf16": ("AMD Zen 4, AVX-512", {"float32": "avx2", "bfloat16": "avx2", "int8": "avx512",
+                                                    "int4": "avx512", "int4a8": "avx2"}),
+    "amd_zen5_avx512_bf16_avx_vnni": ("AMD Zen 5, AVX-512", {"float32": "avx2", "bfloat16": "avx512", "int8": "avx2",
+                                                             "int4": "avx512", "int4a8": "avx2"}),
+    "intel_xeon_amx": ("Intel Xeon, AVX-512", {"float32": "avx512", "bfloat16": "avx512_bf16", "int8": "avx512",
+                                               "int4": "avx512_vnni", "int4a8": "avx512_vnni"}),
+    "intel_xeon_avx512_bf16_vnni": ("Intel Xeon, AVX-512", {"float32": "avx512", "bfloat16": "avx512_bf16",
+                                                            "int8": "avx512", "int4": "avx512_vnni",
+                                                            "int4a8": "avx512_vnni"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_LOOPS))
+def test_each_cpu_class_takes_the_decode_loops_of_its_row_and_a_forced_level_its_own(name, monkeypatch):
+    monkeypatch.delenv(cpu.ISA_ENV, raising=False)
+    caps = _fixture(name)
+    cpu_class, loops = EXPECTED_LOOPS[name]
+    choice = cpu.choose_isa(caps)
+    assert (choice.cpu_class, dict(choice.decode)) == (cpu_class, loops)
+    assert all(level in choice.features for level in loops.values() if level != "portable")
+    for level in RUNNABLE[name]:                     # forced: every format runs that level's widest loops
+        forced = cpu.choose_isa(caps, level)
+        assert forced.cpu_class == "" and dict(forced.decode) == dict.fromkeys(cpu.DECODE_FORMATS, level)
+    # the bits a format's loops run: its level's and every lower level's this CPU has, never a higher one's
+    if name == "intel_xeon_amx":
+        assert choice.level_bits("avx2") == 1 and choice.level_bits("avx512") == 1 + 16 + 2
+        assert choice.level_bits("avx512_vnni") == 1 + 16 + 2 + 4
+
+
+_RECORDS = Path(__file__).parents[2] / "data" / "benchmarks"
+
+
+@pytest.mark.parametrize("row", range(len(cpu.DECODE_LOOPS)))
+def test_the_table_names_for_each_format_the_loops_that_won_its_record(row):
+    """Each row's level for a format is the lowest median of that format's decode steps by level in the class's
+    benchmark record (the row's comment names the file); the AVX2 class has one level and no timing to read."""
+    cpu_class, _, _, loops = cpu.DECODE_LOOPS[row]
+    record = {"Intel Xeon, AVX-512": "decode-cpu-intel-xeon-avx512-amx.json",
+              "AMD Zen 5, AVX-512": "decode-cpu-amd-epyc-zen5-avx512.json",
+              "AMD Zen 4, AVX-512": "decode-cpu-amd-epyc-zen4-avx512.json",
+              "AVX2": "decode-cpu-amd-epyc.json"}[cpu_class]
+    report = json.loads((_RECORDS / record).read_text())
+    assert set(loops) == set(cpu.DECODE_FORMATS) and set(loops.values()) <= set(cpu.KERNEL_LEVELS)
+    timed = report["kernels"].get("matvec", {})
+    if not timed:
+        assert report["kernels"]["isa"] == "avx2" and set(loops.values()) == {"avx2"}
+        return
+    for name, level in loops.items():
+        medians = {lv: s for lv, s in timed[name]["median_s"].items() if lv in cpu.KERNEL_LEVELS}
+        assert level == min(medians, key=medians.get), (cpu_class, name, medians)
+
+
+def test_every_record_ran_every_formats_prefill_faster_on_the_blocked_kernel():
+    """The prefill path's rule (the blocked kernel wherever the vector loops run) against every CPU class's record."""
+    records = sorted(_RECORDS.glob("decode-cpu-*.json"))
+    assert len(records) >= 4
+    for path in records:
+        for name, entry in json.loads(path.read_text())["prefill"]["by_precision"].items():
+            assert entry["blocked_s"] < entry["torch_s"], (path.name, name)
+
+
+def test_the_prefill_path_is_the_blocked_kernel_unless_forced_and_nothing_is_kept(monkeypatch):
+    assert cpu.available(), cpu.why_unavailable()
+    monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
+    vector = cpu.isa() != "portable"
+    for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.uint8):
+        assert cpu.prefill_path(dtype, 128) == ("blocked" if vector else "torch")
+        with cpu.force_prefill("torch"):
+            assert cpu.prefill_path(dtype, 128) == "torch" and not cpu.blocked_prefill(dtype, 128)
+    monkeypatch.setenv(cpu.PREFILL_ENV, "torch")
+    assert cpu.prefill_path(torch.float32, 64) == "torch"
+    monkeypatch.setenv(cpu.PREFILL_ENV, "fast")
+    with pytest.raises(ValueError, match=r"LLMINFER_PREFILL='fast' must be one of \('blocked', 'torch'\)"):
+        cpu.prefill_path(torch.float32, 64)
+    with pytest.raises(ValueError, match=r"path='fast' must be one of"):
+        cpu.force_prefill("fast")
+    # nothing measured is kept next to the build
+    assert not list(Path(cpu._state["build"]).glob("*.json"))
 
 
 def _cases(generator):
@@ -95,7 +185,9 @@ def _cases(generator):
     nibbles = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
     scale = torch.rand(n, k // 64, generator=generator) * 0.1
     offset = torch.randn(n, k // 64, generator=generator) * 0.1
+    # 37 rows: tiles of 8 rows padded with 3 rows of zeros (their outputs are cut off)
     int4 = (codes.double().view(n, k // 64, 64) * scale.double()[..., None] + offset.double()[..., None]).view(n, k)
+    int4 = torch.cat([int4, int4.new_zeros(3, k)])
     # int4 in tiles of 8 rows (40 rows: five tiles, so the loops take four tiles at once and then one)
     codes40 = torch.randint(0, 16, (40, k), dtype=torch.uint8, generator=generator)
     scale40 = torch.rand(40, k // 32, generator=generator) * 0.1
@@ -113,7 +205,7 @@ def _cases(generator):
         "bf16": ((w.bfloat16(),), w.bfloat16().double()),
         "int8": ((q, s_row), q.double() * s_row.double()[:, None]),
         "int8_g32": ((q, s_group), (q.double().view(n, k // 32, 32) * s_group.double()[..., None]).view(n, k)),
-        "int4": ((nibbles, scale, offset, 64), int4),
+        "int4": ((*cpu.tile_int4(nibbles, scale, offset), 64), int4),
         "int4_tiled": ((*tiled, 32), int4_tiled),
         "int4_tiled16": ((*tiled16, 32), int4_tiled16),
     }
@@ -124,7 +216,7 @@ _RUN_LEVEL = textwrap.dedent("""
     import json, sys, torch
     from llminfer import cpu
     sys.path.insert(0, sys.argv[2])
-    from test_cpu_isa import _attention_cases, _cases
+    from test_cpu_isa import _attention_cases, _cases, _hard_int4_case
     x, cases = _cases(torch.Generator().manual_seed(0))
     out = {"isa": cpu.isa()}
     for rows in (1, 3, 20, 70):              # the matrix-vector loops, and the blocked kernel: 20 rows (one token
@@ -138,8 +230,32 @@ _RUN_LEVEL = textwrap.dedent("""
         out[f"bf16_x/{rows}"] = cpu.gemv(xr.bfloat16().float(), *cases["bf16"][0]).tolist()
     for name, (q, k, v) in _attention_cases(torch.Generator().manual_seed(1)).items():
         out[f"attention/{name}"] = cpu.decode_attention(q, k, v).float().tolist()
+    hard_x, (hard_args, _) = _hard_int4_case()
+    out["int4_hard"] = cpu.gemv(hard_x, *hard_args).tolist()
+    special = hard_x[2:].clone().repeat(2, 1)
+    special[0, 7], special[1, 200] = float("inf"), float("nan")
+    out["int4_special"] = [[str(v) for v in row] for row in cpu.gemv(special, *hard_args).tolist()]
+    out["decode_loops"] = cpu.decode_loops()
     print(json.dumps(out))
 """)
+
+
+def _hard_int4_case():
+    """x (3, 256) whose blocks of 32 span 40 orders of magnitude, or are zero, tiny or huge, and int4 tiles with
+    float16 terms: (x, (gemv's arguments after x, float64 weight))."""
+    generator = torch.Generator().manual_seed(5)
+    n, k, group = 64, 256, 32
+    nibbles = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
+    scale = (torch.rand(n, k // group, generator=generator) + 0.5).half()
+    offset = (torch.randn(n, k // group, generator=generator)).half()
+    codes = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).reshape(n, k).double()
+    weight = (codes.view(n, -1, group) * scale.double()[..., None] + offset.double()[..., None]).view(n, k)
+    x = torch.randn(3, k, generator=generator)
+    x[0, :32] *= torch.logspace(-20, 20, 32)                 # one block: 40 orders of magnitude
+    x[0, 32:64] = 0.0                                        # a zero block
+    x[1, 64:96] *= 1e-30                                     # a tiny block, and a huge one
+    x[1, 96:128] *= 1e30
+    return x, ((*cpu.tile_int4(nibbles, scale, offset), group), weight)
 
 
 def _attention_cases(generator):
@@ -159,21 +275,19 @@ def _attention_cases(generator):
     return cases
 
 
-def _levels_here() -> list[str]:
-    caps = cpu_capabilities()
-    return [level for level in cpu.KERNEL_LEVELS if cpu._level_runs(level, caps.flags)]
-
-
-@pytest.mark.parametrize("level", _levels_here())
+@pytest.mark.parametrize("level", list(cpu.KERNEL_LEVELS))
 def test_every_level_this_cpu_runs_matches_the_float64_reference(level):
     """Each path runs in its own process (the level is chosen once per process) under LLMINFER_ISA=level."""
+    flags = cpu_capabilities().flags
+    if not cpu._level_runs(level, flags):
+        pytest.skip(f"this CPU cannot run the {level} level (its loops are compiled, not run, here)")
     env = dict(os.environ, LLMINFER_ISA=level)
-    env.pop("LLMINFER_CPU_KERNELS_PORTABLE", None)
     done = subprocess.run([sys.executable, "-c", _RUN_LEVEL, "-", str(Path(__file__).parent)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     there = json.loads(done.stdout.strip().splitlines()[-1])
     assert there["isa"] == level
+    assert there["decode_loops"] == dict.fromkeys(cpu.DECODE_FORMATS, level)   # a forced level runs its own loops
     x, cases = _cases(torch.Generator().manual_seed(0))
     for rows in (1, 3, 20, 70):
         xr = x.repeat(24, 1)[:rows].double()
@@ -193,17 +307,22 @@ def test_every_level_this_cpu_runs_matches_the_float64_reference(level):
             if rows <= cpu.MAX_TOKENS:              # x rounded to int8 blocks exactly as the reference rounds it
                 expected = _w4a8_reference(xr, cases[name][1], _offsets(cases[name][0]))
                 assert float((w4a8 - expected).abs().max()) < 1e-5 * float(expected.abs().max()), (level, name, rows)
-        # the tiled and row-major W4A8 loops round x the same way: the same integer sums, float rounding apart
-        tiled = torch.tensor(there[f"w4a8/int4_tiled/{rows}"], dtype=torch.float64)
-        nibbles, scale, offset = cpu.untile_int4(*cases["int4_tiled"][0][:3])
-        rowmajor = cpu.gemv(x.repeat(24, 1)[:rows], nibbles, scale, offset, 32, activations="int8").double()
-        assert float((tiled - rowmajor).abs().max()) < 1e-5 * float(rowmajor.abs().max()), (level, rows)
-        # float16 terms give what float32 ones of the same values give
+        # float16 terms give what float32 ones of the same values give (the same loops, the terms widened)
         tiled16 = torch.tensor(there[f"w4a8/int4_tiled16/{rows}"], dtype=torch.float64)
-        nibbles, scale, offset = cpu.untile_int4(*cases["int4_tiled16"][0][:3])
-        rowmajor = cpu.gemv(x.repeat(24, 1)[:rows], nibbles, scale.float(), offset.float(), 32,
-                            activations="int8").double()
-        assert float((tiled16 - rowmajor).abs().max()) < 1e-5 * float(rowmajor.abs().max()), (level, rows)
+        codes, scale, offset = cases["int4_tiled16"][0][:3]
+        as32 = cpu.gemv(x.repeat(24, 1)[:rows], codes, scale.float(), offset.float(), 32, activations="int8").double()
+        assert float((tiled16 - as32).abs().max()) < 1e-5 * float(as32.abs().max()), (level, rows)
+    # int4 with float x on hard activations (the VNNI loop reads x as three int8 planes of each block of 32)
+    hard_x, (hard_args, hard_weight) = _hard_int4_case()
+    reference = hard_x.double() @ hard_weight.T
+    got = torch.tensor(there["int4_hard"], dtype=torch.float64)
+    for row in range(3):
+        # float32 accuracy: the error within a few roundings of the row's largest product terms
+        bound = 1e-6 * float((hard_x[row].double().abs() @ hard_weight.abs().T).max())
+        assert float((got[row] - reference[row]).abs().max()) < bound, (level, row)
+    # every output reads every input: an inf or a NaN in x leaves no output finite, never a finite value from a
+    # clipped block
+    assert not any(math.isfinite(float(v)) for row in there["int4_special"] for v in row), level
     # decode attention (the 16-lane loops take a K/V head's query heads together; the others one at a time)
     for name, (q, k, v) in _attention_cases(torch.Generator().manual_seed(1)).items():
         reference = attention(q.double(), k.double(), v.double(), causal=True)[0]
@@ -261,13 +380,18 @@ def test_int4_tiles_round_trip_and_the_layers_keep_their_codes():
     assert tuple(codes.shape) == (2, 16, 32) and tuple(s8.shape) == (2, 4, 8)
     assert torch.equal(codes[1, 3, 8:12], nibbles[10, 12:16]) and float(s8[1, 2, 5]) == float(scale[13, 2])
     assert all(torch.equal(a, b) for a, b in zip(cpu.untile_int4(codes, s8, o8), (nibbles, scale, offset)))
-    with pytest.raises(ValueError, match=r"tiles of 8 rows need N a multiple of 8 .* \(12 x 128\) weight"):
-        cpu.tile_int4(nibbles[:12], scale[:12], offset[:12])
+    # N not a multiple of 8: padded with rows of zero codes and terms, which untile_int4 gives back
+    codes12, s12, o12 = cpu.tile_int4(nibbles[:12], scale[:12], offset[:12])
+    assert tuple(codes12.shape) == (2, 16, 32) and torch.equal(codes12[0], codes[0])
+    back = cpu.untile_int4(codes12, s12, o12)
+    assert torch.equal(back[0][:12], nibbles[:12]) and not back[0][12:].any() and not back[1][12:].any()
+    with pytest.raises(ValueError, match=r"tiles of 8 rows need K a multiple of 8, got a \(16 x 4\) weight"):
+        cpu.tile_int4(nibbles[:, :2], scale, offset)
     torch.manual_seed(0)
-    for rows in (64, 36):                                    # 36 rows: not a multiple of 8, kept row-major
+    for rows in (64, 36):                                    # 36 rows: padded to 40, the last 4 outputs cut off
         linear = nn.Linear(128, rows)
         layer = QuantizedLinear.from_linear(linear, 4, 32)
-        assert layer.kernel == "native" and layer.qweight.dim() == (3 if rows % 8 == 0 else 2)
+        assert layer.kernel == "native" and layer.qweight.dim() == 3
         reference = QuantizedLinear.from_linear(linear, 4, 32, kernel="dequantize")
         assert torch.equal(layer.codes(), reference.codes())
         assert torch.equal(layer.state()["qweight"], reference.state()["qweight"])
@@ -278,10 +402,8 @@ def test_int4_tiles_round_trip_and_the_layers_keep_their_codes():
 
 
 def _offsets(args) -> torch.Tensor:
-    """The (N, groups) offsets of an int4 case's kernel arguments, row-major or tiled."""
-    if args[0].dim() == 3:
-        return cpu.untile_int4(*args[:3])[2]
-    return args[2]
+    """The (N, groups) offsets of an int4 case's kernel arguments (tiles of 8 rows)."""
+    return cpu.untile_int4(*args[:3])[2]
 
 
 def _w4a8_reference(x: torch.Tensor, weight: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -298,10 +420,9 @@ def _w4a8_reference(x: torch.Tensor, weight: torch.Tensor, offset: torch.Tensor)
 def test_w4a8_changes_the_numbers_by_the_int8_rounding_of_x_and_no_more():
     """W4A8 equals, to float rounding, the float int4 product with x replaced by its int8 blocks."""
     x, cases = _cases(torch.Generator().manual_seed(3))
-    nibbles, scale, offset, group = cases["int4"][0]
-    got = cpu.gemv(x, nibbles, scale, offset, group, activations="int8").double()
+    got = cpu.gemv(x, *cases["int4"][0], activations="int8").double()
     # the offset term uses the exact group sums of x, the code term x's int8 blocks
-    expected = _w4a8_reference(x.double(), cases["int4"][1], offset)
+    expected = _w4a8_reference(x.double(), cases["int4"][1], _offsets(cases["int4"][0]))
     assert float((got - expected).abs().max()) < 1e-4 * float(expected.abs().max())
     assert float((got - x.double() @ cases["int4"][1].T).abs().max()) > 1e-5
 
@@ -342,457 +463,3 @@ def test_grouped_int8_layers_run_the_native_kernel():
         cpu.gemv(x, codes, torch.rand(64, 3))
 
 
-def test_the_prefill_choice_is_the_faster_median_and_the_blocked_kernel_on_a_tie():
-    """First use and benchmark alike: the lower median of whole prefills, with no margin; rows in buckets."""
-    assert cpu.PREFILL_PATHS == ("blocked", "torch")
-    assert cpu.choose_fastest({"blocked": [3.0, 1.0, 1.1], "torch": [1.2, 1.3, 0.1]}) == "blocked"
-    assert cpu.choose_fastest({"blocked": [1.04, 1.04, 0.1], "torch": [1.0, 1.02, 9.0]}) == "torch"
-    assert cpu.choose_fastest({"blocked": [1.0], "torch": [1.0]}) == "blocked"
-    with pytest.raises(ValueError, match="needs some timings for every candidate"):
-        cpu.choose_fastest({"blocked": [1.0], "torch": []})
-    assert [cpu.rows_bucket(r) for r in (1, 9, 16, 17, 128, 129, 4000)] == [16, 16, 16, 32, 128, 256, 512]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.uint8])
-def test_the_prefill_probe_runs_the_layers_in_the_format_on_the_path_in_force(monkeypatch, dtype):
-    """The first-use probe times what the choice moves: a prefill of a few layers with weights in the format,
-    through the modules' products (F.linear over every row) on 'torch', through the native stack on 'blocked'."""
-    import torch.nn.functional as F
-
-    assert cpu.available(), cpu.why_unavailable()
-    from llminfer import fast
-
-    assert cpu.prefill_probe_name() == cpu.PREFILL_LAYERS_PROBE           # set when llminfer.fast is imported
-    run = fast.prefill_probe(dtype, 16)
-    seen, linear = [], F.linear
-
-    def spy(x, weight, bias=None):
-        seen.append((x.shape[-2] if x.dim() > 1 else 1, weight.dtype))
-        return linear(x, weight, bias)
-
-    monkeypatch.setattr(F, "linear", spy)
-    with cpu.force_prefill("torch"):
-        run()
-    products = [entry for entry in seen if entry[0] == 16]
-    assert len(products) == 4 * cpu.PREFILL_PROBE_LAYERS            # qkv, o, gate_up and down of every layer
-    assert {weight_dtype for _, weight_dtype in products} == {torch.bfloat16 if dtype == torch.bfloat16
-                                                               else torch.float32}
-    if cpu.isa() != "portable":
-        seen.clear()
-        with cpu.force_prefill("blocked"):
-            run()
-        assert all(rows <= 1 for rows, _ in seen), seen              # the stack in one native call
-    with pytest.raises(ValueError, match=r"prefills for \[torch.float16\]: the weight dtypes .* float32, bfloat16"):
-        fast.prefill_probe(torch.float16, 16)
-
-
-def test_without_the_stack_the_prefill_probe_is_a_layers_products(monkeypatch):
-    """Where llminfer.fast is not imported no stack runs (only quantized layers' products), so the first use times a
-    layer's products; setting a probe drops the choices made on another one."""
-    import torch.nn.functional as F
-
-    assert cpu.available(), cpu.why_unavailable()
-    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={"kept": {"probe": cpu.PREFILL_STEP},
-                                                                      "other": {"probe": "another probe"}}))
-    cpu.set_prefill_probe(None)
-    assert cpu.prefill_probe_name() == cpu.PREFILL_PRODUCTS and set(cpu._prefill["choices"]) == {"kept"}
-    seen, linear = [], F.linear
-    monkeypatch.setattr(F, "linear", lambda x, w, b=None: seen.append(tuple(x.shape)) or linear(x, w, b))
-    timings = cpu.measure_prefill(torch.int8, 16, repeats=1)
-    assert sorted(timings) == ["blocked", "torch"] and all(len(t) == 1 for t in timings.values())
-    # torch's path: each of the layer's products, in its warm-up turn and its one timed turn
-    assert seen == [(16, k) for _, k in cpu.PREFILL_PROBE_SHAPES] * 2
-
-
-def test_the_prefill_choice_is_measured_once_and_cached(monkeypatch, tmp_path):
-    assert cpu.available(), cpu.why_unavailable()          # loaded first: loading sets the build folder patched below
-    calls = []
-
-    def fake_measure(dtype, rows, repeats=5):
-        calls.append((dtype, rows))
-        return {"blocked": [1.0], "torch": [2.0]} if dtype == torch.bfloat16 else {"blocked": [2.0], "torch": [1.0]}
-
-    monkeypatch.setattr(cpu, "measure_prefill", fake_measure)
-    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
-    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
-    monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
-    vector = cpu.isa() != "portable"
-    assert cpu.blocked_prefill(torch.bfloat16, 100) is vector and cpu.blocked_prefill(torch.bfloat16, 128) is vector
-    assert cpu.blocked_prefill(torch.float32, 128) is False
-    assert calls == ([(torch.bfloat16, 128), (torch.float32, 128)] if vector else [])
-    if vector:
-        saved = json.loads((tmp_path / "prefill_choices.json").read_text())
-        assert sorted(v["path"] for v in saved.values()) == ["blocked", "torch"]
-        assert all(key.endswith(("bfloat16|128", "float32|128")) for key in cpu.prefill_choices())
-        assert cpu.prefill_choice(torch.bfloat16, 120) == {"path": "blocked", "probe": cpu.prefill_probe_name(),
-                                                           "median_s": {"blocked": 1.0, "torch": 2.0}}
-        with pytest.raises(ValueError, match=r"prefills for \[torch.float16\]"):
-            cpu.prefill_choice(torch.float16, 128)
-        with cpu.force_prefill("blocked"):
-            assert cpu.blocked_prefill(torch.float32, 128) is True
-        monkeypatch.setenv(cpu.PREFILL_ENV, "torch")
-        assert cpu.blocked_prefill(torch.bfloat16, 128) is False
-        monkeypatch.setenv(cpu.PREFILL_ENV, "fastest")
-        with pytest.raises(ValueError, match="LLMINFER_PREFILL='fastest' must be one of"):
-            cpu.blocked_prefill(torch.bfloat16, 128)
-    with pytest.raises(ValueError, match="path='quick' must be one of"):
-        cpu.force_prefill("quick")
-
-
-def test_a_quantized_stack_takes_the_prefill_path_measured_for_its_own_weights(monkeypatch, tmp_path):
-    """The one-call prefill of an int4 stack follows the choice for uint8 weights, not float32's (its activations)."""
-    from llminfer import fast, load_random
-
-    assert cpu.available(), cpu.why_unavailable()          # loaded first: loading sets the build folder patched below
-    from llminfer.config import ModelConfig
-
-    def fake_measure(dtype, rows, repeats=5):              # float32: torch's matmul; int4 (uint8): the blocked kernel
-        return {"blocked": [1.0], "torch": [2.0]} if dtype == torch.uint8 else {"blocked": [2.0], "torch": [1.0]}
-
-    monkeypatch.setattr(cpu, "measure_prefill", fake_measure)
-    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
-    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
-    monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
-    config = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=64)
-    float_model = fast.fuse_projections(load_random(config, seed=0))
-    int4_model = fast.fuse_projections(quant.quantize(load_random(config, seed=0), "int4", 32))
-    x, cos = torch.zeros(1, 40, 64), torch.zeros(40, 16)
-    for model, dtype in ((float_model, torch.float32), (int4_model, torch.uint8)):
-        fast.use_native_kernels(model)
-        stack = model.layers
-        assert isinstance(stack, fast.NativeDecoderStack)
-        assert fast._weight_dtype(stack[0], x) == dtype
-        vector = cpu.isa() != "portable"
-        expected = "prefill" if vector and dtype == torch.uint8 else None
-        assert stack._step_fits(x, cos, cpu.attention_backend) == expected, dtype
-        assert fast._step_fits(x, cos, cpu.attention_backend) is None          # float32's own choice: torch
-
-
-def test_an_engine_settles_every_prefill_path_before_its_first_request(monkeypatch, tmp_path):
-    """settle_prefill_paths times each rows bucket a step can take, for the stack's own weights, once; an engine
-    calls it when it is made, so no request waits on a first-use timing."""
-    from llminfer import fast, load_random
-    from llminfer.config import ModelConfig
-    from llminfer.engine import LLMEngine
-
-    assert cpu.available(), cpu.why_unavailable()
-    calls = []
-
-    def fake_measure(dtype, rows, repeats=5):
-        calls.append((dtype, rows))
-        return {"blocked": [1.0], "torch": [2.0 if rows < 64 else 0.5]}
-
-    monkeypatch.setattr(cpu, "measure_prefill", fake_measure)
-    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
-    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
-    monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
-    config = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=64)
-    assert fast.settle_prefill_paths(load_random(config, seed=0), 40) == {}            # no native stack: nothing
-    model = fast.optimize_decode(quant.quantize(load_random(config, seed=0), "int4", 32))
-    if cpu.isa() == "portable":                              # no blocked kernel: nothing to time
-        assert fast.settle_prefill_paths(model, 40) == {} or calls == []
-        return
-    assert fast.settle_prefill_paths(model, 40) == {16: "blocked", 32: "blocked", 64: "torch"}
-    assert calls == [(torch.uint8, 16), (torch.uint8, 32), (torch.uint8, 64)]
-    assert fast.settle_prefill_paths(model, 2000) == {16: "blocked", 32: "blocked", 64: "torch", 128: "torch",
-                                                      256: "torch", 512: "torch"}
-    assert len(calls) == 6                                    # the kept ones not again
-    calls.clear()
-    LLMEngine(load_random(config, seed=0).to(torch.bfloat16), block_size=4, num_blocks=64,
-              max_num_batched_tokens=100, max_model_len=64, optimize=True)
-    assert calls == [(torch.bfloat16, 16), (torch.bfloat16, 32), (torch.bfloat16, 64), (torch.bfloat16, 128)]
-
-
-def test_kept_prefill_timings_are_decided_by_the_rule_in_force(monkeypatch, tmp_path):
-    """A kept answer's timings are read again, not its path: one kept as 'torch' where the blocked kernel's median
-    is lower is the blocked kernel's, without measuring."""
-    assert cpu.available(), cpu.why_unavailable()
-    if cpu.isa() == "portable":                              # no vector loops: nothing is kept or timed
-        return
-    monkeypatch.setattr(cpu, "measure_prefill", lambda *args, **kwargs: pytest.fail("measured a kept answer"))
-    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
-    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
-    monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
-    kept = {cpu._choice_key(torch.bfloat16, 128): {"path": "torch", "probe": cpu.prefill_probe_name(),
-                                                    "median_s": {"blocked": 3.9e-3, "torch": 4.0e-3}},
-            cpu._choice_key(torch.float32, 128): {"path": "blocked", "probe": cpu.prefill_probe_name(),
-                                                   "median_s": {"blocked": 4.0e-3, "torch": 3.0e-3}}}
-    (tmp_path / "prefill_choices.json").write_text(json.dumps(kept))
-    assert cpu.prefill_path(torch.bfloat16, 128) == "blocked"
-    assert cpu.prefill_path(torch.float32, 128) == "torch"
-
-
-def test_answers_kept_from_another_probe_are_timed_again(monkeypatch, tmp_path):
-    """A kept answer names the probe that timed it; one timed on another probe (an earlier version's) is measured
-    again, for the prefill and for the decode loops alike."""
-    import dataclasses
-
-    assert cpu.available(), cpu.why_unavailable()
-    if cpu.isa() == "portable":                              # no vector loops: nothing is ever timed
-        assert cpu.matvec_candidates("int8") == () and not cpu.blocked_prefill(torch.float32, 128)
-        return
-    calls = []
-    monkeypatch.setattr(cpu, "measure_prefill", lambda dtype, rows, repeats=5: calls.append(dtype) or
-                        {"blocked": [1.0], "torch": [2.0]})
-    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
-    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
-    monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
-    key = cpu._choice_key(torch.float32, 128)
-    stale = {key: {"path": "torch", "probe": "one product 1536x576", "median_s": {"blocked": 2.0, "torch": 1.0}}}
-    (tmp_path / "prefill_choices.json").write_text(json.dumps(stale))
-    assert cpu.prefill_path(torch.float32, 128) == "blocked" and calls == [torch.float32]
-    assert json.loads((tmp_path / "prefill_choices.json").read_text())[key]["probe"] == cpu.prefill_probe_name()
-    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
-    assert cpu.prefill_path(torch.float32, 128) == "blocked" and calls == [torch.float32]     # kept: not again
-
-    several = [name for name in cpu.MATVEC_CANDIDATES if len(cpu.matvec_candidates(name)) > 1]
-    if not several:
-        return
-    name = several[0]
-    levels = cpu.matvec_candidates(name)
-    here = dataclasses.replace(cpu._state["isa"], forced=False)
-    kinds = [k for k, _ in cpu.MATVEC_CANDIDATES.values()]
-    before, saved_choices = {k: int(torch.ops.llminfer.matvec_features(k)) for k in kinds}, cpu.matvec_choices()
-    timed = []
-    monkeypatch.setattr(cpu, "measure_matvec", lambda n, lv, repeats=5: timed.append(n) or
-                        {level: [1.0 if level == lv[0] else 2.0] for level in lv})
-    kept_key = f"{cpu._machine_key(here.level)}|{name}"
-    (tmp_path / "matvec_choices.json").write_text(json.dumps({kept_key: {"level": levels[-1], "median_s": {}}}))
-    try:
-        cpu._choose_matvec(here)
-        assert name in timed and cpu.matvec_choices()[name]["level"] == levels[0]
-        assert json.loads((tmp_path / "matvec_choices.json").read_text())[kept_key]["probe"] == cpu.MATVEC_PROBE
-    finally:
-        for k, bits in before.items():                        # every format's loops as they were
-            torch.ops.llminfer.set_matvec_features(k, bits)
-        cpu._matvec["choices"] = saved_choices
-
-
-def test_a_prefill_path_timed_on_whole_prefills_is_the_faster_one_and_kept(monkeypatch, tmp_path):
-    """remeasure_prefill runs each dtype's prefill forced onto each path in turn and keeps the lower median, with
-    no margin (the blocked kernel on a tie); a later process reads the kept answer back by the same rule."""
-    assert cpu.available(), cpu.why_unavailable()
-    monkeypatch.setattr(cpu, "measure_prefill", lambda *args, **kwargs: pytest.fail("the first-use probe ran"))
-    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
-    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
-    monkeypatch.delenv(cpu.PREFILL_ENV, raising=False)
-    seen = []
-
-    def prefill(blocked_s, torch_s):
-        def run():
-            path = cpu.prefill_path(torch.float32, 128)          # the path forced while the run is timed
-            seen.append(path)
-            return blocked_s if path == "blocked" else torch_s
-        return run
-
-    with pytest.raises(ValueError, match=r"prefills for \[torch.float16\]: the weight dtypes .* float32, bfloat16"):
-        cpu.remeasure_prefill({torch.float16: prefill(1.0, 1.0)}, 128)
-    runs = {torch.float32: prefill(1.0, 0.97), torch.bfloat16: prefill(1.0, 1.03), torch.uint8: prefill(1.0, 1.0)}
-    if cpu.isa() == "portable":                                  # no blocked kernel: nothing to time
-        assert cpu.remeasure_prefill(runs, 100) == {} and seen == []
-        return
-    choices = cpu.remeasure_prefill(runs, 100, repeats=3)
-    assert seen == ["blocked", "torch"] * 4 * 3                  # a warm-up and 3 turns each, taking turns
-    assert {key.rsplit("|", 2)[1]: entry["path"] for key, entry in choices.items()} == \
-        {"float32": "torch", "bfloat16": "blocked", "uint8": "blocked"}       # 3 % either way decides; a tie: blocked
-    assert all(key.endswith("|128") and entry["probe"] == cpu.PREFILL_STEP for key, entry in choices.items())
-    assert choices[cpu._choice_key(torch.float32, 128)]["median_s"] == {"blocked": 1.0, "torch": 0.97}
-    assert cpu.prefill_path(torch.float32, 128) == "torch" and cpu._prefill["forced"] is None
-    # kept: a later process takes the same paths without timing anything
-    monkeypatch.setattr(cpu, "_prefill", dict(cpu._prefill, choices={}, forced=None, loaded_from_disk=False))
-    assert [cpu.prefill_path(dtype, 120) for dtype in runs] == ["torch", "blocked", "blocked"]
-    saved = json.loads((tmp_path / "prefill_choices.json").read_text())
-    assert {entry["probe"] for entry in saved.values()} == {cpu.PREFILL_STEP}
-
-
-def test_measure_prefill_times_both_paths_in_turn():
-    timings = cpu.measure_prefill(torch.uint8, 16, repeats=2)
-    assert sorted(timings) == ["blocked", "torch"] and all(len(t) == 2 and min(t) > 0 for t in timings.values())
-
-
-def test_the_decode_loops_choice_is_the_lowest_median_and_the_first_on_a_tie():
-    assert cpu.choose_fastest({"avx2": [3.0, 1.0, 1.1], "avx512": [1.2, 1.3, 0.1]}) == "avx2"
-    assert cpu.choose_fastest({"avx2": [2.0], "avx512": [1.0], "avx512_bf16": [1.5]}) == "avx512"
-    assert cpu.choose_fastest({"avx2": [1.0], "avx512": [1.0]}) == "avx2"
-    with pytest.raises(ValueError, match="needs some timings for every candidate"):
-        cpu.choose_fastest({"avx2": [1.0], "avx512": []})
-    with pytest.raises(ValueError, match="format 'int3' is not one of float32"):
-        cpu.matvec_candidates("int3")
-
-
-def test_each_format_runs_the_decode_loops_measured_fastest_and_a_forced_level_runs_its_own(monkeypatch, tmp_path):
-    """With fake timings (float32: the lowest candidate fastest; every other format: the highest), each format's
-    loops are set to the winner, the answers kept on disk and read back; a forced level measures nothing."""
-    import dataclasses
-
-    assert cpu.available(), cpu.why_unavailable()
-    here = cpu._state["isa"]
-    kinds = {name: kind for name, (kind, _) in cpu.MATVEC_CANDIDATES.items()}
-    saved_bits = {name: int(torch.ops.llminfer.matvec_features(kind)) for name, kind in kinds.items()}
-    saved_choices = cpu.matvec_choices()
-    calls = []
-
-    def fake_measure(name, levels, repeats=5):
-        calls.append(name)
-        winner = levels[0] if name == "float32" else levels[-1]
-        return {level: [1.0 if level == winner else 2.0] for level in levels}
-
-    monkeypatch.setattr(cpu, "measure_matvec", fake_measure)
-    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
-    unforced, forced = dataclasses.replace(here, forced=False), dataclasses.replace(here, forced=True)
-    try:
-        cpu._choose_matvec(unforced)
-        choices = cpu.matvec_choices()
-        several = [name for name in kinds if len(cpu.matvec_candidates(name, unforced)) > 1]
-        assert calls == several
-        for name, kind in kinds.items():
-            levels = cpu.matvec_candidates(name, unforced)
-            if not levels:                                  # (portable: no vector loops to choose among)
-                assert name not in choices
-                continue
-            expected = levels[0] if name == "float32" else levels[-1]
-            assert choices[name]["level"] == expected and choices[name]["measured"] == (name in several)
-            assert int(torch.ops.llminfer.matvec_features(kind)) == cpu._level_bits(expected, unforced)
-        kept = json.loads((tmp_path / "matvec_choices.json").read_text())
-        assert sorted(key.rsplit("|", 1)[1] for key in kept) == sorted(several)
-        cpu._choose_matvec(unforced)                        # read back from disk: nothing measured again
-        assert calls == several
-        cpu._choose_matvec(unforced, fresh=True)            # measured again (what remeasure_matvec does)
-        assert calls == several + several
-        calls[len(several):] = []
-        cpu._choose_matvec(forced)                          # LLMINFER_ISA: every format on the level's own loops
-        assert calls == several
-        for name, kind in kinds.items():
-            assert int(torch.ops.llminfer.matvec_features(kind)) == here.bits
-            if cpu.matvec_candidates(name, forced):
-                assert cpu.matvec_choices()[name] == {"level": cpu.matvec_candidates(name, forced)[-1],
-                                                      "measured": False}
-    finally:
-        for name, kind in kinds.items():
-            torch.ops.llminfer.set_matvec_features(kind, saved_bits[name])
-        cpu._matvec["choices"] = saved_choices
-
-
-def test_measure_matvec_times_every_candidate_in_turn_and_leaves_the_loops_as_they_were():
-    assert cpu.available(), cpu.why_unavailable()
-    levels = cpu.matvec_candidates("int8")                  # none on a CPU without AVX2: nothing to time
-    assert levels == tuple(level for level in ("avx2", "avx512") if level in cpu.isa_features())
-    kind = cpu.MATVEC_CANDIDATES["int8"][0]
-    before = int(torch.ops.llminfer.matvec_features(kind))
-    timings = cpu.measure_matvec("int8", levels, repeats=2)
-    assert list(timings) == list(levels) and all(len(t) == 2 and min(t) > 0 for t in timings.values())
-    assert int(torch.ops.llminfer.matvec_features(kind)) == before
-    with pytest.raises(ValueError, match=r"\['sse9'\] are not levels this process runs int8 loops at"):
-        cpu.measure_matvec("int8", ("sse9",))
-    with pytest.raises(RuntimeError, match="set_matvec_features: kind 7 is not one of 0..4"):
-        torch.ops.llminfer.set_matvec_features(7, 1)
-
-
-@pytest.mark.parametrize("level", cpu.matvec_candidates("int4") if cpu.available() else ())
-def test_each_int4_float_loop_keeps_float32_accuracy_on_hard_activations(level):
-    """Every loop for int4 weights with float x, the VNNI one among them (x as three int8 planes per block of 32,
-    exact to 2^-23 of the block's largest |x|), against float64: blocks whose inputs span 40 orders of magnitude, a
-    zero block, tiny and huge values; and an inf or a NaN in x leaves no output finite."""
-    generator = torch.Generator().manual_seed(5)
-    n, k, group = 64, 256, 32
-    nibbles = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
-    scale = (torch.rand(n, k // group, generator=generator) + 0.5).half()
-    offset = (torch.randn(n, k // group, generator=generator)).half()
-    codes = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).reshape(n, k).double()
-    weight = (codes.view(n, -1, group) * scale.double()[..., None] + offset.double()[..., None]).view(n, k)
-    tiled = cpu.tile_int4(nibbles, scale, offset)
-    x = torch.randn(3, k, generator=generator)
-    x[0, :32] *= torch.logspace(-20, 20, 32)                 # one block: 40 orders of magnitude
-    x[0, 32:64] = 0.0                                        # a zero block
-    x[1, 64:96] *= 1e-30                                     # a tiny block, and a huge one
-    x[1, 96:128] *= 1e30
-    x[2] = torch.randn(k, generator=generator)
-    kind = cpu.MATVEC_CANDIDATES["int4"][0]
-    before = int(torch.ops.llminfer.matvec_features(kind))
-    torch.ops.llminfer.set_matvec_features(kind, cpu._level_bits(level, cpu._state["isa"]))
-    try:
-        got = cpu.gemv(x, *tiled, group).double()
-        special = x[2:].clone().repeat(2, 1)
-        special[0, 7], special[1, 200] = float("inf"), float("nan")
-        got_special = cpu.gemv(special, *tiled, group)
-    finally:
-        torch.ops.llminfer.set_matvec_features(kind, before)
-    reference = x.double() @ weight.T
-    for row in range(3):
-        # float32 accuracy: the error within a few roundings of the row's largest product terms
-        bound = 1e-6 * float((x[row].double().abs() @ weight.abs().T).max())
-        assert float((got[row] - reference[row]).abs().max()) < bound, (level, row)
-    # every output reads every input: an inf or a NaN in x leaves no output finite (whether it comes out as inf or
-    # NaN depends on the order of the terms, as in any float loop), never a finite value from a clipped block
-    assert not bool(torch.isfinite(got_special).any()), level
-
-
-def test_a_format_can_be_timed_on_its_own_decode_steps(monkeypatch, tmp_path):
-    """measure_matvec(run=...) times the run with each candidate's loops set in turn; remeasure_matvec(steps) times
-    the formats it is given on their steps (kept with the step's tag, and read back without measuring again), the
-    others on the probe; a step for an unknown format is refused."""
-    import dataclasses
-
-    assert cpu.available(), cpu.why_unavailable()
-    kind = cpu.MATVEC_CANDIDATES["int8"][0]
-    levels = cpu.matvec_candidates("int8")
-    here = cpu._state["isa"]
-    before = int(torch.ops.llminfer.matvec_features(kind))
-    seen = []
-
-    def run() -> float:                                     # the last candidate "fastest": the loops it sees decide
-        bits = int(torch.ops.llminfer.matvec_features(kind))
-        seen.append(bits)
-        return 1.0 if bits == cpu._level_bits(levels[-1], here) else 2.0
-
-    timings = cpu.measure_matvec("int8", levels, repeats=2, run=run)
-    assert {level: t for level, t in timings.items()} == {level: [1.0 if level == levels[-1] else 2.0] * 2
-                                                          for level in levels}
-    assert sorted(set(seen)) == sorted(cpu._level_bits(level, here) for level in levels)
-    assert int(torch.ops.llminfer.matvec_features(kind)) == before
-    with pytest.raises(ValueError, match=r"steps for \['int3'\]: formats are float32"):
-        cpu.remeasure_matvec({"int3": run})
-    # a decode step timed while the choice holds the kernels' lock loads them and asks for the prefill path: the
-    # lock is re-entered, not waited on forever (a daemon thread, so that a deadlock fails the test)
-    import threading
-
-    done = threading.Event()
-
-    def under_the_lock():
-        with cpu._lock:
-            cpu.load()
-            cpu.prefill_path(torch.float32, 16)
-            done.set()
-
-    threading.Thread(target=under_the_lock, daemon=True).start()
-    assert done.wait(60), "a step timed under the kernels' lock deadlocked"
-
-    kinds = {name: k for name, (k, _) in cpu.MATVEC_CANDIDATES.items()}
-    saved_bits = {name: int(torch.ops.llminfer.matvec_features(k)) for name, k in kinds.items()}
-    saved_choices = cpu.matvec_choices()
-    calls = []
-
-    def fake_measure(name, levels, repeats=5, run=None):
-        calls.append((name, run is not None))
-        return {level: [1.0 if level == levels[-1] else 2.0] for level in levels}
-
-    monkeypatch.setattr(cpu, "measure_matvec", fake_measure)
-    monkeypatch.setitem(cpu._state, "build", str(tmp_path))
-    unforced = dataclasses.replace(here, forced=False)
-    several = [name for name in kinds if len(cpu.matvec_candidates(name, unforced)) > 1]
-    try:
-        cpu._choose_matvec(unforced, fresh=True, steps={"int8": run})
-        assert calls == [(name, name == "int8") for name in several]
-        kept = json.loads((tmp_path / "matvec_choices.json").read_text()) if several else {}
-        assert sorted(key.rsplit("|", 1)[1] for key in kept) == sorted(several)
-        for key, answer in kept.items():
-            assert answer["probe"] == (cpu.MATVEC_STEP if key.endswith("|int8") else cpu.MATVEC_PROBE), key
-        calls.clear()
-        cpu._choose_matvec(unforced)                         # both kinds of answer are read back as they are
-        assert calls == []
-        assert all(cpu.matvec_choices()[name]["level"] == cpu.matvec_candidates(name, unforced)[-1]
-                   for name in several)
-    finally:
-        for name, k in kinds.items():
-            torch.ops.llminfer.set_matvec_features(k, saved_bits[name])
-        cpu._matvec["choices"] = saved_choices

@@ -30,12 +30,14 @@ def test_the_kernels_build_here():
 
 
 def _int4_case(n: int, k: int, group: int, generator):
+    """int4 codes of an (n, k) weight as row-major nibbles, their tiles of 8 rows (N padded to a multiple of 8:
+    `tile_int4`), and the float weight they stand for."""
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
     scale = torch.rand(n, k // group, generator=generator) * 0.1
     offset = torch.randn(n, k // group, generator=generator) * 0.1
     weight = (codes.float().view(n, k // group, group) * scale[..., None] + offset[..., None]).view(n, k)
-    return packed, scale, offset, weight
+    return packed, cpu.tile_int4(packed, scale, offset), weight
 
 
 # shapes with odd row counts (the 4-row blocks' tail) and, for the dense formats, K off the 16-wide step
@@ -77,15 +79,17 @@ def test_dense_kernels_match_a_float64_reference(tokens, n, k, x_dtype):
                                              (300, 7, 1024, 128), (300, 400, 1024, 128)])
 def test_int4_kernel_matches_a_float64_reference(tokens, n, k, group):
     g = torch.Generator().manual_seed(k + n)
-    packed, scale, offset, weight = _int4_case(n, k, group, g)
+    packed, tiles, weight = _int4_case(n, k, group, g)
     x = torch.randn(tokens, k, generator=g)
-    got = cpu.gemv(x, packed, scale, offset, group)
+    got = cpu.gemv(x, *tiles, group)
     reference = x.double() @ weight.double().T
-    assert got.shape == (tokens, n)
+    assert got.shape == (tokens, -(-n // 8) * 8)                 # N padded to whole tiles: those outputs are 0
+    assert not got[:, n:].any()
+    got = got[:, :n]
     assert float((got.double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max()) + 1e-5
     # a wrong nibble order would move it far: swapping the halves of every byte is caught
-    swapped = ((packed >> 4) | (packed << 4)).contiguous()
-    assert float((cpu.gemv(x, swapped, scale, offset, group).double() - reference).abs().max()) > \
+    swapped = cpu.tile_int4(((packed >> 4) | (packed << 4)).contiguous(), *(t[:n] for t in cpu.untile_int4(*tiles)[1:]))[0]
+    assert float((cpu.gemv(x, swapped, *tiles[1:], group)[:, :n].double() - reference).abs().max()) > \
         1e-2 * float(reference.abs().max())
 
 
@@ -96,7 +100,7 @@ def test_the_portable_loops_give_the_same_numbers_as_the_vector_ones():
     w = torch.randn(37, 576, generator=g)
     q = torch.randint(-127, 128, (37, 576), dtype=torch.int8, generator=g)
     s = torch.rand(37, generator=g)
-    packed, scale, offset, _ = _int4_case(37, 576, 64, g)
+    _, (packed, scale, offset), _ = _int4_case(37, 576, 64, g)
     here = {"f32": cpu.gemv(x, w), "bf16": cpu.gemv(x, w.bfloat16()), "int8": cpu.gemv(x, q, s),
             "int4": cpu.gemv(x, packed, scale, offset, 64)}
     script = textwrap.dedent("""
@@ -132,8 +136,14 @@ def test_bad_inputs_are_refused_with_the_sizes_named():
     with pytest.raises(RuntimeError, match=r"one entry per output row \(8\)"):
         cpu.gemv(torch.randn(1, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(7))
     packed = torch.zeros(8, 48, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match=r"group 48 must be a multiple of 32 that divides 96"):
+    with pytest.raises(ValueError, match=r"int4 weights are read in tiles of 8 rows, got nibbles of shape \(8, 48\); "
+                                         r"pass tile_int4"):
         cpu.gemv(torch.randn(1, 96), packed, torch.ones(8, 2), torch.ones(8, 2), 48)
+    with pytest.raises(RuntimeError, match=r"group 48 must be a multiple of 32 that divides 96"):
+        cpu.gemv(torch.randn(1, 96), *cpu.tile_int4(packed, torch.ones(8, 2), torch.ones(8, 2)), 48)
+    with pytest.raises(RuntimeError, match=r"scale and offset must be contiguous \(1, 3, 8\)"):
+        cpu.gemv(torch.randn(1, 96), cpu.tile_int4(packed, torch.ones(8, 2), torch.ones(8, 2))[0],
+                 torch.ones(1, 2, 8), torch.ones(1, 2, 8), 32)
     with pytest.raises(ValueError, match=r"no native kernel for torch.float16 weights"):
         cpu.gemv(torch.randn(1, 64), w.half())
 
