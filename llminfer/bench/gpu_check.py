@@ -393,7 +393,9 @@ def _inner(name: str, out: Path) -> int:
         import traceback
         traceback.print_exc()
         figures = {"ok": False, "failures": [f"{type(exc).__name__}: {exc}"[:500]]}
-    (out / f"{name}.json").write_text(json.dumps(figures, indent=1, default=str) + "\n")
+    from .report import publish
+
+    publish(figures, out, name)
     return 0 if figures.get("ok") else 1
 
 

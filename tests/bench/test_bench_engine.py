@@ -38,3 +38,19 @@ def test_the_engine_command_refuses_bad_input_with_status_2(capsys):
     with pytest.raises(SystemExit) as stop:
         bench.main(["engine", "--repeats", "0"])
     assert stop.value.code == 2 and "--repeats 0 and --threads 1 must be positive integers" in capsys.readouterr().err
+
+
+def test_the_engine_command_prints_the_targets_and_writes_its_report(tmp_path, capsys, monkeypatch):
+    from llminfer.bench import engine
+
+    found = {"machine": {"cpu": "test"}, "ratios": {"continuous_over_sequential": 3.5},
+             "targets": {"continuous_over_sequential": {"target": 3.0, "measured": 3.5, "met": True},
+                         "continuous_over_static": {"target": 1.5, "measured": 1.2, "met": False}}}
+    monkeypatch.setattr(engine, "run", lambda device, repeats: dict(found, repeats=repeats))
+    assert bench.main(["engine", "--device", "cpu", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "continuous_over_sequential: 3.50x (target 3.0x, met)" in printed
+    assert "continuous_over_static: 1.20x (target 1.5x, short)" in printed
+    (path,) = tmp_path.glob("engine-cpu*.json")
+    import json
+    assert json.loads(path.read_text())["repeats"] == 2
