@@ -353,15 +353,15 @@ def _prefill_table(args, base, ids, info, quant_dtype, matmuls) -> tuple[dict, d
     table, matmul_times = {}, {probe.what: [] for probes in matmuls.values() for probe in probes}
     repeats = max(3, args.repeats)
 
+    def sample_matmuls() -> None:
+        for probes in matmuls.values():
+            for probe in probes:
+                matmul_times[probe.what].extend(probe.sample(1))
+
     def median_of(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            times += timing.time_fn(fn, "cpu", 0, 1).times_s
-            for probes in matmuls.values():
-                for probe in probes:
-                    matmul_times[probe.what].extend(probe.sample(1))
-        return statistics.median(times)
+        seconds = interleave({"prefill": lambda: timing.time_fn(fn, "cpu", 0, 1).median_s}, repeats, warmup=1,
+                             between=sample_matmuls)
+        return statistics.median(seconds["prefill"])
 
     for name in args.precisions:
         decoder = info.get(f"llminfer fast {name}", {}).get("decoder")
