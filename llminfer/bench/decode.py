@@ -192,7 +192,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
             info[label] = {"precision": name, "weight_bytes": int(n_matrix * GGUF_BYTES_PER_WEIGHT[kind] + 4 * norms),
                            "kv_element_bytes": 2}        # llama.cpp's default KV cache is f16
     eager = copy.deepcopy(base)
-    contenders["llminfer eager fp32"] = lambda: generate(eager, ids, args.new_tokens)
+    contenders["llminfer eager fp32"] = lambda: generate(eager, ids, args.new_tokens, ignore_eos=True)
     info["llminfer eager fp32"] = {"precision": "fp32", "weight_bytes": costs.weight_bytes_read(cfg, 4),
                                    "kv_element_bytes": 4}
     hf_note = "skipped"

@@ -208,7 +208,7 @@ def bench_contenders(model, cfg, ids, settings, hf_model, probes) -> dict[str, d
     """Returns per-token decode latencies of each contender, the contenders taking turns per repeat."""
     def llminfer_run(use_cache):
         n = settings.new_tokens if use_cache else settings.recompute_new_tokens + 1
-        return generate(model, ids, max_new_tokens=n, use_cache=use_cache)
+        return generate(model, ids, max_new_tokens=n, use_cache=use_cache, ignore_eos=True)   # n tokens to time
 
     runners = {"llminfer (cache)": lambda: llminfer_run(True),
                "llminfer (no cache)": lambda: llminfer_run(False)}
@@ -306,7 +306,7 @@ def _measure(settings: Settings, device, dtype, cfg) -> dict:
         batch_ids = _random_ids(cfg, batch, settings.prompt_len, settings.seed + batch, device)
         latencies[batch], alongside[batch] = [], []
         for _ in range(max(2, settings.repeats // 2)):
-            latencies[batch] += generate(model, batch_ids, max_new_tokens=settings.new_tokens).itl_s
+            latencies[batch] += generate(model, batch_ids, max_new_tokens=settings.new_tokens, ignore_eos=True).itl_s
             alongside[batch] += probes["matvec_bandwidth"].sample()
     print("[bench] scaling with context", file=sys.stderr)
     scaling = bench_scaling(model, cfg, settings, probes)

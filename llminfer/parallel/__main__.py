@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         import llminfer
 
         model, _ = llminfer.load_pretrained(folder, load_tokenizer=False)
-        reference = llminfer.generate(model, prompt[:1], max_new_tokens=args.new_tokens).token_ids
+        reference = llminfer.generate(model, prompt[:1], max_new_tokens=args.new_tokens, ignore_eos=True).token_ids
         same = reference == tokens
         print(f"same tokens as one process: {same}")
         return 0 if same else 1

@@ -151,7 +151,8 @@ def tp_worker(ctx: WorkerContext, spec: RunSpec) -> dict:
     model, out["load_peak_bytes"] = _peak_memory_during(
         lambda: load_tensor_parallel(spec.model, device=ctx.device, dtype=dtype), ctx.device)
     state = model.parallel
-    result = llminfer.generate(model, prompt, max_new_tokens=spec.max_new_tokens, return_logits=spec.return_logits)
+    result = llminfer.generate(model, prompt, max_new_tokens=spec.max_new_tokens, return_logits=spec.return_logits,
+                               ignore_eos=True)         # every step, as pipeline_generate (which never stops at EOS)
     out.update(
         token_ids=result.token_ids,
         logits=torch.stack(result.logits) if spec.return_logits else None,     # (N, B, vocab)

@@ -65,7 +65,7 @@ def time_generation(model, prompt_ids: list[int], new_tokens: int, use_cache: bo
     """Greedy generation of new_tokens, every token timed: `llminfer.generate`'s GenerationResult. Chapter 04."""
     import llminfer
 
-    return llminfer.generate(model, prompt_ids, max_new_tokens=new_tokens, use_cache=use_cache)
+    return llminfer.generate(model, prompt_ids, max_new_tokens=new_tokens, use_cache=use_cache, ignore_eos=True)
 
 
 def median_run(runs: list):

@@ -60,7 +60,7 @@ def quantization_run(model, tokenizer, bits: int, group_size: int | None, matrix
     countries = accuracy.load_countries()[:: max(1, 195 // n_countries)][:n_countries]
     correct = sum(accuracy.capitals_correct(quantized, tokenizer, countries))
     prompt = tokenizer.encode("The capital of France is")
-    runs = [llminfer.generate(quantized, prompt, max_new_tokens=new_tokens) for _ in range(3)]
+    runs = [llminfer.generate(quantized, prompt, max_new_tokens=new_tokens, ignore_eos=True) for _ in range(3)]
     gaps = [gap for run in runs for gap in run.itl_s]
     return QuantizationRun(bits, group_size, matrix, (error / qt.step).flatten(),
                            float(error.norm() / weight.float().norm()), correct, len(countries),

@@ -166,7 +166,7 @@ def count_generation(model, input_ids: list[int], max_new_tokens: int, use_cache
 
     with instrument.count_kv(model) as counts:
         result = llminfer.generate(model, input_ids, max_new_tokens=max_new_tokens, use_cache=use_cache,
-                                   eos_token_id=eos_token_id)
+                                   eos_token_id=eos_token_id, ignore_eos=eos_token_id is None)
     return list(counts.per_forward), list(result.token_ids)
 
 

@@ -120,7 +120,8 @@ def timed_pair(model, input_ids, drafter, k: int, max_new_tokens: int, temperatu
                                                     max_new_tokens=max_new_tokens, temperature=temperature,
                                                     eos_token_id=eos_token_id, seed=next_seed("speculative")),
         "plain": lambda: llminfer.generate(model, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                           eos_token_id=eos_token_id, seed=next_seed("plain"))}
+                                           eos_token_id=eos_token_id, ignore_eos=eos_token_id is None,
+                                           seed=next_seed("plain"))}
     # no warm-up: the widget runs on a model that has decoded already, and the median leaves out a slow first run
     runs = timing.interleave(contenders, repeats, warmup=0)
     per_token = timing.medians(runs, lambda run: run.e2e_s / max(len(run.token_ids), 1))

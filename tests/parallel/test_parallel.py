@@ -31,7 +31,7 @@ def bundled():
 
 
 def _reference(model, ids, new_tokens):
-    result = llminfer.generate(model, ids, max_new_tokens=new_tokens, return_logits=True)
+    result = llminfer.generate(model, ids, max_new_tokens=new_tokens, return_logits=True, ignore_eos=True)
     return result.token_ids, torch.stack(result.logits)              # (N, B, vocab)
 
 
