@@ -38,7 +38,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..engine import Engine, RequestOutput, SamplingParams
+from ..engine import Engine, PromptIds, RequestOutput, SamplingParams
 from ..engine.protocol import protocol_gaps
 
 __all__ = ["EngineLoop", "RequestHandle", "Update", "QueueFull", "EngineUnavailable", "AbortRecord",
@@ -179,9 +179,10 @@ class EngineLoop:
 
     # --- called from the event loop --------------------------------------------------------------------
 
-    async def add_request(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+    async def add_request(self, prompt_ids: list[int] | PromptIds, params: SamplingParams) -> RequestHandle:
         """Hands a request to the engine; returns its handle. ValueError (the engine's checks), QueueFull,
-        EngineUnavailable."""
+        EngineUnavailable. Ids already checked (a PromptIds, as the server passes them) go to the engine as they are,
+        and it does not check them again."""
         loop = asyncio.get_running_loop()
         handle = RequestHandle(self, loop)
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -193,7 +194,8 @@ class EngineLoop:
                 raise QueueFull(f"{self._pending_adds + self.stats.num_waiting} requests already wait for the "
                                 f"engine (max_queued_requests={self.max_queued_requests}); retry later")
             self._pending_adds += 1
-            self._inbox.append(("add", list(prompt_ids), params, handle, future))
+            prompt = prompt_ids if isinstance(prompt_ids, PromptIds) else list(prompt_ids)   # checked ids: as they are
+            self._inbox.append(("add", prompt, params, handle, future))
         self._wake.set()
         try:
             handle.request_id = await asyncio.wrap_future(future)
