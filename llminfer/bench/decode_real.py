@@ -37,8 +37,9 @@ from ..quant.gguf_export import llama_cpp_available, llama_cpp_generate, load_ll
 from .measure import BandwidthCeiling, interleave, threads as torch_threads
 from .report import device_slug, llama_cpp_version, load_average, machine, publish
 
-__all__ = ["FORMATS", "DEFAULT_PROMPT", "compare_tokens", "summarise", "file_bytes_by_type", "llminfer_contender",
-           "llama_cpp_contender", "add_arguments", "command", "run", "table", "SUMMARY"]
+# interleave is the measurement layer's (llminfer.timing.interleave); chapter 08 calls it from here
+__all__ = ["FORMATS", "DEFAULT_PROMPT", "compare_tokens", "summarise", "interleave", "file_bytes_by_type",
+           "llminfer_contender", "llama_cpp_contender", "add_arguments", "command", "run", "table", "SUMMARY"]
 
 SUMMARY = "llminfer against llama.cpp on one real GGUF file, tokens compared (chapter 08)"
 
