@@ -137,3 +137,21 @@ def test_the_makefile_runs_the_one_entry_point():
     for target, what in (("bench", "prefill-decode"), ("bench", "decode"), ("bench-vllm", "serve --compare vllm"),
                          ("test-gpu", "gpu")):
         assert re.search(rf"^{target}:.*\n(\t.*\n)*\t\$\(PY\) -m llminfer\.bench {what}", makefile, re.M), target
+
+
+def test_the_names_the_chapters_call_are_still_there():
+    """Chapters 05, 06, 08 and 11 call these; the layer's move kept them where the chapters import them."""
+    from llminfer.bench import decode, decode_real, engine
+    from llminfer.serve import bench as load, peer
+
+    called = {engine: ["batch_sweep", "NARROW_LLAMA", "DEFAULT_WORKLOAD", "latency_target", "compare_policies",
+                       "TARGETS", "chunked_prefill_trade", "memory_accounting", "prefix_cache_trade"],
+              decode: ["BandwidthCeiling"],
+              decode_real: ["compare_tokens", "file_bytes_by_type", "interleave", "llama_cpp_contender",
+                            "llminfer_contender", "summarise", "table"],
+              load: ["BenchRequest", "run_benchmark", "summarize", "workload_requests"],
+              peer: ["VLLMProcess", "peer_checkpoint", "vllm_python"]}
+    missing = [f"{module.__name__}.{name}" for module, names in called.items() for name in names
+               if not hasattr(module, name)]
+    assert not missing, missing
+    assert decode_real.interleave is measure.interleave and decode.BandwidthCeiling is measure.BandwidthCeiling
