@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_flag, check_int
+from ..checks import is_int as _is_int
 from ..costs import kv_cache_bytes
 from ..device import check_fits, dtype_bytes, free_memory_bytes, synchronize
-from ..generate import check_flag, check_int
-from ..generate import is_int as _is_int
 from ..fast import settle_prefill_paths
 from .attention_metadata import AttentionMetadata
 from .block_manager import BlockManager

@@ -26,7 +26,8 @@ from typing import Sequence as SequenceType
 
 import torch
 
-from ..generate import check_request, check_sampling, is_int
+from ..checks import check_sampling, is_int
+from ..generate import check_request
 from .sampling_params import SamplingParams
 from .sequence import RequestOutput, Sequence, SequenceStatus
 

@@ -3,6 +3,7 @@ LLMEngine.add_request still gets the whole check, with the same messages."""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import sys
 
 import httpx
@@ -75,6 +76,7 @@ def test_a_library_caller_is_checked_once(bundled, vocabulary_checks):
     checked = PromptIds(model.config, prompt)
     assert vocabulary_checks == [(1, len(prompt))] * 2 and list(checked) == prompt
     assert PromptIds(model.config, checked) is checked                         # not checked again
+    assert type(pickle.loads(pickle.dumps(checked))) is list                   # another process checks again
     second = engine.add_request(checked, SamplingParams(max_new_tokens=3))
     assert vocabulary_checks == [(1, len(prompt))] * 2                         # taken as checked
     while engine.has_unfinished():
