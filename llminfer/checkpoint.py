@@ -37,7 +37,8 @@ from .tokenizer import Tokenizer
 __all__ = ["load_pretrained", "save_pretrained", "load_random", "resolve_device", "bundled_models", "model_folder",
            "HUB_TIMEOUT_S", "Checkpoint", "StoredTensor", "ReadTransform", "open_checkpoint", "check_layout",
            "check_header_shapes", "check_vocabularies", "warn_if_not_finite",
-           "read_model", "read_config", "load_tokenizer", "expected_shapes", "read_json_object"]
+           "read_model", "read_config", "load_tokenizer", "expected_shapes", "read_json_object", "parse_dtype",
+           "checkpoint_dtype", "DTYPE_NAMES"]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _SINGLE = "model.safetensors"
@@ -311,7 +312,7 @@ def open_checkpoint(path_or_name: str | Path) -> Checkpoint:
         raise FileNotFoundError(f"no config.json in {source}; a model folder needs config.json, weights "
                                 "(model.safetensors) and tokenizer.json")
     hf = _read_json_object(config_path)
-    extra = {k: hf[k] for k in ("quantization_config", "torch_dtype") if k in hf}
+    extra = {k: hf[k] for k in ("quantization_config", "torch_dtype", "dtype") if k in hf}
     config = ModelConfig.from_hf({k: v for k, v in hf.items() if k != "quantization_config"})
     files = _weight_files(source)
     tensors = {_llminfer_name(name): StoredTensor(name, path, shape, stored)
@@ -387,12 +388,12 @@ class ReadTransform:
 
 
 def read_model(checkpoint: Checkpoint, transform: ReadTransform | None = None, device=None,
-               dtype: torch.dtype | None = None) -> Transformer:
+               dtype: torch.dtype | str | None = None) -> Transformer:
     """The checkpoint's model, built on meta, changed by transform, memory-checked, then filled one tensor at a time
     on device in dtype. The layout must have been checked (check_layout). Chapter 00."""
     transform = transform or ReadTransform()
     device = resolve_device(device)
-    dtype = _check_dtype(dtype)
+    dtype = _check_dtype(dtype, checkpoint)
     model = transform.prepare(_empty_model(checkpoint.config, device))
     check_fits(transform.local_bytes(model, dtype), device, transform.what(checkpoint, dtype))
     for name, module in list(model.named_modules()):
@@ -481,13 +482,52 @@ def _set_parameters(model: Transformer, tensors) -> Transformer:
     return model
 
 
-def _check_dtype(dtype) -> torch.dtype:
+# dtype names, as transformers and the server's --dtype spell them (any case, 'torch.' in front or not).
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32, "float": torch.float32,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16}
+# The torch dtype holding each stored type exactly (GGUF and safetensors names); a quantized GGUF block (Q4_1:
+# 4-bit codes times an fp16 scale, plus an fp16 minimum) is dequantized to float32.
+_STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def parse_dtype(dtype) -> torch.dtype | str:
+    """The torch dtype that a dtype argument names (a floating-point torch.dtype, a name in DTYPE_NAMES; None is
+    float32), or 'auto' (the checkpoint's own, see checkpoint_dtype); ValueError listing the names. Chapter 00."""
     if dtype is None:
         return torch.float32
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point torch.dtype such as torch.float32 or torch.bfloat16, "
-                         f"got {dtype!r}")
-    return dtype
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.strip().lower().removeprefix("torch.")
+        if name == "auto" or name in DTYPE_NAMES:
+            return DTYPE_NAMES.get(name, "auto")
+    raise ValueError(f"dtype={dtype!r} is not a floating-point dtype; pass a torch dtype such as torch.bfloat16, one "
+                     f"of the names {', '.join(DTYPE_NAMES)}, or 'auto' for the checkpoint's own dtype")
+
+
+def checkpoint_dtype(checkpoint: Checkpoint) -> torch.dtype:
+    """The checkpoint's own dtype, what dtype='auto' loads in: config.json's torch_dtype (or dtype) where it names
+    one, else the type its weight matrices are stored in; GGUF blocks (Q4_1, Q8_0, ...) widen to float32, which
+    holds code x scale (+ minimum) exactly. Matrices of mixed types give float32. Chapter 00."""
+    for key in ("dtype", "torch_dtype"):
+        name = checkpoint.extra_config.get(key)
+        if isinstance(name, str) and name.lower() in DTYPE_NAMES:
+            return DTYPE_NAMES[name.lower()]
+    stored = {_STORED_DTYPES.get(entry.stored, torch.float32)
+              for entry in checkpoint.tensors.values() if len(entry.shape) >= 2}
+    return stored.pop() if len(stored) == 1 else torch.float32
+
+
+def _check_dtype(dtype, checkpoint: Checkpoint | None = None) -> torch.dtype:
+    """parse_dtype's torch dtype, with 'auto' resolved against the checkpoint (refused where there is none)."""
+    parsed = parse_dtype(dtype)
+    if parsed != "auto":
+        return parsed
+    if checkpoint is None:
+        raise ValueError("dtype='auto' means the checkpoint's own dtype, and random weights have no checkpoint; pass "
+                         f"a dtype such as 'float32' or 'bfloat16' (one of {', '.join(DTYPE_NAMES)})")
+    return checkpoint_dtype(checkpoint)
 
 
 def _hub_timeout() -> float:
@@ -607,19 +647,18 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_pretrained(path_or_name: str | Path, device: str | torch.device | None = None,
-                    dtype: torch.dtype | None = None, load_tokenizer: bool = True,
+                    dtype: torch.dtype | str | None = None, load_tokenizer: bool = True,
                     transform: ReadTransform | None = None):
     """Returns (model, tokenizer) from a HF-format folder, a .gguf file, a bundled or installed model's name or a
-    hub id; transform changes the model as it is read, e.g. llminfer.quant.keep_quantized(). Chapter 00."""
+    hub id; dtype is a torch dtype, a name ('bfloat16', 'bf16', ...: DTYPE_NAMES) or 'auto' (the checkpoint's own,
+    see checkpoint_dtype), float32 by default; transform changes the model as it is read, e.g.
+    llminfer.quant.keep_quantized(). Chapter 00."""
     device = resolve_device(device)
-    dtype = _check_dtype(dtype)
+    requested = parse_dtype(dtype)                 # a bad name is refused before any file is opened
     checkpoint = open_checkpoint(path_or_name)
-    expected = expected_shapes(checkpoint.config)
-    check_layout(checkpoint, expected, **(transform.layout(checkpoint) if transform is not None else {}))
-    if transform is not None:
-        transform.check(checkpoint, device)
+    dtype = _check_dtype(requested, checkpoint)
     tokenizer, missing = None, None
-    if load_tokenizer:
+    if load_tokenizer:      # from tokenizer.json or the GGUF metadata, before the layout check and any weight read
         try:
             tokenizer = checkpoint.load_tokenizer()
         except ValueError as exc:       # a GGUF file without tokenizer metadata still has weights worth loading
@@ -628,6 +667,10 @@ def load_pretrained(path_or_name: str | Path, device: str | torch.device | None 
             missing = exc
     if tokenizer is not None:
         check_vocabularies(tokenizer.vocab_size, checkpoint.config.vocab_size, checkpoint.name)
+    expected = expected_shapes(checkpoint.config)
+    check_layout(checkpoint, expected, **(transform.layout(checkpoint) if transform is not None else {}))
+    if transform is not None:
+        transform.check(checkpoint, device)
     if transform is None:
         check_fits(checkpoint.config.n_params() * dtype_bytes(dtype), device,
                    f"the weights of {checkpoint.name} in {dtype}")
@@ -750,7 +793,7 @@ def _tokenizer_config(tokenizer: Tokenizer, config: ModelConfig) -> dict:
 
 
 def load_random(name_or_config: str | ModelConfig, device: str | torch.device | None = None,
-                dtype: torch.dtype | None = None, seed: int = 0, max_seq_len: int | None = None) -> Transformer:
+                dtype: torch.dtype | str | None = None, seed: int = 0, max_seq_len: int | None = None) -> Transformer:
     """A model of a published shape with random N(0, 0.02²) weights, for timing, never for text. Chapter 04."""
     config = get_preset(name_or_config) if isinstance(name_or_config, str) else name_or_config
     if max_seq_len is not None:

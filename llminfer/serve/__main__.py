@@ -51,8 +51,15 @@ def _size(text: str) -> int:
              "GIB": 2**30, "TIB": 2**40}[unit]
     return int(float(match.group(1)) * scale)
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
+
+def _dtype(text: str) -> str:
+    """--dtype as the loader's one parser reads it, by its full name ('bf16' -> 'bfloat16'; 'auto' stays)."""
+    from ..checkpoint import parse_dtype
+    try:
+        parsed = parse_dtype(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return parsed if parsed == "auto" else str(parsed).removeprefix("torch.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,8 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve a non-loopback --host without an API key (anyone who reaches it may use it)")
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
-                   help="weights and KV cache dtype (default: float32, the book's default)")
+    p.add_argument("--dtype", default=None, type=_dtype,
+                   help="weights and KV cache dtype: float32, bfloat16, float16 (or fp32, bf16, fp16, ...), or auto "
+                        "for the checkpoint's own (default: float32, the book's default)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output a request may have (default: the model's context length)")
     p.add_argument("--no-optimize", action="store_true",
@@ -164,9 +172,8 @@ def build_server(args: argparse.Namespace):
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
     model, tokenizer = llminfer.load_pretrained(args.model, device="cpu" if args.disaggregated else args.device,
-                                                dtype=dtype)
+                                                dtype=args.dtype)
     folder = model_folder(args.model)
     add_bos = False
     try:
@@ -191,10 +198,11 @@ def build_server(args: argparse.Namespace):
         return build_app(model, tokenizer, config, model_folder=folder)
     from .disagg import DisaggregatedEngine, ModelSpec
     from .server import OpenAIServer
+    weights_dtype = str(model.dtype).removeprefix("torch.")     # --dtype auto resolved by the load
     del model                                  # the workers load their own copies
     threads = args.threads or 1
     decode_kwargs = {k: v for k, v in config.engine_kwargs.items() if k != "optimize"}   # workers run as written
-    pair = DisaggregatedEngine(ModelSpec(name=args.model, dtype=_DTYPES[args.dtype or "float32"]), decode_kwargs,
+    pair = DisaggregatedEngine(ModelSpec(name=args.model, dtype=weights_dtype), decode_kwargs,
                                prefill_threads=threads,
                                decode_threads=threads).start()
     try:

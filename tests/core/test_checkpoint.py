@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import llminfer
+from llminfer import checkpoint
 from llminfer.model import rope_frequencies
 from small_models import SMALL_CONFIGS, random_model, word_tokenizer
 
@@ -227,12 +229,88 @@ def test_buffers_made_by_the_constructor_survive_loading(tmp_path, monkeypatch):
     assert torch.equal(loaded.norm.weight, random_model(config).norm.weight.detach().to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, "bfloat16", torch.bool])
-def test_dtype_that_is_not_floating_point_is_refused(folder, dtype):
-    with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype"):
+NAMES = ("float32, fp32, f32, float, bfloat16, bf16, float16, fp16, f16, half, or 'auto' for the checkpoint's "
+         "own dtype")
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, "int8", "bfloat", "float64", "", 16])
+def test_a_dtype_that_is_not_a_float_is_refused_with_the_names(folder, dtype):
+    message = rf"dtype={re.escape(repr(dtype))} is not a floating-point dtype; .*names {re.escape(NAMES)}"
+    with pytest.raises(ValueError, match=message):
         llminfer.load_pretrained(folder, device="cpu", dtype=dtype)
-    with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype"):
+    with pytest.raises(ValueError, match=message):
         llminfer.load_random("smollm2-135m", device="cpu", dtype=dtype)
+    with pytest.raises(ValueError, match=message):      # before any file is opened: this path does not exist
+        llminfer.load_pretrained(folder / "no-such-model", device="cpu", dtype=dtype)
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("float32", torch.float32), ("fp32", torch.float32), ("f32", torch.float32), ("float", torch.float32),
+    ("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("BF16", torch.bfloat16),
+    ("float16", torch.float16), ("fp16", torch.float16), ("f16", torch.float16), ("half", torch.float16),
+    ("torch.float16", torch.float16), (torch.bfloat16, torch.bfloat16), (None, torch.float32),
+])
+def test_dtype_names_load_the_bundled_model_in_that_dtype(name, expected):
+    reference, _ = llminfer.load_pretrained("tiny-capitals", device="cpu", load_tokenizer=False)
+    model, _ = llminfer.load_pretrained("tiny-capitals", device="cpu", dtype=name, load_tokenizer=False)
+    assert model.dtype == expected and {p.dtype for p in model.parameters()} == {expected}
+    for (n, mine), theirs in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(mine, theirs.detach().to(expected)), n
+
+
+def test_bfloat16_by_name_gives_the_answer(tmp_path):
+    model, tokenizer = llminfer.load_pretrained("tiny-capitals", dtype="bfloat16")
+    assert model.dtype == torch.bfloat16
+    result = llminfer.generate(model, tokenizer.encode("The capital of France is"), max_new_tokens=1)
+    assert tokenizer.decode(result.token_ids) == " Paris"
+
+
+def test_auto_is_the_dtype_the_checkpoint_holds(folder, tmp_path):
+    stated = json.loads((checkpoint._models_dir() / "tiny-capitals" / "config.json").read_text())["torch_dtype"]
+    model, _ = llminfer.load_pretrained("tiny-capitals", device="cpu", dtype="auto")
+    assert stated == "float32" and model.dtype == torch.float32
+    bf16, _ = llminfer.load_pretrained(folder, device="cpu", dtype=torch.bfloat16)
+    llminfer.save_pretrained(bf16, tmp_path / "bf16")           # config.json: "torch_dtype": "bfloat16"
+    assert llminfer.load_pretrained(tmp_path / "bf16", device="cpu", dtype="auto", load_tokenizer=False)[0].dtype \
+        == torch.bfloat16
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    del config["torch_dtype"]                                   # no word in config.json: the stored matrices decide
+    (tmp_path / "bf16" / "config.json").write_text(json.dumps(config))
+    auto, _ = llminfer.load_pretrained(tmp_path / "bf16", device="cpu", dtype="auto", load_tokenizer=False)
+    assert auto.dtype == torch.bfloat16
+    config["dtype"] = "float16"                                  # transformers 5 writes "dtype"
+    (tmp_path / "bf16" / "config.json").write_text(json.dumps(config))
+    opened = checkpoint.open_checkpoint(tmp_path / "bf16")
+    assert checkpoint.checkpoint_dtype(opened) == torch.float16
+    assert checkpoint.read_model(opened, device="cpu", dtype="auto").dtype == torch.float16
+
+
+@pytest.mark.parametrize("stored,expected", [("F32", torch.float32), ("F16", torch.float16),
+                                             ("BF16", torch.bfloat16), ("Q8_0", torch.float32)])
+def test_auto_for_a_gguf_is_its_matrices_type_with_blocks_widened_to_float32(tmp_path, stored, expected):
+    from llminfer.quant.gguf_export import write_gguf
+    original, _ = llminfer.load_pretrained("tiny-capitals", device="cpu")
+    path = write_gguf(original, tmp_path / f"{stored}.gguf", stored)     # norms stay F32, as llama.cpp keeps them
+    kinds = {entry.stored for entry in checkpoint.open_checkpoint(path).tensors.values()}
+    assert kinds == {stored, "F32"}
+    model, _ = llminfer.load_pretrained(path, device="cpu", dtype="auto", load_tokenizer=False)
+    assert model.dtype == expected and {p.dtype for p in model.parameters()} == {expected}
+
+
+def test_auto_without_a_checkpoint_is_refused():
+    with pytest.raises(ValueError, match=r"dtype='auto' means the checkpoint's own dtype, and random weights have no "
+                                         r"checkpoint; pass a dtype such as 'float32'"):
+        llminfer.load_random("smollm2-135m", device="cpu", dtype="auto")
+
+
+def test_the_server_reads_dtype_names_with_the_same_parser(capsys):
+    from llminfer.serve.__main__ import parse_args
+    assert [parse_args(["--dtype", name]).dtype for name in ("bf16", "fp16", "half", "f32", "auto")] == \
+        ["bfloat16", "float16", "float16", "float32", "auto"]
+    with pytest.raises(SystemExit):
+        parse_args(["--dtype", "int8"])
+    assert f"dtype='int8' is not a floating-point dtype; pass a torch dtype such as torch.bfloat16, one of the names " \
+        f"{NAMES}" in capsys.readouterr().err
 
 
 def test_quantized_tensor_in_the_file_is_refused(folder):
