@@ -38,7 +38,7 @@ from .attention_metadata import AttentionMetadata
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
-from .requests import PromptIds, RequestTable
+from .requests import PromptIds, RequestTable, check_pool_fits
 from .sampling_params import SamplingParams
 from .scheduler import POLICIES, Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus, StepOutput
@@ -258,12 +258,8 @@ class LLMEngine:
 
     def _check_limits(self, prompt: PromptIds, params: SamplingParams) -> None:
         """ValueError unless the request fits this engine's KV pool and, without chunked prefill, one step."""
+        check_pool_fits(prompt, params, self.num_blocks, self.block_size)
         positions = len(prompt) + params.max_new_tokens - 1   # the last token is sampled, never run through the model
-        needed = self.block_manager.blocks_needed(positions)
-        if needed > self.num_blocks:
-            raise ValueError(f"the request could never fit in the KV pool, even alone: {positions} positions need "
-                             f"{needed} blocks of {self.block_size} but the pool has {self.num_blocks}; make the "
-                             f"engine with num_blocks >= {needed}, or shorten the request")
         if not self.chunked_prefill and positions > self.max_num_batched_tokens:
             raise ValueError(f"without chunked prefill a request's {positions} positions must fit in one step's "
                              f"budget, max_num_batched_tokens={self.max_num_batched_tokens} (it may have to be "

@@ -26,6 +26,11 @@ The members, and what every implementation promises:
 - `stats`: an `EngineStats` snapshot (the KV pool, the queues, the counters).
 - `clock`: the function that timestamps everything (arrivals, tokens): `time.perf_counter` unless given.
 - `config` (the `ModelConfig`) and `max_model_len` (the longest prompt + completion accepted).
+
+Both keep their requests in one `RequestTable` (`llminfer.engine.requests`): the request check, the ids, abort,
+pop_output, generate and the queue counts of `stats` are written once there, with the same messages, so the two
+answer the same calls alike; each adds only where a request runs. `prompt_ids` may be a `PromptIds`, ids already
+checked for the model (the server makes them): an engine takes those as checked.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from ..generate import check_request
 from .sampling_params import SamplingParams
 from .sequence import RequestOutput, Sequence, SequenceStatus
 
-__all__ = ["PromptIds", "RequestTable"]
+__all__ = ["PromptIds", "RequestTable", "check_pool_fits"]
 
 
 class PromptIds(tuple):
@@ -67,6 +67,17 @@ class PromptIds(tuple):
 
 
 Limits = Callable[[PromptIds, SamplingParams], None]     # an engine's own check of a request: ValueError if not
+
+
+def check_pool_fits(prompt: PromptIds, params: SamplingParams, num_blocks: int, block_size: int) -> None:
+    """ValueError unless the request's positions fit a KV pool of num_blocks blocks of block_size positions even
+    alone (its last token is sampled, never run through the model). Chapter 06."""
+    positions = len(prompt) + params.max_new_tokens - 1
+    needed = -(-positions // block_size)
+    if needed > num_blocks:
+        raise ValueError(f"the request could never fit in the KV pool, even alone: {positions} positions need "
+                         f"{needed} blocks of {block_size} but the pool has {num_blocks}; make the engine with "
+                         f"num_blocks >= {needed}, or shorten the request")
 
 
 def _check_seconds(name: str, value) -> None:

@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..engine import Engine, PromptIds, RequestOutput, SamplingParams
 from ..engine.protocol import protocol_gaps

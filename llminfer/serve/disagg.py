@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
-from ..engine.requests import RequestTable
+from ..engine.requests import PromptIds, RequestTable, check_pool_fits
 from ..engine.sequence import SequenceStatus, StepOutput
 from ..kv_cache import CacheBase
 from ..parallel.launch import end_processes, join_group, process_context, rendezvous_store
@@ -486,10 +486,14 @@ class DisaggregatedEngine:
         if not self.started or not self._processes:
             raise RuntimeError("the workers are not running; call start() (or use `with DisaggregatedEngine(...)`)")
 
+    def _check_limits(self, prompt: PromptIds, params: SamplingParams) -> None:
+        """ValueError unless the request fits the decode worker's KV pool alone (it could never be installed)."""
+        check_pool_fits(prompt, params, self._decode_stats.num_blocks, self._decode_stats.block_size)
+
     def add_request(self, prompt_ids, params: SamplingParams | None = None, arrival_time: float | None = None) -> int:
         """Queues one request at the prefill worker; returns its id."""
         self._require_workers()
-        prompt, params = self.requests.check(prompt_ids, params, arrival_time)
+        prompt, params = self.requests.check(prompt_ids, params, arrival_time, self._check_limits)
         seq = self.requests.track(prompt, params, arrival_time)
         self._prefill_in.put(("prefill", seq.request_id, list(prompt), asdict(params)))
         return seq.request_id
@@ -503,7 +507,7 @@ class DisaggregatedEngine:
         engine's add_prefilled as soon as its pool has room (it waits there, in order), so this never
         returns None."""
         self._require_workers()
-        prompt, params = self.requests.check(prompt_ids, params, arrival_time)
+        prompt, params = self.requests.check(prompt_ids, params, arrival_time, self._check_limits)
         self.requests.check_prefilled(prompt, params, first_token, kv, first_token_time)
         seq = self.requests.track(prompt, params, arrival_time)
         self.requests.start_decoding(seq, first_token, first_token_time)
@@ -606,7 +610,7 @@ class DisaggregatedEngine:
             self.step(timeout_s=0.05)
 
         self._require_workers()
-        return self.requests.run(prompts, params, self.add_request, step)
+        return self.requests.run(prompts, params, self.add_request, step, self._check_limits)
 
     @property
     def stats(self) -> EngineStats:

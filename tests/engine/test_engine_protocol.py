@@ -92,6 +92,7 @@ def transcript(engine, tokenizer) -> list:
     call("add_request", [3, tokenizer.vocab_size])
     call("add_request", prompt, {"max_new_tokens": 3})
     call("add_request", prompt, SamplingParams(max_new_tokens=61))                    # past max_model_len=64
+    call("add_request", prompt, SamplingParams(max_new_tokens=62))                    # past the pool of 4 blocks
     call("add_request", prompt, SamplingParams(max_new_tokens=3, eos_token_id=10**6))
     call("add_request", prompt, arrival_time=float("inf"))
     long_one = call("add_request", prompt, SamplingParams(max_new_tokens=40))
@@ -119,8 +120,8 @@ def transcript(engine, tokenizer) -> list:
 
 def test_both_engines_keep_requests_alike():
     model, tokenizer = llminfer.load_pretrained("tiny-capitals")
-    single = transcript(LLMEngine(model, num_blocks=32, max_model_len=64), tokenizer)
-    with DisaggregatedEngine(ModelSpec(name="tiny-capitals"), dict(num_blocks=32, max_model_len=64)) as pair:
+    single = transcript(LLMEngine(model, num_blocks=4, max_model_len=64), tokenizer)
+    with DisaggregatedEngine(ModelSpec(name="tiny-capitals"), dict(num_blocks=4, max_model_len=64)) as pair:
         split = transcript(pair, tokenizer)
     assert split == single
     errors = {(what, message.split(";")[0]) for what, *rest in single if rest[0] == "ValueError"
@@ -134,7 +135,9 @@ def test_both_engines_keep_requests_alike():
                       ("add_request", "params must be a SamplingParams, got dict"),
                       ("add_request", "the prompt is empty"),
                       ("add_request", "a prompt of 4 tokens + max_new_tokens=61 = 65 exceeds the engine's "
-                                      "max_model_len=64")}
+                                      "max_model_len=64"),
+                      ("add_request", "the request could never fit in the KV pool, even alone: 65 positions need 5 "
+                                      "blocks of 16 but the pool has 4")}
     assert ("abort", True) in single and single.count(("abort", False)) == 1
     stats = [entry for entry in single if entry[0] == "stats"]
     assert stats == [("stats", 0, 0, 0), ("stats", 2, 0, 0), ("stats", 1, 0, 1), ("stats", 0, 0, 2)]
