@@ -81,6 +81,7 @@ def check_pool_fits(prompt: PromptIds, params: SamplingParams, num_blocks: int, 
 
 
 def _check_seconds(name: str, value) -> None:
+    """ValueError unless value is None or a finite number of seconds (a time on the engine's clock)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
                               or not math.isfinite(value)):
         raise ValueError(f"{name} must be a finite number of seconds on the engine's clock, got {value!r}")
