@@ -20,14 +20,32 @@ from __future__ import annotations
 
 import contextlib
 import types
+from abc import ABC, abstractmethod
+from typing import ContextManager
 
 import torch
 
 from .generate import GenerationResult, check_capacity, check_request, prefill, token_loop
+from .model import Transformer
 from .static_cache import StaticKVCache
 from .timing import stopwatch
 
-__all__ = ["StaticDecoder", "static_decode", "COMPILE_OPTIONS", "MODES"]
+__all__ = ["StaticDecoder", "NativeStep", "static_decode", "COMPILE_OPTIONS", "MODES"]
+
+
+class NativeStep(ABC):
+    """A layer stack that keeps its weights and a cache's buffers in native code and runs a step from them (chapter
+    08's `llminfer.fast.NativeDecoderStack`). A StaticDecoder whose model's stack is one prepares it for its cache
+    before its step is compiled, and traces the step with what was prepared pinned, so the compiled step hands over
+    x, the RoPE rows and the positions alone. Chapter 08."""
+
+    @abstractmethod
+    def prepare(self, cache) -> object | None:
+        """Returns the stack's weights and `cache`'s buffers kept in native code; None where it cannot run there."""
+
+    @abstractmethod
+    def pinned(self, prepared: object | None, cache) -> ContextManager:
+        """Inside the block, a forward over `cache` that the stack can take runs `prepared`."""
 
 MODES = ("eager", "compiled", "graph")
 
@@ -148,24 +166,16 @@ class StaticDecoder:
 
     @contextlib.contextmanager
     def _native_step(self):
-        """While the step is traced: lets a layer stack that runs natively keep its weights and this decoder's
-        cache buffers (`llminfer.fast.NativeDecoderStack.prepare_step`), so the compiled step does not hand them
-        over each time; the decoder keeps what was prepared. Only where the step is specialised to the model:
-        otherwise the weights stay inputs of the step."""
-        stack = getattr(self.model, "layers", None)
-        if (not hasattr(stack, "prepare_step") or not self._trace_options
-                or not all(hasattr(self.model, name) for name in ("embed_tokens", "rope_tables", "_backend"))):
+        """While the step is traced: a layer stack that runs natively (a `NativeStep`) keeps its weights and this
+        decoder's cache buffers (`prepare`), and the step is traced with them pinned, so the compiled step does not
+        hand them over each time; the decoder keeps what was prepared (the step is tied to these weights and caches,
+        as a specialised step is to its model)."""
+        stack = self.model.layers if isinstance(self.model, Transformer) else None
+        if not isinstance(stack, NativeStep):
             yield
             return
-        with torch.inference_mode():
-            x = self.model.embed_tokens(self.token)                    # (B, 1, dim): the step's shape and dtype
-            cos, sin = self.model.rope_tables(1)
-            self.cache.begin(1, self.cache.batch_size, self.position)  # the cache hands over its buffers in a step
-            try:
-                self._prepared_stack = stack.prepare_step(x, cos[:1], sin[:1], self.cache, self.model._backend)
-            finally:
-                self.cache.end()
-        with stack.tracing(self._prepared_stack):
+        self._prepared_stack = stack.prepare(self.cache)
+        with stack.pinned(self._prepared_stack, self.cache):
             yield
 
     @torch.inference_mode()
@@ -218,11 +228,7 @@ class StaticDecoder:
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Eager forward over the prompt (B, T) into the empty cache; returns the last logits (B, vocab)."""
         self.cache.reset()
-        stack = getattr(self.model, "layers", None)
-        # a native stack runs the weights its compiled step kept (none kept: its usual call)
-        kept = stack.kept(self._prepared_stack, self.cache) if hasattr(stack, "kept") else contextlib.nullcontext()
-        with kept:
-            return prefill(self.model, ids, self.cache, check_ids=False)  # checked by check_request, untimed
+        return prefill(self.model, ids, self.cache, check_ids=False)  # checked by check_request, untimed
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,11 @@ Quantized layers (`llminfer.quant.quantize`) are fused too, and run their packed
 inside the compiled step.
 
 On a CPU, `use_native_kernels(model)` (which `compile_decode` and `optimize_decode` apply) goes further, in
-three module swaps that keep every parameter name: each float linear becomes a `NativeLinear` (llminfer's
-own matrix-vector kernels), each decoder layer a `NativeDecoderLayer` (norms, products, RoPE, the cache
-write, attention and SwiGLU in one native call) and the layer stack a `NativeDecoderStack` (every layer in
-one call). A decode step then leaves Python once for the whole stack instead of a dozen times a layer.
+two module replacements that keep every parameter name: each float linear becomes a `NativeLinear` (llminfer's
+own matrix-vector kernels) and the layer stack a `NativeDecoderStack`, which holds each layer's weights by name
+and runs every layer (norms, products, RoPE, the cache write, attention and SwiGLU) in one native call a step
+(`llminfer.cpu.stack`, the native-call contract). A decode step then leaves Python once for the whole stack
+instead of a dozen times a layer.
 A prefill takes the same call, its products then done by a blocked matrix-matrix kernel that outruns
 torch's matmul at a prefill's shapes (in bfloat16 several times over). Anything the one call cannot take
 (autograd, another cache or attention backend, a CPU without AVX2 for a prefill) runs the modules, so the
@@ -32,23 +33,23 @@ which stream faster.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checkpoint import load_random
-from .config import get_preset
-from .cuda_graphs import StaticDecoder
+from .cuda_graphs import NativeStep, StaticDecoder
 from .device import huge_page_empty, on_huge_pages
 from . import cpu as native_cpu
-from .model import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, apply_rope
-from .quant.linear import QuantizedLinear, quantize
+from .cpu.stack import Activations, CacheKind, LayerWeights, NativeKV, NativeWeight, PreparedStack
+from .kv_cache import KVCache
+from .model import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, Transformer, apply_rope
+from .quant.linear import QuantizedLinear
 
-__all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "NativeDecoderLayer",
-           "NativeDecoderStack", "use_native_kernels", "use_huge_pages",
-           "uses_native_kernels", "optimize_decode", "compile_decode", "prefill_probe",
-           "settle_prefill_paths"]
+__all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "NativeDecoderStack",
+           "layer_weights", "use_native_kernels", "use_huge_pages", "uses_native_kernels", "optimize_decode",
+           "compile_decode", "settle_prefill_paths"]
 
 
 def _concat_linears(layers: list[nn.Module]) -> nn.Module:
@@ -132,7 +133,7 @@ def fuse_projections(model: nn.Module) -> nn.Module:
     Applying it twice changes nothing. The parameter names change (qkv_proj, gate_up_proj);
     `llminfer.quant.save_pretrained` writes them back under the checkpoint's own names.
     """
-    for layer in getattr(model, "layers", []):
+    for layer in model.layers if isinstance(model, Transformer) else []:
         if isinstance(layer.self_attn, Attention):
             layer.self_attn = FusedAttention(layer.self_attn)
         if isinstance(layer.mlp, MLP):
@@ -143,11 +144,18 @@ def fuse_projections(model: nn.Module) -> nn.Module:
 class NativeLinear(nn.Linear):
     """An nn.Linear whose few-token products run llminfer's native matrix-vector kernel. Chapter 08.
 
-    Same parameters, names and numbers as the nn.Linear it was (the class is swapped in place, so tied
+    Same parameters, names and numbers as the nn.Linear it replaces (`of`: the same Parameter objects, so tied
     weights stay tied). On a CPU, x goes to `llminfer.cpu.gemv`: its matrix-vector loops for up to
     `cpu.MAX_TOKENS` rows (a decode step), its blocked kernel for more (a prefill) where the CPU has
     AVX2; other devices, autograd and a prefill without the blocked kernel use F.linear.
     """
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> "NativeLinear":
+        """Returns a NativeLinear holding `linear`'s own weight and bias (the same Parameters)."""
+        native = cls(linear.in_features, linear.out_features, bias=False, device="meta", dtype=linear.weight.dtype)
+        native.weight, native.bias = linear.weight, linear.bias
+        return native.train(linear.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // self.in_features if self.in_features else 0
@@ -162,208 +170,158 @@ class NativeLinear(nn.Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def _native_parts(linear: nn.Module, dtype: torch.dtype) -> list[torch.Tensor] | None:
-    """A linear as the native kernels take it: [weight], [int8 codes, scale] or [int4 nibbles, scale, offset];
-    None when it has no native kernel for activations of `dtype`."""
+def _native_weight(linear: nn.Module, dtype: torch.dtype) -> NativeWeight | None:
+    """A product as the native stack takes it (float weight, int8 codes and scale, int4 nibbles, scale and offset, with
+    its activations' format); None where it has no native kernel for activations of `dtype`."""
     if isinstance(linear, NativeLinear):
         weight = linear.weight
-        return [weight] if weight.dtype == dtype and weight.is_contiguous() else None
+        return NativeWeight(weight) if weight.dtype == dtype and weight.is_contiguous() else None
     if isinstance(linear, QuantizedLinear) and linear.kernel == "native" and \
             linear.kernel_scale.dtype == linear._kernel_terms_dtype():
-        parts = [linear.qweight, linear.kernel_scale]
-        if linear.bits == 8:
-            return parts
-        # W4A8: a fourth tensor marks int8 activations for the native layer calls. It is the codes again: a tensor
-        # made for the purpose (a slice, a small buffer) is one a compiled step materialises anew at every step
-        return parts + [linear.kernel_offset] + ([linear.qweight] if linear.activations == "int8" else [])
+        activations = Activations.INT8 if linear.activations == "int8" else Activations.FLOAT
+        return NativeWeight(linear.qweight, linear.kernel_scale, linear.kernel_offset if linear.bits == 4 else None,
+                            activations)
     return None
 
 
-def _weight_dtype(layer: nn.Module, x: torch.Tensor) -> torch.dtype:
-    """The dtype a fused layer's q/k/v weight is held in (uint8 for int4, int8 for int8; x's for float layers), the
-    key of its measured prefill path."""
-    qkv = getattr(getattr(layer, "self_attn", None), "qkv_proj", None)
-    weight = getattr(qkv, "qweight", None)
-    if weight is None:
-        weight = getattr(qkv, "weight", None)
-    return x.dtype if weight is None else weight.dtype
-
-
-def _step_fits(x: torch.Tensor, cos: torch.Tensor, backend, weight_dtype: torch.dtype | None = None) -> str | None:
-    """Whether a step's input can take the one-call path at all (the same for every layer of the step):
-    'decode' for up to MAX_TOKENS tokens, 'prefill' for more where the blocked kernel runs for weights of
-    `weight_dtype` (default x's), else None."""
-    if not (backend is native_cpu.attention_backend and native_cpu.loaded() and x.device.type == "cpu"
-            and x.dim() == 3 and x.dtype in (torch.float32, torch.bfloat16) and cos.dim() == 2
-            and cos.dtype == x.dtype and not (torch.is_grad_enabled() and x.requires_grad)):
+def layer_weights(layer: nn.Module, dtype: torch.dtype) -> LayerWeights | None:
+    """Returns a decoder layer's weights by name for a native stack whose activations are of `dtype`, or None where the
+    layer cannot run in it (not fused, a norm or product without a native kernel, a bias off qkv). Chapter 08."""
+    if type(layer) is not DecoderLayer:
         return None
-    if x.shape[0] * x.shape[1] <= native_cpu.MAX_TOKENS:
-        return "decode"
-    rows = x.shape[0] * x.shape[1]
-    return "prefill" if native_cpu.blocked_prefill(weight_dtype or x.dtype, rows) else None
+    attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(attn, FusedAttention) or not isinstance(mlp, FusedMLP):
+        return None
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(type(norm) is not RMSNorm or norm.weight.dtype != dtype or not norm.weight.is_contiguous()
+           for norm in norms):
+        return None
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    products = [_native_weight(linear, dtype) for linear in linears]
+    bias = attn.qkv_proj.bias
+    if (any(p is None for p in products) or any(linear.bias is not None for linear in linears[1:])
+            or (bias is not None and bias.dtype != dtype)):
+        return None
+    qkv, o, gate_up, down = products
+    return LayerWeights(input_norm=norms[0].weight, input_eps=norms[0].eps, qkv=qkv, qkv_bias=bias, o=o,
+                        post_norm=norms[1].weight, post_eps=norms[1].eps, gate_up=gate_up, down=down)
 
 
-class _OneNativeCall:
-    """The forward of a module swapped for a native one: the op named `op` with `_native_args(...)` where they
-    allow it, otherwise the forward of the class it was swapped from."""
-
-    op: str
-
-    def forward(self, x, cos, sin, cache, backend):
-        call = self._native_args(x, cos, sin, cache, backend)
-        if call is None:
-            return super().forward(x, cos, sin, cache, backend)
-        return getattr(torch.ops.llminfer, self.op)(*call)
+def _kv_storage(cache) -> tuple[CacheKind, list[torch.Tensor], list[torch.Tensor]] | None:
+    """The K/V a native step over `cache` writes and reads, by the cache's type: a KVCache's contiguous buffers, a
+    NativeKV's own (the engine's paged pool); None for any other cache (the int8 cache: the modules run)."""
+    if isinstance(cache, KVCache):
+        return CacheKind.CONTIGUOUS, cache.k, cache.v
+    if isinstance(cache, NativeKV):
+        return cache.native_storage()
+    return None
 
 
-class NativeDecoderLayer(_OneNativeCall, DecoderLayer):
-    """A DecoderLayer whose decode steps run as one native call. Chapter 08.
+def _step_positions(cache, kind: CacheKind) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """The forward in flight's positions over `cache` (and, paged, each token's sequence and the block tables)."""
+    if kind is CacheKind.CONTIGUOUS:
+        slots = cache.slots(0)
+        return None if slots is None else (slots[2], None, None)
+    return cache.native_step()
 
-    Same modules, parameter names and numbers as the DecoderLayer it was (the class is swapped in place by
-    `use_native_kernels`). When the layer is fused (`fuse_projections`), its linears have native kernels,
-    the model attends through the 'native' backend and the cache hands over its buffers (`cache.slots`),
-    a step of up to `cpu.MAX_TOKENS` tokens on a CPU runs `torch.ops.llminfer.decode_layer`: both
-    norms, the four products, RoPE, the cache write, attention, SwiGLU and both residuals in one call, so a
-    step makes one call per layer instead of a dozen. A prefill of any length takes the same call where the
-    blocked kernel runs (`cpu.blocked_prefill()`). Anything else (autograd, another cache, backend
-    or device) runs the modules, as DecoderLayer does.
+
+class NativeDecoderStack(DecoderStack, NativeStep):
+    """A DecoderStack whose steps run every layer in one native call. Chapter 08.
+
+    Same layers, parameter names and numbers as the DecoderStack it replaces (`use_native_kernels` makes it from the
+    model's own layers). It reads each layer's weights by name once (`load_weights`, into `cpu.stack.LayerWeights`),
+    and for a cache it runs over, prepares them with the cache's buffers in the kernels (`prepare`: contiguous
+    buffers of a KVCache, or the engine's paged pool), so that a step (`cpu.stack.PreparedStack.step`) hands over x,
+    the RoPE rows and the positions alone: the whole stack, layer after layer, without returning to Python, its
+    products by the matrix-vector loops for a decode step's few tokens and by the blocked kernel for a prefill.
+    Anything the one call cannot take (autograd, another cache or attention backend, a layer without native
+    kernels) runs the modules, as DecoderStack does.
+
+    A weight changed after `load_weights` (a transform such as quantize, a rebound `.data`, weights moved onto huge
+    pages) is not seen until the caller calls `load_weights()` again (`use_native_kernels(model)` does); a step over
+    weights whose memory moved is refused with an error that says so.
     """
 
-    op = "decode_layer"
+    _pinned: tuple[PreparedStack, object] | None = None       # set by `pinned`
 
-    def _native_args(self, x, cos, sin, cache, backend) -> tuple | None:
-        fits = _step_fits(x, cos, backend, _weight_dtype(self, x))
-        return self._layer_args(x, cos, sin, cache, backend) if fits else None
+    def __init__(self, layers=None):
+        super().__init__(layers)
+        self.load_weights()
 
-    def _layer_args(self, x, cos, sin, cache, backend) -> tuple | None:
-        """This layer's arguments of `decode_layer`, for a step that `_step_fits`; None where the layer cannot."""
-        attn, mlp = self.self_attn, self.mlp
-        if not isinstance(attn, FusedAttention) or not isinstance(mlp, FusedMLP):
-            return None
-        slots = getattr(cache, "slots", None)
-        slots = slots(attn.layer_idx) if slots is not None else None
-        if slots is None:
-            return None
-        keys, values, positions = slots
-        if keys.dtype != x.dtype or keys.device.type != "cpu" or positions.dim() != 1 or positions.dtype != torch.long:
-            return None
-        norms = (self.input_layernorm, self.post_attention_layernorm)
-        if any(type(n) is not RMSNorm or n.weight.dtype != x.dtype for n in norms):
-            return None
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-            return None                                     # autograd needs the modules
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        parts = [_native_parts(linear, x.dtype) for linear in linears]
-        bias = attn.qkv_proj.bias
-        if (any(p is None for p in parts) or any(linear.bias is not None for linear in linears[1:])
-                or (bias is not None and bias.dtype != x.dtype)):
-            return None
-        rows = x.shape[0] * x.shape[1]
-        if rows > native_cpu.MAX_TOKENS and not all(native_cpu.blocked_prefill(p[0].dtype, rows) for p in parts):
-            return None                                     # a quantized format whose prefill torch runs faster
-        return (x, norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps, parts[0], bias, parts[1],
-                parts[2], parts[3], cos, sin, keys, values, positions, attn.n_heads, attn.head_dim ** -0.5)
-
-
-class NativeDecoderStack(_OneNativeCall, DecoderStack):
-    """A DecoderStack whose decode steps run every layer in one native call. Chapter 08.
-
-    Same layers and names as the DecoderStack it was (the class is swapped in place by
-    `use_native_kernels`). When every layer can take its one-call path (NativeDecoderLayer), a step runs
-    `torch.ops.llminfer.decode_layers`: the whole stack, layer after layer, without returning to Python in
-    between. Otherwise the layers run one by one, each taking its own fast path where it can.
-    """
-
-    op = "decode_layers"
-    # set by `tracing` while a step is traced: the prepared stack's number and activation dtype (plain values,
-    # which the tracer reads as constants)
-    _tracing: tuple[int, torch.dtype] | None = None
-
-    # set by `kept` around an eager forward (a decoder's prefill): the prepared stack and the cache it writes
-    _kept: tuple[native_cpu.PreparedStack, object] | None = None
-
-    def forward(self, x, cos, sin, cache, backend):
-        prepared = self._tracing
-        if prepared is not None and torch.compiler.is_compiling() and x.dtype == prepared[1]:
-            # the step being traced: its weights and caches were kept by `prepare_step`, so the compiled step
-            # hands over only x, the RoPE rows and the positions
-            _, _, positions = cache.slots(self[0].self_attn.layer_idx)
-            return torch.ops.llminfer.decode_layers_prepared(prepared[0], x, cos, sin, positions)
-        kept = self._kept
-        if (kept is not None and cache is kept[1] and x.dtype == kept[0].dtype and not torch.compiler.is_compiling()
-                and self._step_fits(x, cos, backend) is not None and kept[0].runs(x.shape[0] * x.shape[1])):
-            # an eager forward over the kept stack's cache (a decoder's prefill): gathering and checking the
-            # layers' arguments (`_native_args`) took about a millisecond of a 30-layer model's prefill
-            _, _, positions = cache.slots(self[0].self_attn.layer_idx)
-            return torch.ops.llminfer.decode_layers_prepared(kept[0].id, x, cos, sin, positions)
-        return super().forward(x, cos, sin, cache, backend)
-
-    def prepare_step(self, x, cos, sin, cache, backend) -> native_cpu.PreparedStack | None:
-        """Keeps the stack's weights and `cache`'s buffers in the kernels (`cpu.PreparedStack`) for steps
-        shaped as x (B, 1, dim); None where such a step does not run natively. The cache must be in a forward
-        (`cache.begin`) while this runs. A step traced inside `tracing(prepared)` then uses them:
-        `llminfer.cuda_graphs.StaticDecoder` does so for its compiled step and keeps what was prepared (the step
-        is tied to these weights and caches, as a specialised StaticDecoder's step is)."""
-        call = self._native_args(x, cos, sin, cache, backend)
-        if call is None:
-            return None
-        (_, tensors, layout, eps, _, _, keys, values, _, n_heads, scale) = call
-        # each product's weight: a layer's tensors are its two norms, then per product its parts (weight first),
-        # with q/k/v's bias after its parts
-        weights, at = set(), 0
-        for layer in range(len(layout) // 5):
-            qkv, bias, o, gate_up, down = layout[5 * layer:5 * layer + 5]
-            at += 2
-            for count, extra in ((qkv, bias), (o, 0), (gate_up, 0), (down, 0)):
-                weights.add(tensors[at].dtype)
-                at += count + extra
-        return native_cpu.PreparedStack(tensors, layout, eps, keys, values, n_heads, scale, x.dtype,
-                                        tuple(sorted(weights, key=str)))
-
-    @contextlib.contextmanager
-    def kept(self, prepared: native_cpu.PreparedStack | None, cache):
-        """Inside the block, an eager forward over `cache` that the stack runs natively runs `prepared` (from
-        `prepare_step` with this cache; None: the usual call). `llminfer.cuda_graphs.StaticDecoder` prefills so:
-        its prepared stack is tied to the model as it was compiled, as its compiled step is."""
-        self._kept = None if prepared is None else (prepared, cache)
-        try:
-            yield
-        finally:
-            self._kept = None
-
-    @contextlib.contextmanager
-    def tracing(self, prepared: native_cpu.PreparedStack | None):
-        """Inside the block, a step being traced runs `prepared` (from `prepare_step`; None: the usual call)."""
-        self._tracing = None if prepared is None else (prepared.id, prepared.dtype)
-        try:
-            yield
-        finally:
-            self._tracing = None
-
-    def _step_fits(self, x, cos, backend) -> str | None:
-        """`_step_fits` for the stack's step, with the prefill path of its first layer's weights."""
+    def load_weights(self) -> "NativeDecoderStack":
+        """Reads every layer's weights from its modules and drops what was prepared from earlier ones; returns self.
+        Call it again after changing the weights. Chapter 08."""
         first = next(iter(self), None)
-        return _step_fits(x, cos, backend, None if first is None else _weight_dtype(first, x))
+        dtype = first.input_layernorm.weight.dtype if type(first) is DecoderLayer else None
+        layers = [layer_weights(layer, dtype) for layer in self] if dtype in (torch.float32, torch.bfloat16) else []
+        self.weights: list[LayerWeights] | None = layers if layers and all(w is not None for w in layers) else None
+        self.dtype = dtype                                     # the activations' dtype
+        self.weight_dtypes = tuple(sorted({p.weight.dtype for w in self.weights or () for p in w.products()}, key=str))
+        self.trainable = any(p.requires_grad for p in self.parameters())
+        attn = first.self_attn if self.weights else None
+        self.heads = (attn.n_heads, attn.head_dim) if attn is not None else None
+        self._prepared: tuple[PreparedStack, weakref.ref] | None = None
+        return self
 
-    def _native_args(self, x, cos, sin, cache, backend) -> tuple | None:
-        if self._step_fits(x, cos, backend) is None:         # checked once for the whole step
+    def supports(self, x: torch.Tensor, cos: torch.Tensor, backend) -> bool:
+        """Whether a step of x (B, T, dim) runs in the one call: loaded kernels, the 'native' attention backend, x in
+        the weights' activation dtype on the CPU, no autograd, and for a prefill (more than MAX_TOKENS rows) the
+        blocked kernel for every weight format of the stack. Chapter 08."""
+        if not (self.weights is not None and backend is native_cpu.attention_backend and native_cpu.loaded()
+                and x.device.type == "cpu" and x.dim() == 3 and x.dtype == self.dtype and cos.dim() == 2
+                and cos.dtype == x.dtype and not (torch.is_grad_enabled() and (x.requires_grad or self.trainable))):
+            return False
+        rows = x.shape[0] * x.shape[1]
+        return rows <= native_cpu.MAX_TOKENS or all(native_cpu.blocked_prefill(d, rows) for d in self.weight_dtypes)
+
+    def prepare(self, cache) -> PreparedStack | None:
+        """Returns the stack's weights and `cache`'s buffers kept in the kernels (made once per cache, and again
+        after `load_weights`); None where the cache has no storage the kernels read (`_kv_storage`). Chapter 08."""
+        storage = _kv_storage(cache)
+        if storage is None or self.weights is None:
             return None
-        tensors, layout, eps, keys, values = [], [], [], [], []
-        call = None
-        for layer in self:
-            call = layer._layer_args(x, cos, sin, cache, backend) if isinstance(layer, NativeDecoderLayer) else None
-            if call is None:
-                return None
-            (_, norm1, eps1, norm2, eps2, qkv, bias, o, gate_up, down, _, _, k, v, _, _, _) = call
-            tensors += [norm1, norm2, *qkv, *([] if bias is None else [bias]), *o, *gate_up, *down]
-            layout += [len(qkv), int(bias is not None), len(o), len(gate_up), len(down)]
-            eps += [eps1, eps2]
-            keys.append(k)
-            values.append(v)
-        if call is None:
+        kind, keys, values = storage
+        if keys[0].dtype != self.dtype or keys[0].device.type != "cpu" or len(keys) != len(self.weights):
             return None
-        positions, n_heads, scale = call[14], call[15], call[16]
-        return (x, tensors, layout, eps, cos, sin, keys, values, positions, n_heads, scale)
+        kept = self._prepared
+        if kept is not None and kept[1]() is cache and kept[0].kind is kind and kept[0].holds(keys, values):
+            return kept[0]
+        prepared = PreparedStack(self.weights, *self.heads, kind, keys, values)
+        stack = weakref.ref(self)
+        # dropped with its cache, whose buffers it holds
+        self._prepared = (prepared, weakref.ref(cache, lambda _: NativeDecoderStack._forget(stack, prepared)))
+        return prepared
+
+    @staticmethod
+    def _forget(stack: weakref.ref, prepared: PreparedStack) -> None:
+        owner = stack()
+        if owner is not None and owner._prepared is not None and owner._prepared[0] is prepared:
+            owner._prepared = None
+
+    @contextlib.contextmanager
+    def pinned(self, prepared: PreparedStack | None, cache):
+        """Inside the block, a forward over `cache` that the stack can take runs `prepared` (from `prepare(cache)`)
+        without looking it up: what a compiled step is traced with (`llminfer.cuda_graphs.StaticDecoder`)."""
+        self._pinned = None if prepared is None else (prepared, cache)
+        try:
+            yield
+        finally:
+            self._pinned = None
+
+    def native_step(self, x, cos, sin, cache, backend) -> torch.Tensor | None:
+        """x through every layer in one native call over `cache`; None where the call cannot take the step."""
+        if cache is None or not self.supports(x, cos, backend):
+            return None
+        pinned = self._pinned
+        prepared = pinned[0] if pinned is not None and pinned[1] is cache else self.prepare(cache)
+        if prepared is None or (prepared.kind is CacheKind.PAGED and x.shape[0] != 1):
+            return None                                       # a pool takes a step's tokens side by side, (1, N, dim)
+        where = _step_positions(cache, prepared.kind)
+        return None if where is None else prepared.step(x, cos, sin, *where)
+
+    def forward(self, x, cos, sin, cache, backend):
+        out = self.native_step(x, cos, sin, cache, backend)
+        return super().forward(x, cos, sin, cache, backend) if out is None else out
 
 
 def _streamed_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -423,22 +381,27 @@ def use_huge_pages(model: nn.Module, min_bytes: int = 8 << 20) -> nn.Module:
 
 def uses_native_kernels(model: nn.Module) -> bool:
     """Whether any layer of model runs the native CPU kernels (use_native_kernels, or quantized). Chapter 08."""
-    return any(isinstance(m, (NativeLinear, NativeDecoderLayer, NativeDecoderStack))
+    return any(isinstance(m, (NativeLinear, NativeDecoderStack))
                or (isinstance(m, QuantizedLinear) and m.kernel == "native") for m in model.modules())
 
 
 @torch.no_grad()
 def use_native_kernels(model: nn.Module, strict: bool = False, huge_pages: bool = True) -> nn.Module:
-    """Makes every float32/bfloat16 nn.Linear of a CPU model a NativeLinear, and a model on the default 'sdpa'
-    attention backend use 'native' (the decode attention kernel), in place; returns model. Chapter 08.
+    """Replaces every float32/bfloat16 nn.Linear of a CPU model by a NativeLinear and a Transformer's layer stack by a
+    NativeDecoderStack (every layer in one native call a step), and makes a model on the default 'sdpa' attention
+    backend use 'native' (the decode attention kernel), in place; returns model (a bare nn.Linear: its
+    NativeLinear). Chapter 08.
 
     The kernels are built on first use (`llminfer.cpu`); where they cannot be (no C++ compiler,
     or `LLMINFER_NATIVE_KERNELS=0`) the model is left as it is, or with strict=True a RuntimeError says why.
     Weights are made row-major (undoing `use_decode_layout`, which serves torch's own matmul), and with
-    huge_pages=True moved onto 2 MiB pages (`use_huge_pages`), which the kernels stream faster.
+    huge_pages=True moved onto 2 MiB pages (`use_huge_pages`), which the kernels stream faster. Called again (after a
+    transform that changed weights), it reads the stack's weights again (`NativeDecoderStack.load_weights`).
     """
-    targets = [m for m in model.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"
-               and m.weight.dtype in (torch.float32, torch.bfloat16)]
+    def native(linear: nn.Module) -> bool:
+        return (type(linear) is nn.Linear and linear.weight.device.type == "cpu"
+                and linear.weight.dtype in (torch.float32, torch.bfloat16))
+
     on_cpu = any(p.device.type == "cpu" for p in model.parameters())
     if not on_cpu:
         return model
@@ -447,19 +410,26 @@ def use_native_kernels(model: nn.Module, strict: bool = False, huge_pages: bool 
             raise RuntimeError(f"the native CPU kernels are unavailable ({native_cpu.why_unavailable()}); install a C++ "
                                "compiler (g++ or clang) or call with strict=False to keep torch's kernels")
         return model
-    for module in targets:
-        if not module.weight.is_contiguous():
-            module.weight.data = module.weight.data.contiguous()
-        module.__class__ = NativeLinear
-    for layer in getattr(model, "layers", []):     # whole layers in one call where they qualify (decode)
-        if type(layer) is DecoderLayer:
-            layer.__class__ = NativeDecoderLayer
-    if type(getattr(model, "layers", None)) is DecoderStack:       # and the whole stack in one call
-        model.layers.__class__ = NativeDecoderStack
-    if getattr(model, "attn_backend", None) == "sdpa":      # decode attention too (a prefill keeps sdpa)
-        model.set_attention_backend("native")
+    replaced: dict[int, NativeLinear] = {}             # by module: a linear used in two places stays one
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if native(child):
+                if not child.weight.is_contiguous():
+                    child.weight.data = child.weight.data.contiguous()
+                setattr(parent, name, replaced.setdefault(id(child), NativeLinear.of(child)))
+    if native(model):
+        if not model.weight.is_contiguous():
+            model.weight.data = model.weight.data.contiguous()
+        model = NativeLinear.of(model)
+    if isinstance(model, Transformer):
+        if model.attn_backend == "sdpa":                    # decode attention too (a prefill keeps sdpa)
+            model.set_attention_backend("native")
+        if type(model.layers) is DecoderStack:            # the whole stack in one call a step
+            model.layers = NativeDecoderStack(model.layers)
     if huge_pages:
         use_huge_pages(model)
+    if isinstance(model, Transformer) and isinstance(model.layers, NativeDecoderStack):
+        model.layers.load_weights()                       # as they are now (moved onto huge pages, transformed)
     return model
 
 
@@ -493,41 +463,17 @@ def compile_decode(model, batch_size: int = 1, max_seq_len: int | None = None, f
 
 
 def settle_prefill_paths(model: nn.Module, max_rows: int) -> dict[int, str]:
-    """Settles now the prefill path (`cpu.prefill_path`) of every rows bucket from MAX_TOKENS + 1 to
-    max_rows for the weights of model's native stack: read from the answers kept beside the kernel build, or timed
-    (a fraction of a second each, once per machine), so that no request waits on a first-use timing. A server calls
-    it before its first request (`llminfer.engine.LLMEngine`). Returns {bucket: path}; {} where no native stack
-    runs. Chapter 08."""
-    layers = getattr(model, "layers", None)
-    if not (isinstance(layers, NativeDecoderStack) and len(layers) and native_cpu.available()
+    """Returns {bucket: path} for every rows bucket from MAX_TOKENS + 1 to max_rows, the prefill path
+    (`cpu.prefill_path`) of the weights of model's native stack; {} where no native stack runs. Chapter 08."""
+    layers = model.layers if isinstance(model, Transformer) else None
+    if not (isinstance(layers, NativeDecoderStack) and layers.weight_dtypes and native_cpu.available()
             and model.device.type == "cpu"):
         return {}
-    dtype = _weight_dtype(layers[0], torch.empty(0, dtype=model.dtype))
     paths, rows = {}, native_cpu.MAX_TOKENS + 1
     while True:
         bucket = native_cpu.rows_bucket(rows)
-        paths[bucket] = native_cpu.prefill_path(dtype, bucket)
+        paths[bucket] = native_cpu.prefill_path(layers.weight_dtypes[0], bucket)
         # done at max_rows, or at the last bucket (longer prefills share its answer)
         if bucket >= max_rows or native_cpu.rows_bucket(bucket + 1) == bucket:
             return paths
         rows = bucket + 1
-
-
-def prefill_probe(dtype: torch.dtype, rows: int):
-    """Returns a run that prefills `rows` random tokens through cpu.PREFILL_PROBE_LAYERS random layers of
-    SmolLM2-135M's shape (a vocabulary of 256) with weights of dtype: float32, bfloat16, int8 codes, or uint8 (int4
-    nibbles in groups of 32), as a model in that format runs them (`compile_decode`, its step eager), on the prefill
-    path in force (`cpu.force_prefill`). What the prefill choice times at first use. Appendix A1."""
-    native_cpu.check_prefill_dtypes([dtype])
-    config = get_preset("smollm2-135m").replace(n_layers=native_cpu.PREFILL_PROBE_LAYERS, vocab_size=256,
-                                                max_seq_len=rows)
-    model = load_random(config, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32, seed=0)
-    if native_cpu.PREFILL_DTYPES[dtype]:
-        quantize(model, *native_cpu.PREFILL_DTYPES[dtype])
-    decoder = compile_decode(model, max_seq_len=rows, compile=False)
-    ids = torch.randint(0, config.vocab_size, (1, rows), generator=torch.Generator().manual_seed(0))
-    return lambda: decoder.prefill(ids)
-
-
-# the first use of a prefill choice times what the choice moves, a prefill through the stack or through the modules
-native_cpu.set_prefill_probe(prefill_probe)

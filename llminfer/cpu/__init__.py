@@ -20,7 +20,7 @@ into `LLMINFER_KERNEL_CACHE` (default `~/.cache/llminfer/kernels`). Without a co
 
 The ops: `gemv(x, weight, ...)` (torch.ops.llminfer.gemv_f32/bf16/int8/int4/int4_a8: x (tokens, K), any number of
 rows, the matrix-vector loops up to MAX_TOKENS rows and the blocked kernel past them), `decode_attention` (the
-attention backend 'native'), `paged_attention`, the layer ops (`llminfer.fast`) and `stream_read` (the benchmark's
+attention backend 'native'), `paged_attention`, the layer stack (`cpu.stack`) and `stream_read` (the benchmark's
 bandwidth probe). They carry fake implementations, so `torch.compile` traces through them.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 
 from llminfer.attention import fast_attention, register_backend
 
-__all__ = ["PreparedStack", "available", "why_unavailable", "load", "loaded", "isa", "isa_features", "choose_isa",
+__all__ = ["available", "why_unavailable", "load", "loaded", "isa", "isa_features", "choose_isa",
            "IsaChoice", "ISA_ENV", "KERNEL_LEVELS", "DECODE_FORMATS", "DECODE_LOOPS", "decode_loops", "gemv",
            "decode_attention", "paged_attention", "attention_backend", "prefill_path", "force_prefill",
            "blocked_prefill", "rows_bucket", "layer_products", "stream_read", "PREFILL_PATHS", "PREFILL_ENV",
@@ -221,11 +221,7 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"llminfer::{op}", dense)
     torch.library.register_fake("llminfer::decode_attention",
                                 lambda q, k, v, mask, scale: q.new_empty(q.shape))
-    torch.library.register_fake("llminfer::decode_layer", lambda x, *rest: x.new_empty(x.shape))
-    torch.library.register_fake("llminfer::decode_layers", lambda x, *rest: x.new_empty(x.shape))
-    torch.library.register_fake("llminfer::decode_layers_paged", lambda x, *rest: x.new_empty(x.shape))
-    torch.library.register_fake("llminfer::decode_layers_prepared", lambda stack, x, cos, sin, positions:
-                                x.new_empty(x.shape))
+    torch.library.register_fake("llminfer::run_stack", lambda stack, x, *rest: x.new_empty(x.shape))
     torch.library.register_fake("llminfer::paged_attention", lambda q, *rest: q.new_empty(q.shape))
 
 
@@ -255,39 +251,6 @@ def load() -> bool:
         _state["loaded"] = True
         return True
 
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The prepared stack: a layer stack's weights and caches held by the kernels (llminfer.fast's native-call contract)
-
-class PreparedStack:
-    """A layer stack's weights and caches kept by the kernels under a number (`torch.ops.llminfer.prepare_stack`),
-    for `decode_layers_prepared(number, x, cos, sin, positions)`: the tensors (as `decode_layers` takes them, with
-    its layout and epsilons) are checked at the first step and then only referred to, and each step writes its
-    K/V into these caches. The number is released when this object goes. Chapter 08.
-    """
-
-    def __init__(self, tensors: list[torch.Tensor], layout: list[int], eps: list[float],
-                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], n_heads: int, scale: float,
-                 dtype: torch.dtype, weight_dtypes: tuple[torch.dtype, ...] = ()):
-        self.dtype = dtype                     # the activations' dtype it was prepared for
-        self.weight_dtypes = weight_dtypes     # its products' weights' (float, int8 codes, int4 nibbles)
-        self.id = int(torch.ops.llminfer.prepare_stack(list(tensors), layout, eps, list(k_caches), list(v_caches),
-                                                       n_heads, scale))
-        self._release = torch.ops.llminfer.release_stack
-
-    def runs(self, rows: int) -> bool:
-        """Whether a step of `rows` rows of x runs natively: a decode step's few rows always; a prefill's where the
-        blocked kernel runs for each of its weights' dtypes (`blocked_prefill`), as the layers' own path decides."""
-        return rows <= MAX_TOKENS or all(blocked_prefill(dtype, rows) for dtype in self.weight_dtypes)
-
-    def __del__(self):
-        try:
-            self._release(self.id)
-        except (RuntimeError, AttributeError, TypeError):   # interpreter shutdown: the table goes with the process
-            pass
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 
 def loaded() -> bool:
     """Whether the kernels are loaded already (a dict read: cheap enough for every forward)."""

@@ -3,7 +3,7 @@
 //   cpu_matvec.cpp     y = x · Wᵀ for a few rows of x: the matrix-vector loops, and the dispatch by rows
 //   cpu_gemm.cpp       the blocked matrix multiply for many rows of x (a prefill, a large batch)
 //   cpu_attention.cpp  decode attention against a K/V cache read in place
-//   cpu_layers.cpp     whole decoder layers and layer stacks in one call
+//   cpu_layers.cpp     a prepared layer stack, one call a step over contiguous or paged K/V
 //   cpu_ops.cpp        the ops' schemas, registered with torch
 //
 // This header holds what several units use: the weight formats, the vector helpers, and the declarations.
@@ -433,26 +433,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_in, const a
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& block_tables, const at::Tensor& token_seq, const at::Tensor& positions,
                            double scale);
-at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, double eps1,
-                        const at::Tensor& post_norm, double eps2, at::TensorList qkv,
-                        const c10::optional<at::Tensor>& qkv_bias, at::TensorList o_parts,
-                        at::TensorList gate_up_parts, at::TensorList down_parts, const at::Tensor& cos,
-                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
-                        const at::Tensor& positions, int64_t n_heads, double scale);
-at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList tensors, at::IntArrayRef layout,
-                         at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
-                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
-                         int64_t n_heads, double scale);
-// a stack's weights and caches (as decode_layers takes them) kept in this process's table; returns its number
-int64_t prepare_stack(at::TensorList tensors, at::IntArrayRef layout, at::ArrayRef<double> eps,
-                      at::TensorList k_caches, at::TensorList v_caches, int64_t n_heads, double scale);
+// the native-call contract (cpu_layers.cpp): a layer stack's fields and caches kept in this process's table
+// (returns its number), one step through it, its release, and the names of a layer's fields in their order
+int64_t prepare_stack(const c10::List<c10::optional<at::Tensor>>& tensors, at::ArrayRef<double> eps,
+                      at::IntArrayRef activations, int64_t n_heads, double scale, int64_t cache_kind,
+                      at::TensorList k_caches, at::TensorList v_caches);
+at::Tensor run_stack(int64_t id, const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& positions, const c10::optional<at::Tensor>& token_seq,
+                     const c10::optional<at::Tensor>& block_tables);
 void release_stack(int64_t id);
-at::Tensor decode_layers_prepared(int64_t id, const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
-                                  const at::Tensor& positions);
-at::Tensor decode_layers_paged(const at::Tensor& x_in, at::TensorList tensors, at::IntArrayRef layout,
-                               at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
-                               at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& positions,
-                               const at::Tensor& token_seq, const at::Tensor& block_tables, int64_t n_heads,
-                               double scale);
+std::vector<std::string> layer_fields();
 
 }  // namespace llminfer_cpu

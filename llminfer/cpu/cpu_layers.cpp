@@ -167,6 +167,26 @@ void rms_norm(const float* x, int64_t M, int64_t dim, const at::Tensor& weight, 
   });
 }
 
+// ---------------------------------------------------------------------------------------------------
+// The native-call contract. A layer stack crosses into C++ once (prepare_stack), each layer as named fields in the
+// one order below, which llminfer/cpu/stack.py builds (`layer_arguments`, from its LAYER_TENSORS: the op
+// layer_fields() gives these names back, and a test compares the two):
+//   tensors, kLayerTensors a layer, None where absent: the two norms' weights, the qkv bias, then per product (qkv,
+//   o, gate_up, down) its weight, scale and offset. A weight's format is its dtype: float32 or bfloat16 (alone), int8
+//   codes with a scale, or int4 nibbles (uint8, row-major or in tiles of 8 rows) with a scale and an offset;
+//   eps, two a layer: the input norm's and the post-attention norm's;
+//   activations, one a product: kFloatActivations, or kInt8Activations (int4 only, W4A8: x rounded to int8).
+// The caches are the stack's too, one K and one V a layer, of the kind given: kContiguous, (B, H_kv, slots, D)
+// written at each step's positions; kPaged, a pool (num_blocks, block_size, H_kv, D) written and read through the
+// block tables each step hands over. A step (run_stack) then hands over x, cos, sin and the positions alone.
+constexpr const char* kLayerFields[] = {"input_norm", "post_norm", "qkv_bias", "qkv.weight", "qkv.scale", "qkv.offset",
+                                        "o.weight", "o.scale", "o.offset", "gate_up.weight", "gate_up.scale",
+                                        "gate_up.offset", "down.weight", "down.scale", "down.offset"};
+constexpr size_t kLayerTensors = sizeof(kLayerFields) / sizeof(kLayerFields[0]), kFirstProduct = 3;
+constexpr int64_t kProducts = 4;
+enum Activations : int64_t { kFloatActivations = 0, kInt8Activations = 1 };
+enum CacheKind : int64_t { kContiguous = 0, kPaged = 1 };
+
 // One layer's weights and cache, checked against the step's shapes.
 struct Layer {
   const at::Tensor* input_norm;
@@ -179,8 +199,8 @@ struct Layer {
 };
 
 // The step's shapes: x (B, T, dim) in `dtype`, H query heads, positions (T,) and cos, sin (T, D).
-// Paged (decode_layers_paged): B = 1, the T tokens belong to several sequences (seq), the caches are pools of
-// num_blocks blocks of block_size positions, and sequence s's positions live in the blocks of tables row s.
+// Paged: B = 1, the T tokens belong to several sequences (seq), the caches are pools of num_blocks blocks of
+// block_size positions, and sequence s's positions live in the blocks of tables row s.
 struct Step {
   int64_t B, T, dim, H, Hkv = 0, S = 0, D = 0, last_pos = 0;
   bool paged = false;
@@ -193,15 +213,38 @@ struct Step {
   float scale;
 };
 
+// A step over caches of `kind` (k_cache: the first layer's), checked: x (B, T, dim) with positions (T,) for
+// contiguous caches; x (1, N, dim) with positions, token_seq (N,) and block_tables (S, W) for a pool.
 Step check_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
-                const at::Tensor& k_cache, int64_t n_heads, double scale, const char* op) {
+                const c10::optional<at::Tensor>& token_seq, const c10::optional<at::Tensor>& block_tables,
+                const at::Tensor& k_cache, int64_t kind, int64_t n_heads, double scale, const char* op) {
   TORCH_CHECK(x.dim() == 3 && x.device().is_cpu(), op, ": x must be a (B, T, dim) CPU tensor, got ", x.sizes());
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": x must be float32 or bfloat16, got ", dtype);
   Step st{x.size(0), x.size(1), x.size(2), n_heads};
   st.dtype = dtype;
-  TORCH_CHECK(k_cache.dim() == 4, op, ": a cache must be (B, H_kv, slots, D), got ", k_cache.sizes());
-  st.Hkv = k_cache.size(1), st.S = k_cache.size(2), st.D = k_cache.size(3);
+  st.paged = kind == kPaged;
+  TORCH_CHECK(k_cache.dim() == 4, op, st.paged ? ": a pool must be (num_blocks, block_size, H_kv, D), got "
+              : ": a cache must be (B, H_kv, slots, D), got ", k_cache.sizes());
+  TORCH_CHECK(st.paged == (token_seq.has_value() && block_tables.has_value()) &&
+              token_seq.has_value() == block_tables.has_value(), op, ": a step over ",
+              st.paged ? "a paged pool needs token_seq and block_tables" : "contiguous caches takes no block tables",
+              "; prepare the stack with the cache kind of the cache it runs over");
+  if (st.paged) {
+    TORCH_CHECK(st.B == 1, op, ": x must be (1, N, dim) over a paged pool (the step's tokens side by side), got ",
+                x.sizes());
+    st.num_blocks = k_cache.size(0), st.block_size = k_cache.size(1), st.Hkv = k_cache.size(2);
+    st.S = st.num_blocks * st.block_size;
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) == st.T, op, ": positions must be (N=", st.T, ",), got ",
+                positions.sizes());
+    st.last_pos = check_block_tables(*block_tables, *token_seq, positions, st.num_blocks, st.block_size, op) - 1;
+    st.seq = token_seq->data_ptr<int64_t>();
+    st.tables = block_tables->data_ptr<int64_t>();
+    st.table_width = block_tables->size(1);
+  } else {
+    st.Hkv = k_cache.size(1), st.S = k_cache.size(2);
+  }
+  st.D = k_cache.size(3);
   TORCH_CHECK(st.H > 0 && st.Hkv > 0 && st.H % st.Hkv == 0 && st.H / st.Hkv <= 64 && st.D % 2 == 0, op, ": ", st.H,
               " query heads do not share ", st.Hkv, " K/V heads of size ", st.D);
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == st.T && positions.scalar_type() == at::kLong &&
@@ -211,10 +254,12 @@ Step check_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
               cos.scalar_type() == dtype && sin.scalar_type() == dtype, op,
               ": cos and sin must be (T, D) in x's dtype");
   st.pos = positions.data_ptr<int64_t>();
-  for (int64_t t = 0; t < st.T; ++t) {
-    TORCH_CHECK(st.pos[t] >= 0 && st.pos[t] < st.S, op, ": position ", st.pos[t], " is outside the cache's 0..",
-                st.S - 1);
-    st.last_pos = std::max(st.last_pos, st.pos[t]);
+  if (!st.paged) {
+    for (int64_t t = 0; t < st.T; ++t) {
+      TORCH_CHECK(st.pos[t] >= 0 && st.pos[t] < st.S, op, ": position ", st.pos[t], " is outside the cache's 0..",
+                  st.S - 1);
+      st.last_pos = std::max(st.last_pos, st.pos[t]);
+    }
   }
   st.cos = x_as_float(cos);
   st.sin = x_as_float(sin);
@@ -222,44 +267,30 @@ Step check_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return st;
 }
 
-// The step of decode_layers_paged: x (1, N, dim) with positions, token_seq (N,) and block_tables (S, W), cos and
-// sin (N, D); k_pool one layer's pool (num_blocks, block_size, H_kv, D).
-Step check_paged_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
-                      const at::Tensor& token_seq, const at::Tensor& block_tables, const at::Tensor& k_pool,
-                      int64_t n_heads, double scale, const char* op) {
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.device().is_cpu(), op,
-              ": x must be a (1, N, dim) CPU tensor (the step's tokens side by side), got ", x.sizes());
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": x must be float32 or bfloat16, got ", dtype);
-  TORCH_CHECK(k_pool.dim() == 4, op, ": a pool must be (num_blocks, block_size, H_kv, D), got ", k_pool.sizes());
-  Step st{1, x.size(1), x.size(2), n_heads};
-  st.dtype = dtype;
-  st.paged = true;
-  st.num_blocks = k_pool.size(0), st.block_size = k_pool.size(1), st.Hkv = k_pool.size(2), st.D = k_pool.size(3);
-  st.S = st.num_blocks * st.block_size;
-  TORCH_CHECK(st.H > 0 && st.Hkv > 0 && st.H % st.Hkv == 0 && st.H / st.Hkv <= 64 && st.D % 2 == 0, op, ": ", st.H,
-              " query heads do not share ", st.Hkv, " K/V heads of size ", st.D);
-  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == st.T, op, ": positions must be (N=", st.T, ",), got ",
-              positions.sizes());
-  st.last_pos = check_block_tables(block_tables, token_seq, positions, st.num_blocks, st.block_size, op) - 1;
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == st.T && cos.size(1) == st.D && sin.sizes() == cos.sizes() &&
-              cos.scalar_type() == dtype && sin.scalar_type() == dtype, op,
-              ": cos and sin must be (N, D) in x's dtype");
-  st.pos = positions.data_ptr<int64_t>();
-  st.seq = token_seq.data_ptr<int64_t>();
-  st.tables = block_tables.data_ptr<int64_t>();
-  st.table_width = block_tables.size(1);
-  st.cos = x_as_float(cos);
-  st.sin = x_as_float(sin);
-  st.scale = static_cast<float>(scale);
-  return st;
+// Product p of a layer whose fields start at t[first]: its weight, scale and offset, with its activations' format
+Weight product_weight(const std::vector<c10::optional<at::Tensor>>& t, size_t first, int64_t p, int64_t activations,
+                      const char* op) {
+  const size_t w = first + kFirstProduct + 3 * p;
+  const char* name = kLayerFields[kFirstProduct + 3 * p];
+  TORCH_CHECK(t[w].has_value(), op, ": ", name, " is missing");
+  TORCH_CHECK(t[w + 1].has_value() || !t[w + 2].has_value(), op, ": ", name, " has an offset without a scale");
+  std::vector<at::Tensor> parts{*t[w]};
+  for (size_t i : {w + 1, w + 2})
+    if (t[i].has_value()) parts.push_back(*t[i]);
+  Weight W = weight_from_parts(parts, op);
+  TORCH_CHECK(activations == kFloatActivations || (activations == kInt8Activations && W.format == Weight::I4), op,
+              ": ", name, "'s activations are ", activations, "; they are 0 (float) or, for int4 weights, 1 (int8)");
+  W.int8_activations = activations == kInt8Activations;
+  return W;
 }
 
-Layer check_layer(const Step& st, const at::Tensor& input_norm, double eps1, const at::Tensor& post_norm,
-                  double eps2, at::TensorList qkv, const at::Tensor* qkv_bias, at::TensorList o,
-                  at::TensorList gate_up, at::TensorList down, at::Tensor& k_cache, at::Tensor& v_cache,
+// Layer `l` of a prepared stack's fields (tensors from l·kLayerTensors, two epsilons and four activations' formats
+// a layer), with its caches, checked against the step
+Layer check_layer(const Step& st, const std::vector<c10::optional<at::Tensor>>& t, const std::vector<double>& eps,
+                  const std::vector<int64_t>& activations, int64_t l, at::Tensor& k_cache, at::Tensor& v_cache,
                   const char* op) {
   const bool bf16 = st.dtype == at::kBFloat16;
+  const size_t first = l * kLayerTensors;
   for (const at::Tensor* c : {&k_cache, &v_cache})
     TORCH_CHECK(!st.paged || (c->dim() == 4 && c->size(0) == st.num_blocks && c->size(1) == st.block_size &&
                               c->size(2) == st.Hkv && c->size(3) == st.D && c->is_contiguous() &&
@@ -271,11 +302,14 @@ Layer check_layer(const Step& st, const at::Tensor& input_norm, double eps1, con
                 c->size(3) == st.D && c->is_contiguous() && c->scalar_type() == st.dtype && c->device().is_cpu(),
                 op, ": the caches must be contiguous (B=", st.B, ", H_kv=", st.Hkv, ", slots=", st.S, ", D=", st.D,
                 ") CPU tensors of x's dtype, got ", c->sizes(), " ", c->scalar_type());
-  for (const at::Tensor* n : {&input_norm, &post_norm})
-    TORCH_CHECK(n->numel() == st.dim && n->is_contiguous() && n->scalar_type() == st.dtype, op,
-                ": the norm weights must be contiguous (", st.dim, ",) in x's dtype");
-  Layer L{&input_norm, &post_norm, eps1, eps2, weight_from_parts(qkv, op), weight_from_parts(o, op),
-          weight_from_parts(gate_up, op), weight_from_parts(down, op), {}, &k_cache, &v_cache};
+  for (size_t i : {first, first + 1})
+    TORCH_CHECK(t[i].has_value() && t[i]->numel() == st.dim && t[i]->is_contiguous() &&
+                t[i]->scalar_type() == st.dtype, op, ": the norm weights must be contiguous (", st.dim,
+                ",) in x's dtype");
+  const int64_t* acts = activations.data() + kProducts * l;
+  Layer L{&*t[first], &*t[first + 1], eps[2 * l], eps[2 * l + 1], product_weight(t, first, 0, acts[0], op),
+          product_weight(t, first, 1, acts[1], op), product_weight(t, first, 2, acts[2], op),
+          product_weight(t, first, 3, acts[3], op), {}, &k_cache, &v_cache};
   for (const Weight* W : {&L.qkv, &L.o, &L.gate_up, &L.down})
     TORCH_CHECK(W->format == Weight::I8 || W->format == Weight::I4 || (W->format == Weight::BF16) == bf16, op,
                 ": a float weight must have x's dtype");
@@ -285,14 +319,13 @@ Layer check_layer(const Step& st, const at::Tensor& input_norm, double eps1, con
               op, ": the weights (qkv ", L.qkv.N, "x", L.qkv.K, ", o ", L.o.N, "x", L.o.K, ", gate_up ", L.gate_up.N,
               "x", L.gate_up.K, ", down ", L.down.N, "x", L.down.K, ") do not fit dim ", st.dim, " with ", st.H,
               " + 2x", st.Hkv, " heads of ", st.D);
-  if (qkv_bias) {
-    TORCH_CHECK(qkv_bias->numel() == L.qkv.N && qkv_bias->scalar_type() == st.dtype, op,
+  if (const auto& bias = t[first + 2]; bias.has_value()) {
+    TORCH_CHECK(bias->numel() == L.qkv.N && bias->scalar_type() == st.dtype, op,
                 ": the qkv bias must be (", L.qkv.N, ",) in x's dtype");
-    L.bias = x_as_float(*qkv_bias);
+    L.bias = x_as_float(*bias);
   }
   return L;
 }
-
 // Whether a decode step's threads share its attention by blocks of keys rather than by K/V heads: where the cache
 // holds kSplitKeys positions or more, as attend then splits every query's keys (AttentionProblem::key_block). By
 // heads, SmolLM2-135M's 3 K/V heads went 2 and 1 to 2 threads
@@ -512,87 +545,30 @@ void run_layers(const Step& st, const std::vector<Layer>& layers, std::vector<fl
   }
 }
 
-at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& input_norm, double eps1,
-                        const at::Tensor& post_norm, double eps2, at::TensorList qkv,
-                        const c10::optional<at::Tensor>& qkv_bias, at::TensorList o_parts,
-                        at::TensorList gate_up_parts, at::TensorList down_parts, const at::Tensor& cos,
-                        const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
-                        const at::Tensor& positions, int64_t n_heads, double scale) {
-  const char* op = "decode_layer";
-  const Step st = check_step(x_in, cos, sin, positions, k_cache, n_heads, scale, op);
-  const Layer L = check_layer(st, input_norm, eps1, post_norm, eps2, qkv, qkv_bias ? &*qkv_bias : nullptr, o_parts,
-                              gate_up_parts, down_parts, k_cache, v_cache, op);
-  std::vector<float> x = x_as_float(x_in);
-  run_layers(st, {L}, x);
-  return result(x.data(), x_in.sizes(), x_in);
-}
-
-// The layers of a stack from `tensors`, which holds, layer after layer: the two norm weights, then the parts of
-// qkv, [the qkv bias], o, gate_up and down; `layout` holds five counts a layer (qkv parts, 1 if a bias follows
-// else 0, o parts, gate_up parts, down parts) and `eps` the two norms' epsilons.
-std::vector<Layer> check_layers(const Step& st, at::TensorList tensors, at::IntArrayRef layout,
-                                at::ArrayRef<double> eps, at::TensorList k_caches, at::TensorList v_caches,
-                                const char* op) {
-  const int64_t n_layers = static_cast<int64_t>(k_caches.size());
-  std::vector<Layer> layers;
-  size_t next = 0;
-  auto take = [&](int64_t n) {
-    TORCH_CHECK(n >= 0 && next + n <= tensors.size(), op, ": the layout asks for more tensors than the ",
-                tensors.size(), " given");
-    at::TensorList part = tensors.slice(next, n);
-    next += n;
-    return part;
-  };
-  for (int64_t l = 0; l < n_layers; ++l) {
-    const int64_t* c = layout.data() + 5 * l;
-    at::TensorList norms = take(2), qkv = take(c[0]), bias = take(c[1]), o = take(c[2]), gu = take(c[3]),
-                   down = take(c[4]);
-    layers.push_back(check_layer(st, norms[0], eps[2 * l], norms[1], eps[2 * l + 1], qkv,
-                                 bias.empty() ? nullptr : &bias[0], o, gu, down,
-                                 const_cast<at::Tensor&>(k_caches[l]), const_cast<at::Tensor&>(v_caches[l]), op));
-  }
-  TORCH_CHECK(next == tensors.size(), op, ": ", tensors.size() - next, " tensors are left over after the layout");
-  return layers;
-}
-
-void check_stack_counts(at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef layout,
-                        at::ArrayRef<double> eps, const char* op) {
-  const int64_t n_layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(n_layers > 0 && static_cast<int64_t>(v_caches.size()) == n_layers &&
-              static_cast<int64_t>(layout.size()) == 5 * n_layers && static_cast<int64_t>(eps.size()) == 2 * n_layers,
-              op, ": ", n_layers, " K caches, ", v_caches.size(), " V caches, ", layout.size(), " layout entries and ",
-              eps.size(), " epsilons do not describe the same number of layers (5 layout entries and 2 epsilons each)");
-}
-
-// Every layer of a stack in one call (the tensors as check_layers reads them).
-at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList tensors, at::IntArrayRef layout,
-                         at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
-                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& positions,
-                         int64_t n_heads, double scale) {
-  const char* op = "decode_layers";
-  check_stack_counts(k_caches, v_caches, layout, eps, op);
-  const Step st = check_step(x_in, cos, sin, positions, k_caches[0], n_heads, scale, op);
-  const std::vector<Layer> layers = check_layers(st, tensors, layout, eps, k_caches, v_caches, op);
-  std::vector<float> x = x_as_float(x_in);
-  run_layers(st, layers, x);
-  return result(x.data(), x_in.sizes(), x_in);
-}
-
 // ---------------------------------------------------------------------------------------------------
-// A stack prepared once (prepare_stack): its weights and caches held and, at its first step, checked, so that a
-// step of a compiled decoder hands over only what changes (x, cos, sin and the positions), not the hundreds of
-// weight tensors and the caches that a step of decode_layers converts and checks again. Prepared stacks live in
-// a table of this process, by number, until release_stack. A step writes the caches it was prepared with.
+// Prepared stacks (the contract above): their fields and caches held in a table of this process, by number, until
+// release_stack, and checked at the first step of each shape. Each step checks that no tensor it holds has moved
+// (a weight's .data rebound, weights moved onto huge pages): a weight changed after prepare_stack needs a new stack.
 
 struct PreparedStack {
-  std::vector<at::Tensor> tensors, k_caches, v_caches;
-  std::vector<int64_t> layout;
+  std::vector<c10::optional<at::Tensor>> tensors;
+  std::vector<at::Tensor> k_caches, v_caches;
   std::vector<double> eps;
-  int64_t n_heads;
+  std::vector<int64_t> activations;
+  int64_t n_heads, kind;
   double scale;
   std::vector<Layer> layers;          // checked at the first step (empty: not yet)
   std::vector<int64_t> checked;       // the step they were checked for: x's dtype, B and dim
+  std::vector<const void*> places;   // where every tensor's memory was when prepared
   std::mutex running;                 // one step at a time
+
+  std::vector<const void*> where() const {
+    std::vector<const void*> out;
+    for (const auto& t : tensors) out.push_back(t.has_value() ? t->data_ptr() : nullptr);
+    for (const auto* list : {&k_caches, &v_caches})
+      for (const at::Tensor& c : *list) out.push_back(c.data_ptr());
+    return out;
+  }
 };
 
 std::mutex& prepared_lock() {
@@ -605,17 +581,27 @@ std::unordered_map<int64_t, std::shared_ptr<PreparedStack>>& prepared_stacks() {
   return table;
 }
 
-int64_t prepare_stack(at::TensorList tensors, at::IntArrayRef layout, at::ArrayRef<double> eps,
-                      at::TensorList k_caches, at::TensorList v_caches, int64_t n_heads, double scale) {
-  check_stack_counts(k_caches, v_caches, layout, eps, "prepare_stack");
+int64_t prepare_stack(const c10::List<c10::optional<at::Tensor>>& tensors, at::ArrayRef<double> eps,
+                      at::IntArrayRef activations, int64_t n_heads, double scale, int64_t cache_kind,
+                      at::TensorList k_caches, at::TensorList v_caches) {
+  const char* op = "prepare_stack";
+  const int64_t n_layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(n_layers > 0 && static_cast<int64_t>(v_caches.size()) == n_layers &&
+              tensors.size() == n_layers * kLayerTensors && static_cast<int64_t>(eps.size()) == 2 * n_layers &&
+              static_cast<int64_t>(activations.size()) == kProducts * n_layers, op, ": ", n_layers, " K caches, ",
+              v_caches.size(), " V caches, ", tensors.size(), " tensors, ", eps.size(), " epsilons and ",
+              activations.size(), " activation formats do not describe the same number of layers (",
+              kLayerTensors, " tensors, 2 epsilons and ", kProducts, " formats each)");
+  TORCH_CHECK(cache_kind == kContiguous || cache_kind == kPaged, op, ": cache_kind ", cache_kind,
+              " is 0 (contiguous caches) or 1 (a paged pool)");
   auto stack = std::make_shared<PreparedStack>();
-  stack->tensors.assign(tensors.begin(), tensors.end());
+  for (const c10::optional<at::Tensor>& t : tensors) stack->tensors.push_back(t);
   stack->k_caches.assign(k_caches.begin(), k_caches.end());
   stack->v_caches.assign(v_caches.begin(), v_caches.end());
-  stack->layout.assign(layout.begin(), layout.end());
   stack->eps.assign(eps.begin(), eps.end());
-  stack->n_heads = n_heads;
-  stack->scale = scale;
+  stack->activations.assign(activations.begin(), activations.end());
+  stack->n_heads = n_heads, stack->scale = scale, stack->kind = cache_kind;
+  stack->places = stack->where();
   std::lock_guard<std::mutex> guard(prepared_lock());
   static int64_t next = 0;
   prepared_stacks()[++next] = stack;
@@ -627,10 +613,14 @@ void release_stack(int64_t id) {
   prepared_stacks().erase(id);
 }
 
-// Every layer of a prepared stack in one call: decode_layers with the stack's weights and caches
-at::Tensor decode_layers_prepared(int64_t id, const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
-                                  const at::Tensor& positions) {
-  const char* op = "decode_layers_prepared";
+// One step through every layer of a prepared stack: x (B, T, dim) at positions (T,) over contiguous caches, or the
+// new tokens of several sequences side by side, x (1, N, dim), token t of sequence token_seq[t] at positions[t] over
+// a pool, whose K/V are written at the slot its block table names and which attends to its own sequence's positions
+// up to its own, read in place from the blocks. Chapters 06 and 08.
+at::Tensor run_stack(int64_t id, const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& positions, const c10::optional<at::Tensor>& token_seq,
+                     const c10::optional<at::Tensor>& block_tables) {
+  const char* op = "run_stack";
   std::shared_ptr<PreparedStack> stack;
   {
     std::lock_guard<std::mutex> guard(prepared_lock());
@@ -641,10 +631,15 @@ at::Tensor decode_layers_prepared(int64_t id, const at::Tensor& x_in, const at::
   }
   PreparedStack& S = *stack;
   std::lock_guard<std::mutex> one_step(S.running);
-  const Step st = check_step(x_in, cos, sin, positions, S.k_caches[0], S.n_heads, S.scale, op);
+  TORCH_CHECK(S.where() == S.places, op, ": a tensor of prepared stack ", id, " has moved since it was prepared (a "
+              "weight's .data rebound, or moved onto huge pages); prepare the stack again after changing its weights");
+  const Step st = check_step(x_in, cos, sin, positions, token_seq, block_tables, S.k_caches[0], S.kind, S.n_heads,
+                             S.scale, op);
   const std::vector<int64_t> signature{static_cast<int64_t>(st.dtype), st.B, st.dim};
   if (S.layers.empty() || signature != S.checked) {        // the first step, or another shape: check everything
-    S.layers = check_layers(st, S.tensors, S.layout, S.eps, S.k_caches, S.v_caches, op);
+    S.layers.clear();
+    for (int64_t l = 0; l < static_cast<int64_t>(S.k_caches.size()); ++l)
+      S.layers.push_back(check_layer(st, S.tensors, S.eps, S.activations, l, S.k_caches[l], S.v_caches[l], op));
     S.checked = signature;
   }
   std::vector<float> x = x_as_float(x_in);
@@ -652,23 +647,6 @@ at::Tensor decode_layers_prepared(int64_t id, const at::Tensor& x_in, const at::
   return result(x.data(), x_in.sizes(), x_in);
 }
 
-// Every layer of a stack in one call over a paged cache: one engine step, the new tokens of several sequences
-// side by side in x (1, N, dim), token t of sequence token_seq[t] at positions[t]; its K/V are written into the
-// pools (num_blocks, block_size, H_kv, D) at the slot its block table names, and it attends to its own
-// sequence's positions up to its own, read in place from the blocks. Chapters 06 and 08.
-at::Tensor decode_layers_paged(const at::Tensor& x_in, at::TensorList tensors, at::IntArrayRef layout,
-                               at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
-                               at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& positions,
-                               const at::Tensor& token_seq, const at::Tensor& block_tables, int64_t n_heads,
-                               double scale) {
-  const char* op = "decode_layers_paged";
-  check_stack_counts(k_pools, v_pools, layout, eps, op);
-  const Step st = check_paged_step(x_in, cos, sin, positions, token_seq, block_tables, k_pools[0], n_heads, scale,
-                                   op);
-  const std::vector<Layer> layers = check_layers(st, tensors, layout, eps, k_pools, v_pools, op);
-  std::vector<float> x = x_as_float(x_in);
-  run_layers(st, layers, x);
-  return result(x.data(), x_in.sizes(), x_in);
-}
+std::vector<std::string> layer_fields() { return std::vector<std::string>(kLayerFields, kLayerFields + kLayerTensors); }
 
 }  // namespace llminfer_cpu

@@ -16,22 +16,17 @@ TORCH_LIBRARY(llminfer, m) {
   m.def("gemv_int4(Tensor x, Tensor w, Tensor scale, Tensor offset, int group) -> Tensor");
   m.def("gemv_int4_a8(Tensor x, Tensor w, Tensor scale, Tensor offset, int group) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
-  m.def("decode_layer(Tensor x, Tensor input_norm, float eps1, Tensor post_norm, float eps2, Tensor[] qkv, "
-        "Tensor? qkv_bias, Tensor[] o, Tensor[] gate_up, Tensor[] down, Tensor cos, Tensor sin, "
-        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, int n_heads, float scale) -> Tensor");
-  m.def("decode_layers(Tensor x, Tensor[] tensors, int[] layout, float[] eps, Tensor cos, Tensor sin, "
-        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor positions, int n_heads, float scale) -> Tensor");
-  // a stack's weights and caches kept once (a number names them), and its steps with only what changes handed
-  // over; a step writes the caches the stack was prepared with
-  m.def("prepare_stack(Tensor[] tensors, int[] layout, float[] eps, Tensor[] k_caches, Tensor[] v_caches, "
-        "int n_heads, float scale) -> int", &prepare_stack);
+  // the native-call contract (cpu_layers.cpp): a layer stack prepared once, its fields in the order layer_fields()
+  // names, its caches of cache_kind 0 (contiguous) or 1 (a paged pool); a number names it until release_stack.
+  // A step hands over x, cos, sin and the positions, and over a pool the tokens' sequences and the block tables
+  m.def("prepare_stack(Tensor?[] tensors, float[] eps, int[] activations, int n_heads, float scale, int cache_kind, "
+        "Tensor[] k_caches, Tensor[] v_caches) -> int", &prepare_stack);
+  m.def("run_stack(int stack, Tensor x, Tensor cos, Tensor sin, Tensor positions, Tensor? token_seq=None, "
+        "Tensor? block_tables=None) -> Tensor");
   m.def("release_stack(int stack) -> ()", &release_stack);
-  m.def("decode_layers_prepared(int stack, Tensor x, Tensor cos, Tensor sin, Tensor positions) -> Tensor");
+  m.def("layer_fields() -> str[]", &layer_fields);
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor token_seq, "
         "Tensor positions, float scale) -> Tensor");
-  m.def("decode_layers_paged(Tensor x, Tensor[] tensors, int[] layout, float[] eps, Tensor cos, Tensor sin, "
-        "Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor positions, Tensor token_seq, Tensor block_tables, "
-        "int n_heads, float scale) -> Tensor");
   m.def("stream_read(Tensor data, int width=0) -> int", &stream_read);
   // float32 values rounded to bfloat16 (as the layers round a bfloat16 model's activations), still float32
   m.def("round_bfloat16(Tensor x) -> Tensor", [](const at::Tensor& x) -> at::Tensor {
@@ -63,9 +58,6 @@ TORCH_LIBRARY_IMPL(llminfer, CPU, m) {
   m.impl("gemv_int4", &gemv_int4);
   m.impl("gemv_int4_a8", &gemv_int4_a8);
   m.impl("decode_attention", &decode_attention);
-  m.impl("decode_layer", &decode_layer);
-  m.impl("decode_layers", &decode_layers);
+  m.impl("run_stack", &run_stack);
   m.impl("paged_attention", &paged_attention);
-  m.impl("decode_layers_paged", &decode_layers_paged);
-  m.impl("decode_layers_prepared", &decode_layers_prepared);
 }

@@ -26,6 +26,7 @@ import torch
 
 from .. import costs
 from ..attention import get_backend
+from ..cpu.stack import CacheKind, NativeKV
 from ..device import check_fits, dtype_bytes
 from ..kv_cache import CacheBase, cache_shape
 from .attention_metadata import AttentionMetadata
@@ -37,8 +38,11 @@ from .sequence import Sequence
 __all__ = ["PagedKVCache"]
 
 
-class PagedKVCache(CacheBase):
-    """K/V in num_blocks blocks of block_size positions per layer; the cache protocol over block tables. Chapter 06."""
+class PagedKVCache(CacheBase, NativeKV):
+    """K/V in num_blocks blocks of block_size positions per layer; the cache protocol over block tables. Chapter 06.
+
+    It is also a `cpu.stack.NativeKV`: a native layer stack (chapter 08) writes and reads its pools in place through
+    the block tables, one call an engine step."""
 
     kind = "PagedKVCache"
 
@@ -203,12 +207,16 @@ class PagedKVCache(CacheBase):
             for pool in self.k + self.v:
                 pool[dst].copy_(pool[src])
 
-    def block_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """For a kernel that writes K/V and attends through the block tables in one call, reading the pools
-        `k`, `v` (num_blocks, block_size, H_kv, D) in place (chapter 08's native layer stack): the forward in
-        flight's positions (N,), each token's sequence (N,) and the block tables (S, max_blocks). Token t is
-        written to its sequence's slot for positions[t] and sees that sequence's positions 0..positions[t].
-        None outside a forward. Chapter 06."""
+    def native_storage(self) -> tuple[CacheKind, list[torch.Tensor], list[torch.Tensor]]:
+        """The pools `k`, `v` (num_blocks, block_size, H_kv, D), one a layer, which a native stack reads in place
+        through the block tables (chapter 08)."""
+        return CacheKind.PAGED, self.k, self.v
+
+    def native_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For a kernel that writes K/V and attends through the block tables in one call (chapter 08's native layer
+        stack): the forward in flight's positions (N,), each token's sequence (N,) and the block tables (S,
+        max_blocks). Token t is written to its sequence's slot for positions[t] and sees that sequence's positions
+        0..positions[t]. None outside a forward. Chapter 06."""
         meta = self._metadata
         if meta is None or not meta.prepared:
             return None

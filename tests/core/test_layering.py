@@ -301,3 +301,26 @@ def test_the_hook_rule_catches_compiled_decoder():
     sources["fast"] = [("fast.py", "def fuse(layer):\n    layer.weight = 1\n")]
     sources["generate"] = [("generate.py", "def head(model):\n    return getattr(model, 'weight', None)\n")]
     assert hooks_set_from_above(sources, edges) == []
+
+
+# --- no class swapped in place ------------------------------------------------------------------------------------
+
+def class_assignments(tree: ast.AST) -> list[int]:
+    """Lines that assign an object's __class__ (obj.__class__ = ..., setattr(obj, "__class__", ...))."""
+    lines = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        if any(isinstance(t, ast.Attribute) and t.attr == "__class__" for t in targets) or (
+                isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "__class__"):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_swaps_an_objects_class():
+    """A transform replaces modules or returns new ones; none changes an object's class in place."""
+    assert class_assignments(ast.parse("m.layers.__class__ = Other\nsetattr(m, '__class__', Other)\n")) == [1, 2]
+    found = [f"{path.relative_to(PACKAGE)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+             for line in class_assignments(ast.parse(path.read_text()))]
+    assert not found, f"__class__ assigned at {', '.join(found)}; replace the module instead"

@@ -190,8 +190,7 @@ def test_native_model_decodes_the_same_tokens(name, dtype):
 
 
 def test_native_linear_leaves_autograd_to_torch_and_takes_a_prefill_where_it_can(monkeypatch):
-    layer = nn.Linear(64, 24)
-    fast.use_native_kernels(layer)                      # a bare module is a model too
+    layer = fast.use_native_kernels(nn.Linear(64, 24))  # a bare module is a model too: its replacement comes back
     assert type(layer) is fast.NativeLinear
     calls = []
     real = cpu.gemv

@@ -1,8 +1,10 @@
-"""Whole decoder layers in one native call (llminfer.fast.NativeDecoderLayer / NativeDecoderStack and the
-ops `decode_layer`, `decode_layers`) against the same model run module by module."""
+"""A layer stack in one native call a step (llminfer.fast.NativeDecoderStack over the contract of llminfer.cpu.stack:
+a stack prepared once with its weights by name, the op `run_stack` for contiguous or paged K/V) against the same model
+run module by module."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -11,7 +13,9 @@ import llminfer
 from llminfer import fast
 from llminfer.cuda_graphs import StaticDecoder
 from llminfer import cpu
-from llminfer.model import DecoderStack
+from llminfer.cpu.stack import LAYER_TENSORS, Activations, CacheKind, PreparedStack, layer_arguments
+from llminfer.engine.paged_cache import PagedKVCache
+from llminfer.model import DecoderLayer, DecoderStack
 from llminfer.quant.kv_cache import Int8KVCache
 from llminfer.static_cache import StaticKVCache
 
@@ -22,14 +26,14 @@ from small_models import SMALL_CONFIGS, random_model
 def native_calls(monkeypatch):
     """Records, for each forward through a NativeDecoderStack, whether it ran as one native call."""
     seen = []
-    real = fast.NativeDecoderStack._native_args
+    real = fast.NativeDecoderStack.native_step
 
     def spy(self, *args):
-        call = real(self, *args)
-        seen.append(call is not None)
-        return call
+        out = real(self, *args)
+        seen.append(out is not None)
+        return out
 
-    monkeypatch.setattr(fast.NativeDecoderStack, "_native_args", spy)
+    monkeypatch.setattr(fast.NativeDecoderStack, "native_step", spy)
     return seen
 
 
@@ -55,7 +59,8 @@ CASES = [("llama-gqa-tied", "fp32"), ("qwen2-bias-gqa", "fp32"), ("llama-mha-unt
 def test_one_call_per_step_gives_the_modules_numbers(name, fmt, native_calls):
     reference, native = _pair(name, fmt)
     assert type(native.layers) is fast.NativeDecoderStack
-    assert all(type(layer) is fast.NativeDecoderLayer for layer in native.layers)
+    assert all(type(layer) is DecoderLayer for layer in native.layers)
+    assert len(native.layers.weights) == reference.config.n_layers      # every layer's weights, read by name
     assert list(native.state_dict()) == list(fast.fuse_projections(copy.deepcopy(reference)).state_dict())
     vocab = reference.config.vocab_size
     g = torch.Generator().manual_seed(7)
@@ -309,8 +314,8 @@ def test_a_bfloat16_prefill_takes_torchs_matmul_where_it_measured_faster(monkeyp
     assert calls == ([20] if blocked_bf16 else []) + [2]
 
 
-def test_a_static_cache_step_and_the_per_layer_op():
-    """The compiled decoder's static cache (explicit positions), and the one-layer op alone."""
+def test_a_static_cache_step_and_the_modules_step():
+    """The compiled decoder's static cache (explicit positions), and the same step through the modules."""
     reference, native = _pair("qwen2-bias-gqa", "fp32")
     ids = torch.randint(0, reference.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
@@ -321,10 +326,10 @@ def test_a_static_cache_step_and_the_per_layer_op():
         native(ids, cache=cache)
         got = native(ids[:, :1], positions=torch.tensor([6]), cache=cache)
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
-        # the same step through each layer's own op (a stack that cannot run whole falls back to them)
+        # the same step through the modules (native products and attention, a call each)
         cache = native.new_cache(1, 16)
         native(ids, cache=cache)
-        native.layers.__class__ = DecoderStack
+        native.layers = DecoderStack(native.layers)
         got = native(ids[:, :1], cache=cache)
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
 
@@ -367,31 +372,72 @@ def test_the_stack_keeps_its_class_when_sliced():
     assert type(model.layers[1:]) is fast.NativeDecoderStack
 
 
-def test_bad_inputs_to_the_layer_ops_name_the_sizes():
+def _prepared_over_static_cache(native, max_seq_len=16):
+    """(stack, cache, x, cos, sin): native's stack prepared over a static cache at position 3 of a one-token step."""
+    cache = StaticKVCache.for_model(native, 1, max_seq_len)
+    cos, sin = native.rope_tables(max_seq_len)
+    x = torch.randn(1, 1, native.config.dim, generator=torch.Generator().manual_seed(0))
+    return native.layers.prepare(cache), cache, x, cos[3:4], sin[3:4]
+
+
+def test_bad_inputs_to_the_stack_ops_name_the_sizes():
     _, native = _pair("llama-gqa-tied", "fp32")
-    cache = StaticKVCache.for_model(native, 1, 16)
-    cos, sin = native.rope_tables(16)
-    x = torch.randn(1, 1, native.config.dim)
+    stack = native.layers
+    prepared, cache, x, cos, sin = _prepared_over_static_cache(native)
     with torch.inference_mode():
-        cache.begin(1, 1, torch.tensor([3]))
-        call = list(native.layers._native_args(x, cos[3:4], sin[3:4], cache, native._backend))
-        assert torch.ops.llminfer.decode_layers(*call).shape == x.shape
-        bad = list(call)
-        bad[2] = call[2][:-1]                                 # one layout entry short
-        with pytest.raises(RuntimeError, match="layout entries"):
-            torch.ops.llminfer.decode_layers(*bad)
-        bad = list(call)
-        bad[8] = torch.tensor([16])                           # past the cache's last slot
+        assert prepared.step(x, cos, sin, torch.tensor([3])).shape == x.shape
         with pytest.raises(RuntimeError, match="position 16 is outside the cache's 0..15"):
-            torch.ops.llminfer.decode_layers(*bad)
-        bad = list(call)
-        bad[1] = [call[1][0], call[1][1], call[1][3]] + call[1][3:]      # o's weight where qkv's should be
-        with pytest.raises(RuntimeError, match="do not fit dim"):
-            torch.ops.llminfer.decode_layers(*bad)
-        bad = list(call)
-        bad[0] = x.bfloat16()
+            prepared.step(x, cos, sin, torch.tensor([16]))
         with pytest.raises(RuntimeError, match="dtype"):
-            torch.ops.llminfer.decode_layers(*bad)
+            prepared.step(x.bfloat16(), cos, sin, torch.tensor([3]))
+        with pytest.raises(RuntimeError, match="contiguous caches takes no block tables"):
+            prepared.step(x, cos, sin, torch.tensor([3]), torch.tensor([0]), torch.zeros(1, 2, dtype=torch.long))
+        weights = stack.weights
+        swapped = [dataclasses.replace(weights[0], qkv=weights[0].o)] + weights[1:]   # o's weight where qkv's goes
+        with pytest.raises(RuntimeError, match="do not fit dim"):
+            PreparedStack(swapped, *stack.heads, CacheKind.CONTIGUOUS, cache.k, cache.v).step(
+                x, cos, sin, torch.tensor([3]))
+        int8_on_float = [dataclasses.replace(weights[0], o=dataclasses.replace(weights[0].o,
+                                                                               activations=Activations.INT8))]
+        with pytest.raises(RuntimeError, match="o.weight's activations are 1; they are 0 \\(float\\) or, for int4"):
+            PreparedStack(int8_on_float + weights[1:], *stack.heads, CacheKind.CONTIGUOUS, cache.k, cache.v).step(
+                x, cos, sin, torch.tensor([3]))
+        paged = PagedKVCache.for_model(native, 8, 4)
+        over_pool = PreparedStack(weights, *stack.heads, CacheKind.PAGED, paged.k, paged.v)
+        with pytest.raises(RuntimeError, match="a paged pool needs token_seq and block_tables"):
+            over_pool.step(x, cos, sin, torch.tensor([3]))
+
+
+def test_prepare_stack_refuses_fields_that_do_not_describe_the_layers():
+    k = [torch.zeros(1, 2, 8, 16)] * 2
+    with pytest.raises(RuntimeError, match="2 K caches, 2 V caches, 3 tensors, 4 epsilons and 8 activation formats do "
+                                           "not describe the same number of layers \\(15 tensors"):
+        torch.ops.llminfer.prepare_stack([None] * 3, [1e-5] * 4, [0] * 8, 4, 0.25, 0, k, k)
+    with pytest.raises(RuntimeError, match="cache_kind 2 is 0 \\(contiguous caches\\) or 1 \\(a paged pool\\)"):
+        torch.ops.llminfer.prepare_stack([None] * 30, [1e-5] * 4, [0] * 8, 4, 0.25, 2, k, k)
+    with pytest.raises(ValueError, match="2 layers need as many K and V caches, got 1 and 1"):
+        PreparedStack([None, None], 4, 16, CacheKind.CONTIGUOUS, k[:1], k[:1])
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int4a8"])
+def test_a_layer_crosses_as_named_fields_in_one_order(fmt):
+    """The fields' order is written once on each side: the kernels give back LAYER_TENSORS' names; a product's
+    activations are a field of their own (W4A8: INT8), not a tensor passed twice."""
+    assert torch.ops.llminfer.layer_fields() == list(LAYER_TENSORS)
+    model = random_model(SMALL_CONFIGS["qwen2-bias-gqa"])
+    if fmt == "int4a8":
+        llminfer.quant.quantize(model, "int4", group_size=32, activations="int8")
+    stack = fast.optimize_decode(model).layers
+    tensors, eps, activations = layer_arguments(stack.weights)
+    n_layers = model.config.n_layers
+    assert len(tensors) == len(LAYER_TENSORS) * n_layers and len(eps) == 2 * n_layers
+    assert activations == [int(Activations.INT8 if fmt == "int4a8" else Activations.FLOAT)] * 4 * n_layers
+    first = dict(zip(LAYER_TENSORS, tensors))
+    layer = model.layers[0]
+    assert first["input_norm"] is layer.input_layernorm.weight and first["qkv_bias"] is layer.self_attn.qkv_proj.bias
+    assert all(first[f"{p}.scale"] is None for p in ("qkv", "o", "gate_up", "down")) == (fmt == "fp32")
+    present = [id(t) for t in tensors if t is not None]
+    assert len(present) == len(set(present))                           # no tensor twice
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -428,17 +474,19 @@ def test_the_compiled_step_runs_the_stack_in_one_call(fmt, native_calls):
     ids = torch.randint(0, reference.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(9))
     decoder = fast.compile_decode(native, max_seq_len=32)
     assert True in native_calls                              # traced once, into the graph
-    # the stack's weights and the decoder's caches were kept before tracing: the step hands over x, not them
-    assert isinstance(decoder._prepared_stack, cpu.PreparedStack)
-    assert "llminfer::decode_layers_prepared" in _ops_of_a_step(decoder)
+    # the stack's weights and the decoder's caches were prepared before tracing: the step hands over x, not them
+    assert isinstance(decoder._prepared_stack, PreparedStack) and decoder._prepared_stack.holds(decoder.cache.k,
+                                                                                                 decoder.cache.v)
+    assert "llminfer::run_stack" in _ops_of_a_step(decoder)
     assert decoder.generate(ids, max_new_tokens=12).token_ids == \
         llminfer.generate(reference, ids, max_new_tokens=12).token_ids
+    assert native.layers._pinned is None                     # left as it was
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_a_compiled_decoders_prefill_runs_its_kept_stack(fmt):
-    """The prefill of a decoder whose step was specialised runs the stack it prepared for that step, with the numbers
-    and cache writes of the call gathered from the modules; and not where the prefill path is torch's."""
+def test_a_compiled_decoders_prefill_runs_the_stack_where_the_blocked_kernel_does(fmt):
+    """The prefill of a compiled decoder runs the stack prepared for its cache, with the numbers and cache writes of
+    a prefill over a cache of its own; and the modules where the prefill path is torch's."""
     from torch.profiler import profile
 
     from llminfer.generate import prefill
@@ -446,61 +494,114 @@ def test_a_compiled_decoders_prefill_runs_its_kept_stack(fmt):
     _, native = _pair("llama-gqa-tied", fmt)
     ids = torch.randint(0, native.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(4))
     decoder = fast.compile_decode(native, max_seq_len=32)
-    for path, kept in (("blocked", True), ("torch", False)):
+    for path, native_call in (("blocked", True), ("torch", False)):
         with cpu.force_prefill(path):
             with profile() as prof:
                 got = decoder.prefill(ids)
             ops = {event.key for event in prof.key_averages() if event.key.startswith("llminfer::")}
-            assert ("llminfer::decode_layers_prepared" in ops) is kept, (path, ops)
+            assert ("llminfer::run_stack" in ops) is native_call, (path, ops)
             cache = StaticKVCache.for_model(native, 1, 32)
             expected = prefill(native, ids, cache)
         assert torch.equal(got, expected), path
         for mine, theirs in zip(decoder.cache.k + decoder.cache.v, cache.k + cache.v):
             assert torch.equal(mine[:, :, :20], theirs[:, :, :20])
-    assert fast.NativeDecoderStack._kept is None and native.layers._kept is None     # left as it was
 
 
-def test_a_step_left_unspecialised_hands_over_the_weights():
+def test_a_step_left_unspecialised_runs_the_prepared_stack_too():
     _, native = _pair("llama-gqa-tied", "fp32")
     decoder = StaticDecoder(native, max_seq_len=32, mode="compiled", specialize=False)
     decoder.warmup()
-    assert decoder._prepared_stack is None
-    assert "llminfer::decode_layers" in _ops_of_a_step(decoder)
+    assert isinstance(decoder._prepared_stack, PreparedStack)
+    assert "llminfer::run_stack" in _ops_of_a_step(decoder)
 
 
-def test_a_prepared_stack_gives_decode_layers_numbers_and_writes_its_caches():
-    _, native = _pair("qwen2-bias-gqa", "fp32")
-    stack, config = native.layers, native.config
+def test_a_prepared_stack_gives_the_modules_numbers_and_writes_only_its_position():
+    reference, native = _pair("qwen2-bias-gqa", "fp32")
     g = torch.Generator().manual_seed(3)
     cache = StaticKVCache.for_model(native, 1, 24)
     for layer_k, layer_v in zip(cache.k, cache.v):           # an earlier prompt already in the cache
         layer_k.normal_(generator=g)
         layer_v.normal_(generator=g)
-    copies, before = copy.deepcopy(cache), copy.deepcopy(cache)
-    x = torch.randn(1, 1, config.dim, generator=g)
+    theirs, before = copy.deepcopy(cache), copy.deepcopy(cache)
+    x = torch.randn(1, 1, native.config.dim, generator=g)
     cos, sin = native.rope_tables(24)
     position = torch.tensor([9])
-    with torch.no_grad():
-        cache.begin(1, 1, position)
-        prepared = stack.prepare_step(x, cos[9:10], sin[9:10], cache, native._backend)
-        got = torch.ops.llminfer.decode_layers_prepared(prepared.id, x, cos[9:10], sin[9:10], position)
-        cache.end()
-        copies.begin(1, 1, position)
-        expected = torch.ops.llminfer.decode_layers(*stack._native_args(x, cos[9:10], sin[9:10], copies,
-                                                                        native._backend))
-        copies.end()
-    assert torch.equal(got, expected)
-    for mine, theirs, was in zip(cache.k + cache.v, copies.k + copies.v, before.k + before.v):
-        assert torch.equal(mine, theirs)
+    with torch.inference_mode():
+        prepared = native.layers.prepare(cache)
+        assert prepared is native.layers.prepare(cache)       # once per cache
+        got = prepared.step(x, cos[9:10], sin[9:10], position)
+        theirs.begin(1, 1, position)
+        expected = DecoderStack(reference.layers)(x, cos[9:10], sin[9:10], theirs, reference._backend)
+        theirs.end()
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+    for mine, ref, was in zip(cache.k + cache.v, theirs.k + theirs.v, before.k + before.v):
+        torch.testing.assert_close(mine, ref, atol=2e-4, rtol=2e-4)
         changed = (mine != was).any(-1).any(1)[0]             # (slots,): which positions the step wrote
         assert changed.nonzero().flatten().tolist() == [9]
     number = prepared.id
+    native.layers.load_weights()                              # drops what was prepared
     del prepared                                              # the number goes with its object
     with pytest.raises(RuntimeError, match=f"no prepared stack {number} \\(released"):
-        torch.ops.llminfer.decode_layers_prepared(number, x, cos[9:10], sin[9:10], position)
+        torch.ops.llminfer.run_stack(number, x, cos[9:10], sin[9:10], position)
 
 
-def test_prepare_stack_refuses_counts_that_do_not_describe_the_layers():
-    k = [torch.zeros(1, 2, 8, 16)] * 2
-    with pytest.raises(RuntimeError, match="2 K caches, 2 V caches, 5 layout entries and 4 epsilons do not describe"):
-        torch.ops.llminfer.prepare_stack([], [1, 0, 1, 1, 1], [1e-5] * 4, k, k, 4, 0.25)
+PAGED_CASES = [("llama-gqa-tied", "fp32"), ("qwen2-bias-gqa", "bf16"), ("qwen2-bias-gqa", "int8"),
+               ("llama-gqa-tied", "int4")]
+
+
+@pytest.mark.parametrize("name,fmt", PAGED_CASES)
+def test_a_paged_cache_runs_the_same_op_with_the_modules_numbers(name, fmt, native_calls):
+    """The one op over a paged pool: a prompt, a chunk more and decode steps of one sequence in a PagedKVCache of
+    blocks of 4 (its own block tables), every step one call, against the modules over a contiguous cache."""
+    reference, native = _pair(name, fmt)
+    tolerance = {"fp32": 2e-4, "bf16": 6e-2, "int8": 2e-4, "int4": 2e-4}[fmt]
+    g = torch.Generator().manual_seed(17)
+    ref_cache, pool = reference.new_cache(1, 40), PagedKVCache.for_model(native, 16, 4)
+    with torch.inference_mode():
+        for n_new in (11, 5, 1, 1, 2):
+            ids = torch.randint(0, reference.config.vocab_size, (1, n_new), generator=g)
+            torch.testing.assert_close(native(ids, cache=pool), reference(ids, cache=ref_cache), atol=tolerance,
+                                       rtol=tolerance)
+    assert native.layers.prepare(pool).kind is CacheKind.PAGED
+    assert native_calls == [cpu.blocked_prefill(reference.dtype, 11)] + [True] * 4
+    table = pool.block_tables[0]                              # the K/V each step wrote, read back through the table
+    for layer in (0, reference.config.n_layers - 1):
+        keys = pool.k[layer][table].reshape(-1, *pool.k[layer].shape[2:])[:20].transpose(0, 1)   # (H_kv, 20, D)
+        torch.testing.assert_close(keys, ref_cache.get(layer)[0][0], atol=tolerance, rtol=tolerance)
+
+
+def test_a_weight_change_is_seen_once_the_caller_loads_the_weights_again():
+    """The stack reads its weights when it is made, and again when the caller says so (`load_weights`): a module
+    replaced afterwards is not seen before that, and a weight whose memory moved (.data rebound) is refused."""
+    reference, native = _pair("llama-gqa-tied", "fp32")
+    ids = torch.randint(0, reference.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(8))
+
+    def step(model):
+        with torch.inference_mode():
+            cache = model.new_cache(1, 16)
+            model(ids, cache=cache)
+            return model(ids[:, :1], cache=cache)
+
+    before = step(reference)
+    torch.testing.assert_close(step(native), before, atol=2e-4, rtol=2e-4)
+    for model in (reference, native):                        # a module replaced: the second layer's input norm
+        norm = model.layers[1].input_layernorm
+        replacement = llminfer.model.RMSNorm(norm.weight.shape[0], norm.eps)
+        with torch.no_grad():
+            replacement.weight.copy_(norm.weight * 2)
+        model.layers[1].input_layernorm = replacement
+    after = step(reference)
+    assert not torch.allclose(after, before, atol=1e-3)
+    torch.testing.assert_close(step(native), before, atol=2e-4, rtol=2e-4)      # the weights it read
+    native.layers.load_weights()
+    torch.testing.assert_close(step(native), after, atol=2e-4, rtol=2e-4)       # read again: the new ones
+    down = native.layers[0].mlp.down_proj
+    with torch.inference_mode():
+        cache = native.new_cache(1, 16)
+        native(ids, cache=cache)
+        with torch.no_grad():
+            down.weight.data = down.weight.data.clone()       # the same values elsewhere in memory
+        with pytest.raises(RuntimeError, match="has moved since it was prepared .*prepare the stack again"):
+            native(ids[:, :1], cache=cache)
+    native.layers.load_weights()
+    torch.testing.assert_close(step(native), after, atol=2e-4, rtol=2e-4)

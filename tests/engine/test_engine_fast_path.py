@@ -12,7 +12,7 @@ import llminfer
 from llminfer import fast
 from llminfer.engine import LLMEngine, SamplingParams
 from llminfer.engine.attention_metadata import AttentionMetadata
-from llminfer.engine.model_runner import PagedNativeStack, optimized_copy
+from llminfer.engine.model_runner import optimized_copy
 from llminfer.engine.paged_attention import gather_attention, get_paged_kernel
 from llminfer.engine.paged_cache import PagedKVCache
 from llminfer import cpu
@@ -97,10 +97,10 @@ def test_the_matrix_vector_threshold_is_one_number():
 @pytest.mark.parametrize("name", ["llama-gqa-tied", "qwen2-bias-gqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_engine_step_in_one_call_gives_the_layers_numbers(name, dtype):
-    """A mixed step (decodes and prefill chunks over scattered blocks) through decode_layers_paged: the same
-    logits and the same K/V written into the pool as the layers run one by one over the gather path."""
+    """A mixed step (decodes and prefill chunks over scattered blocks) through the stack's one op over the pool: the
+    same logits and the same K/V written into the pool as the layers run one by one over the gather path."""
     model = optimized_copy(random_model(SMALL_CONFIGS[name]).to(dtype))
-    assert type(model.layers) is PagedNativeStack
+    assert type(model.layers) is fast.NativeDecoderStack
     cfg = model.config
     query_lens, context_lens = [1, 9, 1, 4], [21, 0, 5, 30]
     meta = _step(query_lens, context_lens, 8, 40, seed=3)
@@ -113,22 +113,22 @@ def test_one_engine_step_in_one_call_gives_the_layers_numbers(name, dtype):
                 getattr(cache, pool)[layer].copy_(values)
     ids = torch.randint(0, cfg.vocab_size, (1, meta.num_tokens), generator=generator)
     outputs, calls = [], []
-    real = PagedNativeStack._paged_args
+    real = fast.NativeDecoderStack.native_step
 
     def counted(self, *args):
-        call = real(self, *args)
-        calls.append(call is not None)
-        return call
+        out = real(self, *args)
+        calls.append(out is not None)
+        return out
 
     for one_call, cache in zip((True, False), caches):
         step = AttentionMetadata(meta.seqs, meta.query_lens, meta.context_lens, meta.block_tables, 8)
         cache.bind(step)
-        PagedNativeStack._paged_args = counted if one_call else (lambda *args: None)
+        fast.NativeDecoderStack.native_step = counted if one_call else (lambda *args: None)
         try:
             with torch.inference_mode():
                 outputs.append(model(ids, step.positions, cache).float())
         finally:
-            PagedNativeStack._paged_args = real
+            fast.NativeDecoderStack.native_step = real
             cache.unbind()
     assert calls == [True]                                   # the first forward ran as one native call
     tolerance = 1e-4 if dtype == torch.float32 else 6e-2
@@ -142,16 +142,16 @@ def test_one_engine_step_in_one_call_gives_the_layers_numbers(name, dtype):
 
 @pytest.fixture
 def paged_calls(monkeypatch):
-    """Records, for each forward through a PagedNativeStack over a paged cache, whether it ran as one call."""
+    """Records, for each forward through the native stack, whether it ran as one call."""
     seen = []
-    real = PagedNativeStack._paged_args
+    real = fast.NativeDecoderStack.native_step
 
     def spy(self, *args):
-        call = real(self, *args)
-        seen.append(call is not None)
-        return call
+        out = real(self, *args)
+        seen.append(out is not None)
+        return out
 
-    monkeypatch.setattr(PagedNativeStack, "_paged_args", spy)
+    monkeypatch.setattr(fast.NativeDecoderStack, "native_step", spy)
     return seen
 
 
@@ -196,51 +196,44 @@ def test_a_copy_shares_the_weights_no_transform_touches():
     assert copied.layers[0].self_attn.o_proj.weight is not model.layers[0].self_attn.o_proj.weight
 
 
-def _kept(stack) -> list[tuple]:
-    """The per-layer argument lists a PagedNativeStack keeps, one per kind of step."""
-    return [layers for _, layers in stack._kept_args[1].values()]
+def test_the_engine_prepares_its_stack_once_and_again_when_told_the_weights_changed(monkeypatch):
+    """The runner prepares the stack for its pools when it is made; every step runs what was prepared. A weight
+    changed afterwards is the caller's to announce (`load_weights`), which the next step prepares again."""
+    made = []
 
+    class Counted(fast.PreparedStack):
+        def __init__(self, *args):
+            made.append(1)
+            super().__init__(*args)
 
-def test_the_per_layer_arguments_are_built_once_and_rebuilt_when_they_must_be():
+    monkeypatch.setattr(fast, "PreparedStack", Counted)
     model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
     params = SamplingParams(max_new_tokens=6)
     refs = [llminfer.generate(model, p, max_new_tokens=6).token_ids for p in prompts]
     engine = LLMEngine(model, block_size=8, max_num_seqs=4, optimize=True)
     stack = engine.model.layers
-    assert [o.token_ids for o in engine.generate(prompts, params)] == refs
-    builds = stack.native_args_builds
-    assert builds == len(stack._kept_args[1]) < engine.stats.steps     # one build per kind of step, not per step
-    assert [o.token_ids for o in engine.generate(prompts, params)] == refs
-    assert stack.native_args_builds == builds              # nothing changed: every step reused them
+    assert len(made) == 1 and stack.prepare(engine.cache).holds(engine.cache.k, engine.cache.v)
+    for _ in range(2):
+        assert [o.token_ids for o in engine.generate(prompts, params)] == refs
+    assert len(made) == 1 and engine.stats.steps > 2           # every step ran the one prepared stack
 
-    with torch.no_grad():                                  # a weight's storage moved (.data rebound): rebuilt
-        down = stack[0].mlp.down_proj
+    down = stack[0].mlp.down_proj
+    with torch.no_grad():                                  # a weight's storage moved (.data rebound) ...
         down.weight.data = down.weight.data.clone()
+    stack.load_weights()                                   # ... and the caller says so
     assert [o.token_ids for o in engine.generate(prompts, params)] == refs
-    assert stack.native_args_builds == 2 * builds
-    for tensors, *_ in _kept(stack):
-        assert any(t is down.weight for t in tensors)
+    assert len(made) == 2 and stack.weights[0].down.weight is down.weight
 
-    norm = stack[1].input_layernorm                        # a module replaced (registered): rebuilt, and used
-    replacement = llminfer.model.RMSNorm(norm.weight.shape[0], norm.eps).to(norm.weight.dtype)
+    norm = stack[1].input_layernorm                        # a module replaced: read when the caller says so
+    replacement = llminfer.model.RMSNorm(norm.weight.shape[0], norm.eps)
     with torch.no_grad():
-        replacement.weight.copy_(norm.weight * 2)
+        replacement.weight.copy_(norm.weight)
     stack[1].input_layernorm = replacement
-    engine.generate(prompts, params)
-    assert stack.native_args_builds == 3 * builds
-    for tensors, *_ in _kept(stack):
-        assert any(t is replacement.weight for t in tensors) and not any(t is norm.weight for t in tensors)
-    stack[1].input_layernorm = norm
-    assert [o.token_ids for o in engine.generate(prompts, params)] == refs
-    assert stack.native_args_builds == 4 * builds
-
-    stack.forget_native_args()                             # by hand
-    engine.generate(prompts, params)
-    assert stack.native_args_builds == 5 * builds
-    other = PagedKVCache.for_model(engine.model, 16, 8)     # other pools: not the kept ones
-    layers = _kept(stack)[0]
-    assert stack._storage_stamp(layers, other)[0] is False and stack._storage_stamp(layers, engine.cache)[0] is True
+    assert stack.weights[1].input_norm is norm.weight
+    stack.load_weights()
+    assert stack.weights[1].input_norm is replacement.weight
+    assert [o.token_ids for o in engine.generate(prompts, params)] == refs and len(made) == 3
 
 
 @pytest.mark.parametrize("optimize", [False, True])
