@@ -198,19 +198,20 @@ KEYWORD_EQUIVALENTS = {
     "do_sample": "sampling is on when temperature > 0 (temperature=0, the default, is greedy); pass temperature=...",
     "max_tokens": "pass max_new_tokens=...",
     "max_length": "it counts the prompt's tokens too; pass max_new_tokens=..., the new tokens alone",
-    "min_new_tokens": "generation stops at max_new_tokens or EOS; pass ignore_eos=True to run past EOS",
     "num_beams": "beam search is not implemented; drop it (decoding is greedy or sampled)",
     "repetition_penalty": "penalties are not implemented; drop it",
     "min_p": "min-p filtering is not implemented; use top_p=... or top_k=...",
 }
 
 
-def refuse_keywords(function, given: dict) -> None:
+def refuse_keywords(function, given: dict, takes: list[str] | None = None) -> None:
     """Raises TypeError for the first keyword in `given` (those function received but does not take), naming this
-    API's equivalent where KEYWORD_EQUIVALENTS has one, else the keywords it takes. Chapter 01."""
+    API's equivalent where KEYWORD_EQUIVALENTS has one, else the keywords it takes (`takes`, or its signature's).
+    Chapter 01."""
     for name in given:
-        takes = [p.name for p in inspect.signature(function).parameters.values()
-                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if takes is None:
+            takes = [p.name for p in inspect.signature(function).parameters.values()
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         hint = KEYWORD_EQUIVALENTS.get(name, f"it takes {', '.join(takes)}")
         raise TypeError(f"{function.__name__}() has no {name}: {hint}")
 

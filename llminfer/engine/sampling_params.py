@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checks import check_sampling
+from ..checks import check_sampling, refuse_keywords
 
 __all__ = ["SamplingParams"]
 
@@ -14,8 +14,9 @@ class SamplingParams:
 
     The same settings as `llminfer.generate`, checked the same way when made (`checks.check_sampling`:
     temperature and top_p must survive float32; the eos id is checked against the model's vocabulary when the
-    request reaches an engine). Unlike `generate`, eos_token_id=None never stops early: pass the tokenizer's. With a `seed`, a request
-    sampled at temperature > 0 draws the same tokens as `llminfer.generate(..., seed=seed)`.
+    request reaches an engine). Unlike `generate`, eos_token_id=None never stops early: pass the tokenizer's.
+    With a `seed`, a request sampled at temperature > 0 draws the same tokens as `llminfer.generate(..., seed=seed)`.
+    A keyword of another API (max_tokens=, do_sample=) raises TypeError naming this one's equivalent.
     """
 
     max_new_tokens: int = 16
@@ -24,6 +25,11 @@ class SamplingParams:
     top_p: float | None = None
     eos_token_id: int | None = None
     seed: int | None = None
+
+    def __new__(cls, *args, **kwargs):
+        refuse_keywords(cls, {name: value for name, value in kwargs.items() if name not in cls.__dataclass_fields__},
+                        takes=list(cls.__dataclass_fields__))
+        return super().__new__(cls)
 
     def __post_init__(self):
         check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed, self.eos_token_id)

@@ -88,6 +88,17 @@ def test_bad_sampling_parameters(settings, message):
         SamplingParams(**settings)
 
 
+@pytest.mark.parametrize("settings, message", [
+    (dict(max_tokens=8), r"SamplingParams\(\) has no max_tokens: pass max_new_tokens="),
+    (dict(do_sample=True), r"SamplingParams\(\) has no do_sample: sampling is on when temperature > 0"),
+    (dict(colour="red"), r"SamplingParams\(\) has no colour: it takes max_new_tokens, temperature, top_k, top_p, "
+                         r"eos_token_id, seed"),
+])
+def test_keywords_of_other_apis_name_this_ones_equivalent(settings, message):
+    with pytest.raises(TypeError, match=message):
+        SamplingParams(**settings)
+
+
 def test_an_eos_outside_the_vocabulary(engine):
     with pytest.raises(ValueError, match="eos_token_id=500 is outside the vocabulary of 97 ids"):
         engine.add_request([1, 2], SamplingParams(eos_token_id=500))
