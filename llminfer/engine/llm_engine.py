@@ -102,6 +102,12 @@ class EngineStats:
         return self.blocks_used / self.num_blocks
 
 
+def sampling_seqs(metadata: AttentionMetadata) -> list[Sequence]:
+    """The step's sequences that sample a token from a random generator this step (not greedy). Chapter 05."""
+    sample = metadata.sample or [True] * metadata.num_seqs
+    return [seq for seq, flag in zip(metadata.seqs, sample) if flag and seq.generator is not None]
+
+
 class LLMEngine:
     """Continuous batching over a paged KV cache with prefix caching, driven one step at a time. Chapter 05.
 
@@ -372,12 +378,17 @@ class LLMEngine:
         """The step's token per scheduled sequence (None: prompt unfinished; an exception: that request failed).
 
         When the batch raises, each sequence runs again alone, so that only the requests whose own forward or
-        sampling raises fail; rewriting a position's K/V writes the same values, so the rerun is exact."""
+        sampling raises fail; rewriting a position's K/V writes the same values, and each sampled request's
+        generator is set back to its state before the step (rows sampled before the failure had drawn from it),
+        so the rerun draws the tokens the request draws alone."""
+        states = [(seq.generator, seq.generator.get_state()) for seq in sampling_seqs(metadata)]
         try:
             return self.runner.execute(metadata)
         except Exception as exc:            # a bug, or one request's values; KeyboardInterrupt still stops
             if metadata.num_seqs == 1:
                 return [exc]
+        for generator, state in states:
+            generator.set_state(state)
         out: list = []
         for i, seq in enumerate(metadata.seqs):
             alone = AttentionMetadata(seqs=[seq], query_lens=[metadata.query_lens[i]],

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import llminfer
 from llminfer.engine import BlockManager, LLMEngine, SamplingParams, Sequence
+from llminfer.engine import model_runner as model_runner_module
 from small_models import random_model
 
 MICRO = llminfer.ModelConfig(vocab_size=61, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32,
@@ -126,3 +127,63 @@ def test_block_manager_bookkeeping_under_any_sequence_of_operations(operations, 
         bm.free(seq)
     bm.check_consistency([])
     assert bm.num_free_blocks == 12
+
+
+# --- a failed batch step leaves the other requests' samples as they are alone -----------------------------
+
+SEEDED = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=42),
+          SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20, seed=7),
+          SamplingParams(max_new_tokens=12),                                        # greedy
+          SamplingParams(max_new_tokens=12, temperature=1.3, top_p=0.9, seed=1234)]
+FAULTY_TOP_K = 13                  # the fault hook fails a request's sampling when its top_k is this
+
+
+def sampling_fault(monkeypatch, fail_at: int) -> list[int]:
+    """Sampling at top_k=FAULTY_TOP_K raises from its fail_at-th call on (after the rows before it drew);
+    returns the list of calls it saw."""
+    real, calls = model_runner_module.sample_next, []
+
+    def sample_next(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
+        if top_k == FAULTY_TOP_K:
+            calls.append(1)
+            if len(calls) >= fail_at:
+                raise FloatingPointError("injected sampling fault")
+        return real(logits, temperature, top_k, top_p, generator)
+
+    monkeypatch.setattr(model_runner_module, "sample_next", sample_next)
+    return calls
+
+
+@pytest.mark.parametrize("fail_at", [1, 4])
+def test_a_failed_batch_step_leaves_seeded_samples_as_they_are_alone(micro, monkeypatch, fail_at):
+    rng = random.Random(fail_at)
+    prompts = [[rng.randrange(1, MICRO.vocab_size) for _ in range(rng.randint(3, 9))] for _ in SEEDED]
+    alone = []
+    for prompt, params in zip(prompts, SEEDED):                   # each request alone, no fault anywhere
+        engine = LLMEngine(micro, block_size=4, num_blocks=64, max_model_len=48)
+        alone.append(engine.generate([prompt], params)[0].token_ids)
+    calls = sampling_fault(monkeypatch, fail_at)
+    engine = LLMEngine(micro, block_size=4, num_blocks=64, max_model_len=48, max_num_seqs=8)
+    faulty = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=FAULTY_TOP_K, seed=5)
+    ids = [engine.add_request(p, params) for p, params in zip(prompts, SEEDED)]
+    bad = engine.add_request([3, 4, 5], faulty)                   # last in the batch: the others sample first
+    while engine.has_unfinished():
+        engine.step()
+    assert len(calls) >= fail_at and any(len(r.entries) > 1 for r in engine.trace)   # it failed inside a batch
+    failed = engine.pop_output(bad)
+    assert failed.finish_reason == "error" and "injected sampling fault" in failed.error
+    assert len(failed.token_ids) == fail_at - 1
+    outputs = [engine.pop_output(i) for i in ids]
+    assert [o.finish_reason for o in outputs] == ["length"] * len(SEEDED)
+    assert [o.token_ids for o in outputs] == alone
+    assert_pool_empty(engine)
+
+
+def test_seeded_samples_alone_are_generates(micro):
+    """The reference above is itself right: a seeded request alone in the engine draws generate's tokens."""
+    prompt = [5, 9, 11, 2]
+    engine = LLMEngine(micro, block_size=4, num_blocks=64, max_model_len=48)
+    for params in SEEDED:
+        out = engine.generate([prompt], params)[0].token_ids
+        assert out == llminfer.generate(micro, prompt, max_new_tokens=12, temperature=params.temperature,
+                                        top_k=params.top_k, top_p=params.top_p, seed=params.seed).token_ids

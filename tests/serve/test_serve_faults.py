@@ -145,6 +145,52 @@ def test_a_fault_in_one_requests_step_fails_it_alone_while_others_stream(bundled
     state.engine.block_manager.check_consistency([])
 
 
+SEEDED = [dict(temperature=1.0, seed=42), dict(temperature=0.8, seed=7, top_p=0.9), dict(temperature=0),
+          dict(temperature=1.2, seed=1234, extra_body={"top_k": 20})]
+
+
+def test_a_failed_batch_step_leaves_seeded_samples_as_they_are_alone(bundled, server):
+    """A request whose sampling fails in a batch, after the rows before it drew from their generators, leaves
+    every other request's tokens as they are when it runs alone: greedy and seeded, through the openai client."""
+    thread, state = server
+    client = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def complete(options):
+        options = dict(options)
+        extra = {"ignore_eos": True, **options.pop("extra_body", {})}
+        return client.completions.create(model=MODEL, prompt="The capital of France", max_tokens=24,
+                                         extra_body=extra, **options).choices[0].text
+
+    alone = [complete(options) for options in SEEDED]
+    assert len(set(alone)) > 1                           # the seeds draw different texts
+    batch_sizes: list[int] = []
+    with poisoned(state, [-1]) as fault:                 # sampling at top_k=13 raises; steps are slowed
+        poisoned_execute = fault.runner.execute
+
+        def execute(metadata):
+            if any(seq.params.top_k == 13 for seq in metadata.seqs):
+                batch_sizes.append(metadata.num_seqs)
+            return poisoned_execute(metadata)
+
+        fault.runner.execute = execute
+        for _ in range(3):
+            texts: dict[int, str] = {}
+            workers = [threading.Thread(target=lambda i=i: texts.__setitem__(i, complete(SEEDED[i])))
+                       for i in range(len(SEEDED))]
+            for w in workers:
+                w.start()
+            time.sleep(0.05)                             # the good requests first in the batch, then the bad
+            bad = httpx.post(thread.url + "/v1/completions", timeout=60,
+                             json={"model": MODEL, "prompt": "I love", "max_tokens": 8, "temperature": 1.0,
+                                   "seed": 3, "top_k": 13})
+            for w in workers:
+                w.join(60)
+            assert_clean_error(bad, 500)
+            assert [texts[i] for i in range(len(SEEDED))] == alone
+    assert max(batch_sizes) > 1                          # the fault happened inside a batch
+    assert wait_until(lambda: state.loop.stats.blocks_used == 0)
+
+
 def test_the_engine_fails_one_request_and_finishes_the_rest(bundled):
     model, tokenizer = bundled
     engine = LLMEngine(model, num_blocks=64)
