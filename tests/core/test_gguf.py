@@ -21,7 +21,8 @@ CORPUS = [
     "The capital of France is Paris.", "naïve café, Ελληνικά, русский, 日本語のテキスト, 한국어",
     "emoji 🤖🚀👍🏽 and ✓ ✗", "def f(x):\n\treturn x ** 2  # square\n", "    four spaces,\t\ttabs,   three   runs\n\n\n",
     "line one\r\nline two\r\n",
-    "numbers 0 1 12 123 1234567 3.14159 -42 1e-5 2026-12-01", "<|im_start|>user\nhi<|im_end|> <|endoftext|>",
+    "numbers 0 1 12 123 1234567 3.14159 -42 1e-5 2026-12-01", "12345 678", "I'm, you'll, DON'T we'd THEY'RE",
+    "<|im_start|>user\nhi<|im_end|> <|endoftext|>",
     "</s> <s> [INST] <repo_name> text that spells special tokens", "  leading and trailing spaces  ", "x" * 300,
     "mixed\u00a0non-breaking\u2009thin\u200bzero-width", "{\"json\": [1, 2, {\"a\": null}]}", "",
 ]
@@ -130,6 +131,7 @@ def test_greedy_continuation_and_chat_answer(ours):
 def test_tokenizer_equals_transformers_on_the_corpus_and_round_trips(ours, hf_tokenizer):
     _, tokenizer = ours
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.add_bos_token) == (1, 2, False)
+    assert tokenizer.pre_tokenizer_type == "smollm"        # digits one by one: no merge of this vocabulary joins two
     assert tokenizer.special_tokens == {t: i for t, i in hf_tokenizer.get_added_vocab().items()}
     for text in CORPUS:
         special = tokenizer.encode(text, allow_special=True)
@@ -255,7 +257,7 @@ TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_d
 
 
 def _write(path, arch="llama", with_tokenizer=True, embedding_length=None, odd_type=None, template=None,
-           matrices="F32"):
+           matrices="F32", pre="smollm"):
     """A small llama GGUF with random weights (matrices in F32, Q4_1 or Q8_0, the embedding in Q8_0 unless F32),
     and a tiny byte-level BPE vocabulary."""
     import gguf
@@ -276,7 +278,7 @@ def _write(path, arch="llama", with_tokenizer=True, embedding_length=None, odd_t
         tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [chr(ord("a") + i) for i in range(26)]
         tokens += ["Ġ", "ab", "Ġa"] + [f"t{i}" for i in range(c["vocab_size"] - len(tokens) - 3)]
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("smollm")
+        writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
         writer.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
         writer.add_token_merges(["a b", "Ġ a"])
@@ -397,6 +399,24 @@ def test_a_truncated_file_is_refused(tmp_path, reads):
     with pytest.raises(ValueError, match=r"not a GGUF file"):
         llminfer.load_pretrained(path)
     assert reads == []
+
+
+def test_an_unknown_pre_tokenizer_is_refused_before_the_layout_check_and_any_weight(tmp_path, reads):
+    """load_pretrained reads the tokenizer from the metadata first: this file's I32 tensor would fail the layout
+    check, yet the unknown pre-tokenizer is what is reported, and no tensor is read."""
+    path = _write(tmp_path / "p.gguf", pre="no-such-split", odd_type="I32")
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.pre='no-such-split', a pre-tokenizer llminfer does not "
+                                         r"know.*known values: .*llama-bpe.*qwen2.*load_tokenizer=False"):
+        llminfer.load_pretrained(path)
+    from llminfer import quant
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.pre='no-such-split'"):
+        quant.load_pretrained(path)             # the blocks kept quantized: the same reader, the same order
+    assert reads == []
+    with pytest.raises(ValueError, match=r"'blk.1.ffn_up.weight' is stored as I32"):   # next in line
+        llminfer.load_pretrained(path, load_tokenizer=False)
+    assert reads == []
+    model, tokenizer = llminfer.load_pretrained(_write(tmp_path / "w.gguf", pre="no-such-split"), load_tokenizer=False)
+    assert tokenizer is None and len(reads) == 1 + 2 * 9 + 1      # the weights alone still load
 
 
 def test_metadata_that_disagrees_with_the_shapes_is_refused(tmp_path, reads):
