@@ -10,6 +10,10 @@ at a time is read with a plain file read and dequantized by `gguf.quants`, so no
 llama.cpp's converter stores the q and k projections of a llama model with the rows of each head reordered for
 its rotary kernel, which turns interleaved pairs (2i, 2i + 1) where Hugging Face's turns (i, i + d/2); reading
 undoes that reordering, so the weights are Hugging Face's again.
+
+The tokenizer is byte-level BPE, and tokenizer.ggml.pre names how it cuts text into pieces before merging (Llama 3
+keeps runs of up to three digits, Qwen2 and SmolLM split digits one by one, GPT-2 keeps numbers whole):
+PRE_TOKENIZERS holds the splits by llama.cpp's names, and a name not in it is refused from the metadata alone.
 """
 from __future__ import annotations
 
