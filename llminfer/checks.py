@@ -7,7 +7,8 @@ value, the limit and the fix. Chapter 01.
     check_float32(name, value, fix)          a finite number that float32 holds as a normal number (or 0)
     check_sampling(...)                      the sampling and stopping settings of a request
     check_token_ids(ids, vocab_size)         every id inside the vocabulary
-    check_json_values(document, max_depth)  a parsed JSON body: nesting depth, valid Unicode
+    check_json_values(document, max_depth)  a parsed JSON body: nesting depth, valid Unicode, integers in range
+    parse_json_int(text)                     json.loads's parse_int: an integer too long to convert stays a TooLongInt
     refuse_keywords(function, given)         a keyword another API takes, answered with this one's equivalent
     HelpFormatter                            argparse help that shows each option's default once
 
@@ -25,6 +26,7 @@ import torch
 
 __all__ = ["is_int", "check_flag", "check_int", "FLOAT32_TINY", "FLOAT32_MAX", "float32_edge", "check_float32",
            "MIN_TEMPERATURE", "SEED_RANGE", "check_sampling", "check_token_ids", "InvalidValue", "check_json_values",
+           "INT64_MAX", "JSON_INT_RANGE", "TooLongInt", "parse_json_int",
            "KEYWORD_EQUIVALENTS",
            "refuse_keywords", "HelpFormatter"]
 
@@ -36,6 +38,8 @@ FLOAT32_MAX = torch.finfo(torch.float32).max            # 3.40e38
 # becomes 0 there and every logit turns into inf or nan.
 MIN_TEMPERATURE = FLOAT32_TINY
 SEED_RANGE = (-2**63, 2**64 - 1)          # what torch.Generator.manual_seed takes
+INT64_MAX = 2**63 - 1                     # the bound of every integer request field without a smaller one
+JSON_INT_RANGE = SEED_RANGE               # no integer in a request body may lie outside this (the seed's range)
 
 
 def is_int(value) -> bool:
@@ -167,13 +171,29 @@ class InvalidValue(ValueError):
         self.param = param
 
 
+class TooLongInt(str):
+    """The digits of a JSON integer too long to be a request's value, kept as text (never converted: Python refuses
+    to convert more than 4,300 digits, and the conversion's cost grows with their square). Chapter 11."""
+
+
+def parse_json_int(text: str):
+    """json.loads's parse_int: the integer, or a TooLongInt for one of more digits than any in JSON_INT_RANGE has
+    (20), which check_json_values then refuses naming where it sits. Chapter 11."""
+    return int(text) if len(text) <= 21 else TooLongInt(text)
+
+
 def check_json_values(document, max_depth: int) -> None:
     """Raises InvalidValue for a parsed JSON document nested deeper than max_depth (objects and arrays inside one
-    another) or holding a string that is not valid Unicode (a lone surrogate such as "\\ud800", which JSON allows but
-    UTF-8 cannot encode). Chapter 11."""
+    another), holding a string that is not valid Unicode (a lone surrogate such as "\\ud800", which JSON allows but
+    UTF-8 cannot encode), or an integer outside JSON_INT_RANGE (a TooLongInt from parse_json_int too). Chapter 11."""
     stack = [(document, 1, "")]
     while stack:
         value, depth, where = stack.pop()
+        if isinstance(value, TooLongInt) or (is_int(value) and not JSON_INT_RANGE[0] <= value <= JSON_INT_RANGE[1]):
+            digits = len(value.lstrip("-")) if isinstance(value, TooLongInt) else len(str(abs(value)))
+            raise InvalidValue(f"the integer at {where or 'the top level'} has {digits} digits, beyond any value a "
+                               f"request takes (integers lie in -2**63 .. 2**64 - 1, and each field has its own "
+                               f"limit); send a smaller number", param=where or None)
         if isinstance(value, str):
             try:
                 value.encode("utf-8")

@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..checks import FLOAT32_MAX, FLOAT32_TINY, float32_edge
+from ..checks import FLOAT32_MAX, FLOAT32_TINY, INT64_MAX, SEED_RANGE, float32_edge
 
 __all__ = ["APIError", "error_body", "CompletionRequest", "ChatCompletionRequest", "ChatMessage",
            "StreamOptions", "check_float_fields", "check_sampling_fields", "new_id", "now_s"]
@@ -56,6 +56,11 @@ def now_s() -> int:
     return int(time.time())
 
 
+Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]        # every integer field, unless bounded closer
+Count = Annotated[int, Field(le=INT64_MAX)]                            # a count or length (its minimum checked later)
+Seed = Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]       # what a random generator takes
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool | None = None
@@ -70,8 +75,8 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    n: int | None = None
-    seed: int | None = None
+    n: Count | None = None
+    seed: Seed | None = None
     stop: Union[str, list[str], None] = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -79,18 +84,18 @@ class _Sampling(BaseModel):
     top_p: float | None = None
     user: str | None = None
     # extensions (vLLM's names)
-    top_k: int | None = None
+    top_k: Int64 | None = None
     ignore_eos: bool = False
     return_timings: bool = False
 
 
 class CompletionRequest(_Sampling):
     """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = 16                    # the OpenAI default for completions
-    best_of: int | None = None
+    prompt: Union[str, list[str], list[Int64], list[list[Int64]]]
+    max_tokens: Count | None = 16                    # the OpenAI default for completions
+    best_of: Count | None = None
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: Count | None = None
     suffix: str | None = None
 
 
@@ -107,10 +112,10 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
     messages: list[ChatMessage]
-    max_tokens: int | None = None                  # None: as many as the context allows
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None                # None: as many as the context allows
+    max_completion_tokens: Count | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Count | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None

@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import numbers
+import reprlib
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -283,6 +284,88 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(str(exc)) from None
 
+    # --- parsing a body --------------------------------------------------------------------------------
+
+    def parse_body(self, raw: bytes, schema):
+        """The request parsed and checked in size and type, or an APIError (400) naming what is wrong. Chapter 11.
+
+        Sizes come first and cost little: the JSON's arrays and objects are counted in its bytes before it is
+        parsed (`count_containers`), integers too long to convert are kept as text (`checks.parse_json_int`),
+        and the prompts' number, each prompt's length and their total are checked on the parsed document
+        (`check_sizes`) before the schema reads it, so an oversized request is refused before any per-prompt
+        work."""
+        containers = count_containers(raw)
+        limit = self.max_json_containers
+        if containers > limit:
+            raise APIError(f"the JSON body holds {containers} arrays and objects, more than the {limit} a request "
+                           f"may hold (at most {self.loop.max_queued_requests} prompts); send fewer prompts or "
+                           "messages per request", code="too_many_values")
+        try:
+            body = json.loads(raw, parse_int=checks.parse_json_int)
+        except (ValueError, UnicodeDecodeError) as exc:       # JSONDecodeError is a ValueError
+            raise APIError(f"We could not parse the JSON body of your request ({str(exc)[:200]}); send a JSON "
+                           "object (Content-Type: application/json)") from None
+        except RecursionError:
+            raise APIError(f"the JSON body is nested too deeply to parse; a request nests at most {MAX_JSON_DEPTH} "
+                           "levels") from None
+        if not isinstance(body, dict):
+            raise APIError(f"the request body must be a JSON object, got a JSON {type(body).__name__}")
+        check_json_values(body)
+        self.check_sizes(body)
+        try:
+            parsed = schema.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = _field_path(first["loc"])
+            if first["type"] == "extra_forbidden":
+                raise APIError(f"Unrecognized request argument supplied: {where}", param=where) from None
+            if first["type"] == "missing":
+                raise APIError(f"Missing required parameter: {where!r}", param=where) from None
+            if where == "prompt":                 # a union: name what it may be, not the first branch tried
+                raise APIError(f"Invalid value for 'prompt': it must be a string, a list of strings, a list of "
+                               f"token ids (integers) or a list of such lists (got {_shown(body.get('prompt'))})",
+                               param=where) from None
+            raise APIError(f"Invalid value for {where!r}: {first['msg']} (got {_shown(first.get('input'))})",
+                           param=where) from None
+        self._check_model(parsed.model)
+        return parsed
+
+    @property
+    def max_json_containers(self) -> int:
+        """The most arrays and objects a body may hold: a list per prompt, and room for messages and options."""
+        return self.loop.max_queued_requests + MAX_MESSAGES * 4 + 64
+
+    def check_sizes(self, body: dict) -> None:
+        """APIError (400) for more prompts than the queue holds, a prompt longer than the context (in tokens, or in
+        characters where no token list of that length could fit), or more messages than MAX_MESSAGES whose text
+        is longer than any context: on the parsed JSON, before the schema or the tokenizer sees it. Chapter 11."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt[:1]):
+            if len(prompt) > self.loop.max_queued_requests:
+                raise APIError(f"the request holds {len(prompt)} prompts but this server queues at most "
+                               f"{self.loop.max_queued_requests} requests (max_queued_requests); send at most that "
+                               "many prompts per request", param="prompt", code="too_many_prompts")
+            items = [(f"prompt[{i}]", p) for i, p in enumerate(prompt)]
+        else:
+            items = [("the prompt", prompt)]
+        for where, item in items:
+            if isinstance(item, list) and len(item) > self.max_model_len:
+                raise APIError(f"{where} has {len(item)} tokens, more than this model's maximum context length of "
+                               f"{self.max_model_len} tokens; shorten it", param="prompt",
+                               code="context_length_exceeded")
+            if isinstance(item, str):
+                self._check_text_length(item, where, "prompt")
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            if len(messages) > MAX_MESSAGES:
+                raise APIError(f"the request holds {len(messages)} messages, more than the {MAX_MESSAGES} a request "
+                               "may hold; send fewer", param="messages")
+            chars = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+            if chars > self.max_prompt_chars:
+                raise APIError(f"the messages hold {chars} characters, more than the {self.max_prompt_chars} that "
+                               f"could fit this model's maximum context length of {self.max_model_len} tokens; "
+                               "shorten them", param="messages", code="context_length_exceeded")
+
     # --- submitting --------------------------------------------------------------------------------------
 
     def prompt_ids(self, prompts: list[list[int]]) -> list[PromptIds]:
@@ -304,7 +387,7 @@ class OpenAIServer:
             raise APIError(f"the request holds {len(prompts)} prompts but this server queues at most "
                            f"{self.loop.max_queued_requests} requests (max_queued_requests); send at most that many "
                            "prompts per request", param="prompt", code="too_many_prompts")
-        checked = self.prompt_ids(prompts)
+        checked = await asyncio.to_thread(self.prompt_ids, prompts)          # a check per id: off the event loop
         try:
             for prompt, p in zip(checked, params):
                 handles.append(await self.loop.add_request(prompt, p))
@@ -331,6 +414,28 @@ def _sse(payload: dict | str) -> str:
 
 
 MAX_JSON_DEPTH = 32      # objects and arrays inside one another; OpenAI requests need about 6
+MAX_MESSAGES = 2048      # messages in one chat request
+
+
+def count_containers(raw: bytes) -> int:
+    """The arrays and objects in a JSON text, counted in its bytes outside its strings (at the speed of bytes
+    methods: a body of a million tiny lists is counted in milliseconds, where parsing it takes seconds)."""
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets <= 64:
+        return brackets
+    # outside strings only: escaped backslashes and quotes dropped, then every other piece between quotes
+    unquoted = b"".join(raw.replace(b"\\\\", b"").replace(b'\\"', b"").split(b'"')[::2])
+    return unquoted.count(b"[") + unquoted.count(b"{")
+
+
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxlist, _SHORT_REPR.maxdict = 3, 8, 8
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = _SHORT_REPR.maxlong = 120
+
+
+def _shown(value) -> str:
+    """A short repr of a request's value, for an error message (a list of a million prompts costs no more than one)."""
+    return _SHORT_REPR.repr(value)
 
 
 def check_json_values(body) -> None:
@@ -430,6 +535,8 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
     async def _api_error(request, exc: APIError):
         if exc.status_code == 400 or exc.status_code == 404:
             state.metrics.rejected.labels("invalid").inc()
+        if exc.status_code < 500:                      # one line per refused request, never a traceback
+            log.info("refused %s %s: %d %s", request.method, request.url.path, exc.status_code, exc.message[:300])
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -457,33 +564,7 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
 
     async def read_body(request: Request, schema):
         raw = await read_limited(request, state.config.max_request_bytes)
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(f"We could not parse the JSON body of your request ({exc}); send a JSON object "
-                           "(Content-Type: application/json)") from None
-        except RecursionError:
-            raise APIError(f"the JSON body is nested too deeply to parse; a request nests at most {MAX_JSON_DEPTH} "
-                           "levels") from None
-        if not isinstance(body, dict):
-            raise APIError(f"the request body must be a JSON object, got a JSON {type(body).__name__}")
-        check_json_values(body)
-        try:
-            parsed = schema.model_validate(body)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = _field_path(first["loc"])
-            if first["type"] == "extra_forbidden":
-                raise APIError(f"Unrecognized request argument supplied: {where}", param=where) from None
-            if first["type"] == "missing":
-                raise APIError(f"Missing required parameter: {where!r}", param=where) from None
-            if where == "prompt":                 # a union: name what it may be, not the first branch tried
-                raise APIError(f"Invalid value for 'prompt': it must be a string, a list of strings, a list of "
-                               f"token ids (integers) or a list of such lists (got {body.get('prompt')!r:.200})",
-                               param=where) from None
-            raise APIError(f"Invalid value for {where!r}: {first['msg']} (got {first.get('input')!r:.200})",
-                           param=where) from None
-        state._check_model(parsed.model)
+        parsed = await asyncio.to_thread(state.parse_body, raw, schema)     # parsing and checking: off the loop
         check_sampling_fields(parsed)
         return parsed
 

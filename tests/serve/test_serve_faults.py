@@ -308,7 +308,7 @@ def test_malformed_nested_and_badly_encoded_bodies_get_400(server):
         inner = inner["x"]
     cases = [
         (b'{"model": "tiny-capitals", "prompt": ', "parse"),
-        (deep, "nested"),
+        (deep, "arrays and objects"),                # refused by its count of lists before it is parsed
         (json.dumps(nested).encode(), "nests deeper"),
         (b'{"model": "tiny-capitals", "prompt": "\\ud800 lone"}', "not valid Unicode"),
         (b'{"model": "tiny-capitals", "prompt": "\xff\xfe bad bytes"}', "parse"),
