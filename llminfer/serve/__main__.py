@@ -72,6 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None,
                    help="clients must send it as 'Authorization: Bearer <key>' on every /v1 route (default: the "
                         f"{API_KEY_VARIABLE} variable, which keeps it out of the process list)")
+    p.add_argument("--allowed-hosts", nargs="+", default=(), metavar="HOST",
+                   help="Host header values served beside the bound address's (name or name:port; checked when "
+                        "there is no API key, and always once given)")
+    p.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
+                   help="web origins (https://app.example) whose pages may read responses through CORS "
+                        "(default: none, CORS closed)")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve a non-loopback --host without an API key (anyone who reaches it may use it)")
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
@@ -186,7 +192,8 @@ def build_server(args: argparse.Namespace):
         drain_timeout_s=args.drain_timeout, default_temperature=args.default_temperature, add_bos=add_bos,
         max_request_bytes=args.max_request_bytes, header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
-        max_connections=args.max_connections, api_key=args.api_key,
+        max_connections=args.max_connections, api_key=args.api_key, allowed_hosts=tuple(args.allowed_hosts),
+        allowed_origins=tuple(args.allowed_origins),
         engine_kwargs=dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                            kv_cache_memory=args.kv_cache_memory, kv_memory_fraction=args.kv_memory_fraction,
                            max_num_batched_tokens=args.max_num_batched_tokens,

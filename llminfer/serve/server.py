@@ -9,6 +9,9 @@ or from a shell, `python -m llminfer.serve --model tiny-capitals` (see __main__.
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events with
 `stream=true`, else one JSON body), GET /v1/models and /v1/models/{id}, /health and /metrics (Prometheus text).
 With an API key (ServeConfig.api_key, `--api-key` or LLMINFER_API_KEY) every /v1 route wants it as a Bearer token.
+Without one, the server is kept from web pages: a POST body must be sent as application/json (415 otherwise: a page
+can send text/plain or a form without asking), and the Host header must name the bound address or one of
+`--allowed-hosts` (421 otherwise: DNS rebinding). CORS stays closed unless `--allowed-origins` names origins.
 
 A request's path: parse and check the body (400 with an OpenAI error body if anything is wrong, before
 the engine sees it), render the chat template, tokenize, check the ids once (`PromptIds`: the engine takes them
@@ -35,6 +38,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -50,7 +54,8 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_sampling_fields, error_body,
                        new_id, now_s)
 
-__all__ = ["ServeConfig", "OpenAIServer", "build_app", "ServerThread", "IncrementalText", "BearerAuth"]
+__all__ = ["ServeConfig", "OpenAIServer", "build_app", "ServerThread", "IncrementalText", "BearerAuth", "HostGuard",
+           "bind_host_names"]
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -73,6 +78,8 @@ class ServeConfig:
     keep_alive_timeout_s: float = 5.0         # an idle keep-alive connection is closed after this
     max_connections: int = 256                # more concurrent connections get 503 from uvicorn
     api_key: str | None = None                # if set, every /v1 route wants "Authorization: Bearer <api_key>"
+    allowed_hosts: tuple[str, ...] = ()       # Host values served beside the bind address's (checked without a key)
+    allowed_origins: tuple[str, ...] = ()     # web origins CORS lets read responses (none: CORS stays closed)
 
     def __post_init__(self):
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -84,6 +91,13 @@ class ServeConfig:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()
                                          or not self.api_key.isprintable()):
             raise ValueError("api_key must be a non-empty printable string, or None for no key")
+        for name in ("allowed_hosts", "allowed_origins"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) and v and v.isprintable() and " " not in v
+                                                 for v in value):
+                raise ValueError(f"{name} must be a list of names without spaces, e.g. ['example.com:8000'], "
+                                 f"got {value!r}")
+            setattr(self, name, tuple(value))
         for name in ("drain_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
             value = getattr(self, name)
             low = 0 if name == "drain_timeout_s" else 0.001
@@ -118,6 +132,43 @@ class BearerAuth:
                            "You didn't provide an API key; send it as the header 'Authorization: Bearer <key>'")
                 response = JSONResponse(error_body(message, code="invalid_api_key"), status_code=401,
                                         headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def bind_host_names(host: str, port: int) -> set[str]:
+    """The Host header values that name a server bound to host:port: the address itself, and for a loopback
+    address the names of this machine (127.0.0.1, localhost, [::1]); without the port too where it is 80."""
+    names = {f"[{host}]" if ":" in host else host}
+    if host in ("127.0.0.1", "::1", "localhost") or host.startswith("127."):
+        names |= {"127.0.0.1", "localhost", "[::1]"}
+    return {f"{name}:{port}" for name in names} | (names if port == 80 else set())
+
+
+class HostGuard:
+    """ASGI middleware: a request whose Host header names neither the bound address (`bind_host_names`) nor one of
+    `allowed` gets a 421, so a web page whose name was rebound to this machine's address (DNS rebinding) cannot
+    read the server's answers. An entry of `allowed` without a port matches that name on any port. Chapter 11."""
+
+    def __init__(self, app, allowed: tuple[str, ...] = ()):
+        self.app = app
+        self.allowed = {name.lower() for name in allowed}
+
+    def admits(self, host: str, server: tuple | None) -> bool:
+        host = host.lower()
+        if host in self.allowed or "*" in self.allowed or host.rsplit(":", 1)[0] in self.allowed:
+            return True
+        return server is not None and host in bind_host_names(server[0], server[1])
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            hosts = [v for k, v in scope.get("headers") or [] if k == b"host"]
+            host = hosts[0].decode("latin-1") if len(hosts) == 1 else ""
+            if not self.admits(host, scope.get("server")):
+                message = (f"the Host header {host!r} does not name this server; send the address it listens on "
+                           "(127.0.0.1:PORT or localhost:PORT), or start it with --allowed-hosts naming this one")
+                response = JSONResponse(error_body(message, code="misdirected_request"), status_code=421)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -527,6 +578,11 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
     if state.config.api_key is not None:
         app.add_middleware(BearerAuth, api_key=state.config.api_key,
                            on_refusal=state.metrics.rejected.labels("unauthorized").inc)
+    if state.config.allowed_origins:          # outside the key's check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.config.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+    if state.config.api_key is None or state.config.allowed_hosts:   # outermost: the first check a request meets
+        app.add_middleware(HostGuard, allowed=state.config.allowed_hosts)
 
     def error_response(exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
@@ -563,6 +619,10 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
                                        "has the details", "server_error"), status_code=500)
 
     async def read_body(request: Request, schema):
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":        # a web page can POST text/plain or a form without a preflight
+            raise APIError(f"the request body must be JSON sent as Content-Type: application/json, got "
+                           f"{_shown(kind or 'no Content-Type')}", status_code=415, code="unsupported_media_type")
         raw = await read_limited(request, state.config.max_request_bytes)
         parsed = await asyncio.to_thread(state.parse_body, raw, schema)     # parsing and checking: off the loop
         check_sampling_fields(parsed)

@@ -317,7 +317,7 @@ def test_malformed_nested_and_badly_encoded_bodies_get_400(server):
     for raw, words in cases:
         error = assert_clean_error(post_raw(thread.url, raw), 400)
         assert words in error["message"], error
-    chat = httpx.post(thread.url + "/v1/chat/completions", timeout=30,
+    chat = httpx.post(thread.url + "/v1/chat/completions", timeout=30, headers={"Content-Type": "application/json"},
                       content=b'{"model": "tiny-capitals", "messages": [{"role": "user", "content": "\\ud83d"}]}')
     assert assert_clean_error(chat, 400)["param"] == "messages.0.content"
     assert httpx.get(thread.url + "/health").status_code == 200
@@ -405,8 +405,9 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
 
 def test_slow_headers_slow_bodies_and_idle_connections_are_closed(tight):
     thread, _ = tight
+    host = f"127.0.0.1:{thread.port}".encode()
     with socket.create_connection((thread.host, thread.port)) as slow_headers:
-        slow_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")       # and never the rest
+        slow_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\n" % host)       # and never the rest
         assert closed_within(slow_headers, 5.0)
     with socket.create_connection((thread.host, thread.port)) as dripping:
         dripping.sendall(b"GET /health HTTP/1.1\r\n")
@@ -418,11 +419,11 @@ def test_slow_headers_slow_bodies_and_idle_connections_are_closed(tight):
                 break
         assert closed_within(dripping, 5.0)
     with socket.create_connection((thread.host, thread.port)) as slow_body:
-        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: 100\r\n\r\n{\"model\"")
+        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"model\"" % host)
         assert closed_within(slow_body, 6.0)
     with socket.create_connection((thread.host, thread.port)) as idle:
-        idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: %s\r\n\r\n" % host)
         idle.settimeout(5.0)
         assert idle.recv(65536).startswith(b"HTTP/1.1 200")
         assert closed_within(idle, 5.0)                        # keep-alive, then idle past 1 s
@@ -431,11 +432,12 @@ def test_slow_headers_slow_bodies_and_idle_connections_are_closed(tight):
 
 def test_connections_beyond_the_limit_get_503(tight):
     thread, _ = tight
+    host = f"127.0.0.1:{thread.port}".encode()
     held = [socket.create_connection((thread.host, thread.port)) for _ in range(4)]
     try:
         time.sleep(0.1)
         with socket.create_connection((thread.host, thread.port)) as extra:
-            extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            extra.sendall(b"GET /health HTTP/1.1\r\nHost: %s\r\n\r\n" % host)
             extra.settimeout(5.0)
             assert extra.recv(65536).startswith(b"HTTP/1.1 503")
     finally:

@@ -34,8 +34,21 @@ BAD_EVERY, LEAVE_EVERY = 4, 10     # one bad request per 4 good ones, one client
 def bad_requests(url: str) -> list[tuple[str, dict, int]]:
     """(name, httpx.post keyword arguments, expected status) for requests the server must refuse."""
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    json_type = {"Content-Type": "application/json"}
+    huge = "9" * 5000
     return [
-        ("malformed json", dict(content=b'{"model": "tiny-capitals", "prompt": '), 400),
+        ("malformed json", dict(content=b'{"model": "tiny-capitals", "prompt": ', headers=json_type), 400),
+        ("integer too long to parse", dict(content='{"model": "tiny-capitals", "prompt": "hi", "max_tokens": %s}'
+                                           % huge, headers=json_type), 400),
+        ("long integer in prompt ids", dict(content='{"model": "tiny-capitals", "prompt": [5, %s]}' % huge,
+                                            headers=json_type), 400),
+        ("top_k past int64", dict(json={**body, "top_k": 2**64}), 400),
+        ("many one-item lists", dict(json={**body, "prompt": [[5]] * 15_000}), 400),
+        ("many prompts", dict(json={**body, "prompt": ["a"] * 5_000}), 400),
+        ("text/plain body", dict(content=json.dumps(body), headers={"Content-Type": "text/plain"}), 415),
+        ("form body", dict(content=b"model=tiny-capitals&prompt=hi",
+                           headers={"Content-Type": "application/x-www-form-urlencoded"}), 415),
+        ("foreign Host", dict(json=body, headers={"Host": "evil.example.com"}), 421),
         ("string max_tokens", dict(json={**body, "max_tokens": "8"}), 400),
         ("boolean temperature", dict(json={**body, "temperature": True}), 400),
         ("boolean prompt ids", dict(json={**body, "prompt": [True, False]}), 400),
@@ -43,9 +56,10 @@ def bad_requests(url: str) -> list[tuple[str, dict, int]]:
         ("unknown model", dict(json={**body, "model": "gpt-9"}), 404),
         ("too long for the context", dict(json={**body, "prompt": "a" * 50_000}), 400),
         ("over the body limit", dict(json={**body, "prompt": "b" * 200_000}), 413),
-        ("lone surrogate", dict(content=b'{"model": "tiny-capitals", "prompt": "\\ud800"}'), 400),
+        ("lone surrogate", dict(content=b'{"model": "tiny-capitals", "prompt": "\\ud800"}', headers=json_type),
+         400),
         ("deep nesting", dict(content=b'{"model": "tiny-capitals", "prompt": "hi", "stop": ' + b"[" * 5000
-                              + b"]" * 5000 + b"}"), 400),
+                              + b"]" * 5000 + b"}", headers=json_type), 400),
         ("token outside the vocabulary", dict(json={**body, "prompt": [5, 10**6]}), 400),
     ]
 
