@@ -48,7 +48,7 @@ from .. import checks
 from ..checks import check_flag, check_int, check_sampling
 from ..engine import Engine, LLMEngine, PromptIds, SamplingParams
 from .async_engine import EngineLoop, EngineUnavailable, QueueFull, RequestHandle, Update
-from .chat import ChatTemplate, load_chat_template
+from .chat import ChatTemplate, chat_prompt_ids, load_chat_template
 from .limits import uvicorn_options
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_sampling_fields, error_body,
@@ -292,18 +292,19 @@ class OpenAIServer:
         return out
 
     def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
-        """The messages through the chat template, tokenized (special tokens in the template count as such)."""
+        """The messages through the chat template, tokenized: the template's own special tokens as such, the
+        messages' contents as plain text (`chat.chat_prompt_ids`: a content cannot forge a role marker)."""
         if not request.messages:
             raise APIError("messages is empty; send at least one message", param="messages")
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         try:
             text = self.chat_template.render(messages)
+            if text == "":
+                raise APIError("the messages render to an empty prompt; send some text", param="messages")
+            self._check_text_length(text, "the rendered messages", "messages")
+            ids = chat_prompt_ids(self.chat_template, self.tokenizer, messages)
         except ValueError as exc:
             raise APIError(str(exc), param="messages") from None
-        if text == "":
-            raise APIError("the messages render to an empty prompt; send some text", param="messages")
-        self._check_text_length(text, "the rendered messages", "messages")
-        ids = self.tokenizer.encode(text, allow_special=True)
         if not ids:
             raise APIError("the messages tokenize to no tokens; send some text", param="messages")
         return ids
