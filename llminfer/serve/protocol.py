@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..checks import FLOAT32_MAX, FLOAT32_TINY, INT64_MAX, SEED_RANGE, float32_edge
 
 __all__ = ["APIError", "error_body", "CompletionRequest", "ChatCompletionRequest", "ChatMessage",
-           "StreamOptions", "check_float_fields", "check_sampling_fields", "new_id", "now_s"]
+           "StreamOptions", "ResponseFormat", "check_float_fields", "check_sampling_fields", "new_id", "now_s"]
 
 
 class APIError(Exception):
@@ -65,6 +65,13 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """response_format: {"type": "text"} is what this server makes; the other types are refused by name."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class _Sampling(BaseModel):
@@ -116,7 +123,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Count | None = None
     logprobs: bool | None = False
     top_logprobs: Count | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
@@ -124,10 +131,10 @@ class ChatCompletionRequest(_Sampling):
     function_call: Union[str, dict[str, Any], None] = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    service_tier: str | None = None
-    modalities: list[str] | None = None
-    reasoning_effort: str | None = None
-    verbosity: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
@@ -194,11 +201,21 @@ def check_sampling_fields(request: _Sampling) -> None:
                 continue
             if value not in neutral:
                 raise APIError(f"{name}={value!r} is not supported: {fix}", param=name)
+    if request.stream_options is not None and not request.stream:
+        raise APIError("stream_options is only allowed when stream is true; drop it or pass stream=true",
+                       param="stream_options")
     if isinstance(request, ChatCompletionRequest):
         fmt = request.response_format
-        if fmt is not None and fmt.get("type", "text") != "text":
-            raise APIError(f"response_format={fmt!r} is not supported (structured output is not implemented); "
-                           "pass {\"type\": \"text\"} or leave it unset", param="response_format")
+        if fmt is not None and (fmt.type != "text" or fmt.json_schema is not None):
+            raise APIError(f"response_format type {fmt.type!r} is not supported (structured output is not "
+                           "implemented); pass {\"type\": \"text\"} or leave it unset", param="response_format")
+        if request.modalities is not None and request.modalities != ["text"]:
+            raise APIError(f"modalities={request.modalities!r} is not supported: this server makes text only; pass "
+                           "[\"text\"] or leave it unset", param="modalities")
+        for name in ("max_tokens", "max_completion_tokens"):      # both checked, whichever one is used
+            value = getattr(request, name)
+            if value is not None and value < 1:
+                raise APIError(f"{name}={value} is invalid: it must be at least 1", param=name)
     t = request.temperature
     if t is not None and (not math.isfinite(t) or not 0 <= t <= 2):
         raise APIError(f"temperature={t!r} is invalid: it must be a number from 0 to 2 (0: greedy)",

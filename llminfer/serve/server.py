@@ -7,7 +7,7 @@
 or from a shell, `python -m llminfer.serve --model tiny-capitals` (see __main__.py).
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events with
-`stream=true`, else one JSON body), GET /v1/models and /v1/models/{id}, /health and /metrics (Prometheus text).
+`stream=true`, else one JSON body), GET (or HEAD) /v1/models, /v1/models/{id} and /health, GET /metrics (Prometheus).
 With an API key (ServeConfig.api_key, `--api-key` or LLMINFER_API_KEY) every /v1 route wants it as a Bearer token.
 Without one, the server is kept from web pages: a POST body must be sent as application/json (415 otherwise: a page
 can send text/plain or a form without asking), and the Host header must name the bound address or one of
@@ -55,7 +55,7 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check
                        new_id, now_s)
 
 __all__ = ["ServeConfig", "OpenAIServer", "build_app", "ServerThread", "IncrementalText", "BearerAuth", "HostGuard",
-           "bind_host_names"]
+           "HeaderGuard", "bind_host_names"]
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -124,7 +124,7 @@ class BearerAuth:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            given = b"".join(v for k, v in scope.get("headers") or [] if k == b"authorization")
             if not hmac.compare_digest(given, self.expected):
                 if self.on_refusal is not None:
                     self.on_refusal()
@@ -169,6 +169,32 @@ class HostGuard:
                 message = (f"the Host header {host!r} does not name this server; send the address it listens on "
                            "(127.0.0.1:PORT or localhost:PORT), or start it with --allowed-hosts naming this one")
                 response = JSONResponse(error_body(message, code="misdirected_request"), status_code=421)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+SINGLE_HEADERS = (b"host", b"authorization", b"content-length", b"content-type", b"transfer-encoding")
+
+
+class HeaderGuard:
+    """ASGI middleware: 400 for a request that sends one of SINGLE_HEADERS twice (two keys, two lengths: the last
+    one must not quietly win) or both Transfer-Encoding and Content-Length (read differently by a proxy in front,
+    that is request smuggling). Chapter 11."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            names = [k for k, _ in scope.get("headers") or []]
+            twice = [n.decode() for n in SINGLE_HEADERS if names.count(n) > 1]
+            message = (f"the request sends the header {twice[0]!r} more than once; send it once" if twice else
+                       "the request sends both Transfer-Encoding and Content-Length; send one of them"
+                       if b"transfer-encoding" in names and b"content-length" in names else None)
+            if message is not None:
+                response = JSONResponse(error_body(message, code="bad_headers"), status_code=400,
+                                        headers={"Connection": "close"})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -309,8 +335,10 @@ class OpenAIServer:
             raise APIError("the messages tokenize to no tokens; send some text", param="messages")
         return ids
 
-    def sampling_params(self, request, prompt_len: int, max_tokens: int | None) -> SamplingParams:
-        """SamplingParams for one prompt: max_tokens checked against the context (400 if it does not fit)."""
+    def sampling_params(self, request, prompt_len: int, max_tokens: int | None,
+                        name: str = "max_tokens") -> SamplingParams:
+        """SamplingParams for one prompt: max_tokens (the field `name` the client sent) checked against the context
+        (400 naming that field if it does not fit)."""
         room = self.max_model_len - prompt_len
         if room < 1:
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens, and the prompt "
@@ -320,12 +348,12 @@ class OpenAIServer:
         if max_tokens is None:
             max_tokens = room
         if max_tokens < 1:
-            raise APIError(f"max_tokens={max_tokens} is invalid: it must be at least 1", param="max_tokens")
+            raise APIError(f"{name}={max_tokens} is invalid: it must be at least 1", param=name)
         if prompt_len + max_tokens > self.max_model_len:
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
-                           f"in the completion); pass max_tokens <= {room} or shorten the prompt",
-                           param="max_tokens", code="context_length_exceeded")
+                           f"in the completion); pass {name} <= {room} or shorten the prompt",
+                           param=name, code="context_length_exceeded")
         temperature = self.config.default_temperature if request.temperature is None else request.temperature
         top_k = None if request.top_k in (None, -1) else request.top_k
         top_p = None if request.top_p in (None, 1.0) else request.top_p
@@ -582,8 +610,9 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
     if state.config.allowed_origins:          # outside the key's check: a browser's preflight carries no key
         app.add_middleware(CORSMiddleware, allow_origins=list(state.config.allowed_origins),
                            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
-    if state.config.api_key is None or state.config.allowed_hosts:   # outermost: the first check a request meets
+    if state.config.api_key is None or state.config.allowed_hosts:
         app.add_middleware(HostGuard, allowed=state.config.allowed_hosts)
+    app.add_middleware(HeaderGuard)           # outermost: the first check a request meets
 
     def error_response(exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
@@ -629,7 +658,7 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
         check_sampling_fields(parsed)
         return parsed
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if state.loop.state in ("running", "new"):
             return Response(status_code=200)
@@ -643,20 +672,20 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
         return {"id": state.config.model_name, "object": "model", "created": state.created, "owned_by": "llminfer",
                 "max_model_len": state.max_model_len}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str):
         state._check_model(model_id)
         return model_card()
 
     async def run(request: Request, body, prompts: list[list[int]], chat: bool, received: float):
-        max_tokens = body.max_tokens
+        max_tokens, name = body.max_tokens, "max_tokens"
         if chat and body.max_completion_tokens is not None:
-            max_tokens = body.max_completion_tokens
-        params = [state.sampling_params(body, len(p), max_tokens) for p in prompts]
+            max_tokens, name = body.max_completion_tokens, "max_completion_tokens"
+        params = [state.sampling_params(body, len(p), max_tokens, name) for p in prompts]
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         handles = await state.submit(prompts, params)
         response_id = new_id("chatcmpl" if chat else "cmpl")

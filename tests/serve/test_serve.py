@@ -273,7 +273,7 @@ def test_bad_completion_requests(server, name, body, status, param, words):
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": ""}]}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 500}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 500}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
      "response_format"),
