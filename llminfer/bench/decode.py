@@ -22,9 +22,8 @@ KV bytes read per token) × tokens/s ÷ the contender's ceiling. A contender tha
 means the ceiling is wrong: the benchmark says so and stops.
 
 The report names the kernels' instruction-set level (`cpu.isa()`) and, per weight format, which decode
-loops ran, timed again after the warm-up on each format's own decode steps (`cpu.remeasure_matvec`).
-Prefill of the prompt runs, per precision, on the path chosen after the warm-up by timing the format's whole
-prefill on both paths (`cpu.remeasure_prefill`, kept for later processes too), on both paths forced (the
+loops ran (`cpu.decode_loops()`, from the kernels' static table; LLMINFER_ISA forces a level's own loops).
+Prefill of the prompt runs, per precision, on the path the kernels take (`cpu.prefill_path`), on both paths forced (the
 blocked kernel, torch's matmul), and on the plain model (no fast path), against the best matmul rate for the
 precision sampled alongside (MFU: the fastest sample of torch's square matmul and the native kernel's, square and
 on a layer's products, in float32; for bf16 the better of those and the same in bfloat16, for int8 and int4 the
@@ -70,8 +69,6 @@ PRECISIONS = {"fp32": ("F32", torch.float32, None), "bf16": ("BF16", torch.bfloa
               "int8": ("Q8_0", None, ("int8", None)), "int4": ("Q4_0", None, ("int4", 32)),
               "int4a8": ("Q4_0", None, ("int4", 32))}
 ACTIVATIONS = {"int4a8": "int8"}           # precisions whose activations are rounded to int8 (W4A8)
-# each precision's weight format among the kernels' decode loops (`cpu.MATVEC_CANDIDATES`)
-MATVEC_FORMAT = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4", "int4a8": "int4a8"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -225,22 +222,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
     for label, runner in contenders.items():
         _log(f"warm-up: {label}")
         tokens[label] = runner().token_ids
-    # each format's decode loops, timed again now rather than at load, under the conditions of the rounds, and on
-    # what the rounds time: the format's own decode steps (the seconds between its tokens)
-    steps = {MATVEC_FORMAT[info[label]["precision"]]: lambda run=runner: sum(run().itl_s)
-             for label, runner in contenders.items() if label.startswith("llminfer fast ")}
-    choices = native_cpu.remeasure_matvec(steps) if native_cpu.available() else {}
-    _log("decode loops: " + ", ".join(f"{name} {entry['level']}" for name, entry in choices.items()))
-    # and each weight dtype's prefill path, timed on the whole prefill of the formats with it, both ways
-    prefills: dict[torch.dtype, list] = {}
-    for name in args.precisions:
-        decoder = info.get(f"llminfer fast {name}", {}).get("decoder")
-        if decoder is not None:
-            prefills.setdefault(weight_dtype_of(name), []).append(decoder)
-    paths = native_cpu.remeasure_prefill({dtype: lambda ds=ds: sum(_timed_prefill(d, ids) for d in ds)
-                                          for dtype, ds in prefills.items()}, args.prompt_len)
-    _log("prefill paths: " + ", ".join(f"{key.rsplit('|', 2)[1]} {entry['path']}" for key, entry in paths.items()
-                                        if entry.get("probe") == native_cpu.PREFILL_STEP))
+    _log("decode loops: " + ", ".join(f"{name} {level}" for name, level in native_cpu.decode_loops().items()))
     ceiling.warm()
     results = interleave(contenders, args.repeats, warmup=0, between=ceiling.sample, log=_log)   # warmed above
     bandwidth, probe_rates = ceiling.best(), ceiling.rates()
@@ -288,7 +270,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
                      "llama_cpp": llama_cpp_version() if ggufs else None, "transformers": hf_note},
         "load_average_before": load_before, "load_average_after": None,
         "kernels": {"isa": native_cpu.isa(), "features": list(native_cpu.isa_features()),
-                    "forced_by": os.environ.get(native_cpu.ISA_ENV), "matvec": native_cpu.matvec_choices()},
+                    "forced_by": os.environ.get(native_cpu.ISA_ENV), "matvec": {name: {"level": level} for name, level in native_cpu.decode_loops().items()}},
         "bandwidth": {"ceiling_bytes_per_s": bandwidth, "matvec_bytes_per_s": probe_rates["matvec"],
                       "read_bytes_per_s": probe_rates["read"],
                       "native_read_bytes_per_s": max(ceiling.native_rates().values(), default=None),
@@ -318,7 +300,7 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
         report["prefill"] = {"prompt_len": args.prompt_len, "sgemm_flop_per_s_alongside": sgemm,
                              "matmul_flop_per_s_alongside": rates, "matmul_flop_per_s_by_probe": by_probe,
                              "flops": flops,
-                             "by_precision": prefill, "choices": native_cpu.prefill_choices()}
+                             "by_precision": prefill}
     over = {label: row["bytes_per_token"] * row["tokens_per_s"] for label, row in rows.items() if row["mbu"] > 1.0}
     if over:
         report["ceiling_exceeded"] = over
@@ -399,9 +381,6 @@ def table(report: dict) -> str:
     decode_loops = ""
     if loops:
         decode_loops = "; decode loops " + ", ".join(f"{name} {entry['level']}" for name, entry in loops.items())
-        if any(entry.get("measured") for entry in loops.values()):
-            on_steps = any(entry.get("probe") == native_cpu.MATVEC_STEP for entry in loops.values())
-            decode_loops += " (measured here" + (", on each format's decode steps" if on_steps else "") + ")"
     lines = [f"{report['machine']['cpu']}, {report['settings']['threads']} thread(s), load "
              f"{report['load_average_before']} -> {report['load_average_after']}",
              f"native kernels: {kernels.get('isa', '?')} ({'+'.join(kernels.get('features', [])) or 'plain loops'})"

@@ -1,27 +1,21 @@
-"""The native CPU backend: matrix-vector and blocked products, decode attention and whole layers in C++. Chapter 08,
-Appendix A1.
+"""The native CPU backend: decode and prefill products, attention and whole layers in C++. Chapter 08, Appendix A1.
 
-A decode step is one activation row times every weight matrix, so its speed is how fast the weights stream from
-memory; a prefill is many rows, so its speed is how fast they are multiplied. The C++ beside this file does both for
-float32, bfloat16, int8 and int4 weights (int4 also with int8 activations, W4A8), reading each weight once in its
-stored layout. It follows ggml's layout: `cpu_ref.cpp` holds the readable portable loop of each product (what
-Appendix A1 shows), and the per-ISA units reuse its names for the vector versions; `cpu_kernels.h` is shared.
+A decode step multiplies one activation row by every weight, so its speed is how fast the weights stream from
+memory; a prefill multiplies many rows, so its speed is how fast the core multiplies. The C++ beside this file does
+both for float32, bfloat16, int8 and int4 weights (int4 also with int8 activations, W4A8), each read once in its
+stored layout: `gemv` (the matrix-vector loops up to MAX_TOKENS rows, the blocked kernel past them),
+`decode_attention` (the attention backend 'native'), `paged_attention`, the layer stack (`cpu.stack`,
+`llminfer.fast`) and `stream_read` (the benchmark's bandwidth probe). The ops have fake implementations, so
+`torch.compile` traces through them.
 
-Which loops run is chosen once per process, when the kernels load, from the CPU's features (`choose_isa`, from the
-one CPU-capabilities reader `llminfer.device.cpu_capabilities`): the highest level of KERNEL_LEVELS the CPU has, and
-for each weight format's decode loops the level that won in the records of the CPU's class (DECODE_LOOPS). Nothing
-is timed at load or at first use, and nothing is kept between processes. `LLMINFER_ISA=portable|avx2|avx_vnni|
-avx512|avx512_vnni|avx512_bf16|amx` forces a level (every format then runs that level's own loops), and
-`LLMINFER_PREFILL=blocked|torch` (or `force_prefill`) a prefill's path.
+Which loops run is chosen once, when the kernels load, from the CPU's flags (`choose_isa`): the highest level of
+KERNEL_LEVELS the CPU has, each format's decode loops from the static table DECODE_LOOPS, and the blocked kernel for
+a prefill. Nothing is timed and nothing is kept. LLMINFER_ISA (portable, avx2, avx512, avx512_vnni, avx512_bf16,
+amx) forces a level and its own loops; LLMINFER_PREFILL (blocked, torch) or `force_prefill` a prefill's path.
 
-The source is compiled the first time it is needed (about 15 s with a C++ compiler, by torch's extension builder)
-into `LLMINFER_KERNEL_CACHE` (default `~/.cache/llminfer/kernels`). Without a compiler `available()` is False,
-`why_unavailable()` says why, and the callers keep torch's kernels; `LLMINFER_NATIVE_KERNELS=0` turns them off.
-
-The ops: `gemv(x, weight, ...)` (torch.ops.llminfer.gemv_f32/bf16/int8/int4/int4_a8: x (tokens, K), any number of
-rows, the matrix-vector loops up to MAX_TOKENS rows and the blocked kernel past them), `decode_attention` (the
-attention backend 'native'), `paged_attention`, the layer stack (`cpu.stack`) and `stream_read` (the benchmark's
-bandwidth probe). They carry fake implementations, so `torch.compile` traces through them.
+The source compiles on first use (about 15 s; torch's extension builder) into LLMINFER_KERNEL_CACHE (default
+~/.cache/llminfer/kernels). Without a compiler `available()` is False, `why_unavailable()` says why, and callers keep
+torch's kernels; LLMINFER_NATIVE_KERNELS=0 turns them off.
 """
 from __future__ import annotations
 
@@ -30,6 +24,7 @@ import os
 import shutil
 import sys
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,14 +36,13 @@ __all__ = ["available", "why_unavailable", "load", "loaded", "isa", "isa_feature
            "IsaChoice", "ISA_ENV", "KERNEL_LEVELS", "DECODE_FORMATS", "DECODE_LOOPS", "decode_loops", "gemv",
            "decode_attention", "paged_attention", "attention_backend", "prefill_path", "force_prefill",
            "blocked_prefill", "rows_bucket", "layer_products", "stream_read", "PREFILL_PATHS", "PREFILL_ENV",
-           "PREFILL_PROBE_SHAPES", "MAX_TOKENS", "SPLIT_KEYS", "tile_int4", "untile_int4", "cpu_flags",
-           "bfloat16_in_hardware", "SOURCES", "HEADERS", "cache_dir"]
+           "PREFILL_PROBE_SHAPES", "MAX_TOKENS", "SPLIT_KEYS", "tile_int4", "untile_int4", "SOURCES", "HEADERS", "cache_dir"]
 
 _HERE = Path(__file__).parent
-# the units of the one extension (the build's hash covers all of them): the portable loops, then one unit per
-# instruction set under the same names, then attention, the layers and the ops' schemas
-SOURCES = tuple(_HERE / name for name in ("cpu_matvec.cpp", "cpu_gemm.cpp", "cpu_attention.cpp", "cpu_layers.cpp",
-                                          "cpu_ops.cpp"))
+# the units of the one extension (the build's hash covers all of them): the portable reference loops, the vector
+# matrix-vector loops, the blocked kernel, attention, the layers and the ops' schemas (cpu_kernels.h lists them)
+SOURCES = tuple(_HERE / name for name in ("cpu_ref.cpp", "cpu_matvec.cpp", "cpu_gemm.cpp", "cpu_attention.cpp",
+                                          "cpu_layers.cpp", "cpu_ops.cpp"))
 HEADERS = (_HERE / "cpu_kernels.h",)
 # Products of up to this many rows of x take the matrix-vector loops; past it (a prefill, a large engine batch) the
 # blocked kernel reuses each weight many times. Compiled in (-DLLMINFER_MATVEC_MAX_ROWS), so Python and the kernels
@@ -69,7 +63,6 @@ ISA_ENV = "LLMINFER_ISA"
 KERNEL_LEVELS: dict[str, tuple[int, frozenset[str]]] = {
     "portable": (0, frozenset()),
     "avx2": (1, frozenset({"f16c"})),                                   # 8-lane float loops, maddubs W4A8
-    "avx_vnni": (16, frozenset()),                                      # W4A8 by vpdpbusd (VEX)
     "avx512": (2, frozenset({"avx512bw", "avx512vl"})),                 # 16-lane float loops
     "avx512_vnni": (4, frozenset({"avx512bw", "avx512vl"})),            # int4 and W4A8 by vpdpbusd (EVEX)
     "avx512_bf16": (8, frozenset({"avx512bw", "avx512vl"})),            # bfloat16 by vdpbf16ps
@@ -81,7 +74,8 @@ DECODE_FORMATS = ("float32", "bfloat16", "int8", "int4", "int4a8")
 # the level whose loops ran that format's decode steps fastest in the class's record (data/benchmarks/
 # decode-cpu-<class>.json, "kernels" > "matvec": each level's loops timed on SmolLM2-135M's decode steps in that
 # format, medians in seconds, docs/performance/); the widest is not the fastest everywhere (a Zen 4 runs 512-bit
-# operations as two halves). A class without a record takes the nearest row that has one.
+# operations as two halves). A class without a record takes the nearest row that has one. (AVX-VNNI's W4A8 loop won
+# on no record, Zen 5's nor the Xeon's, and is not kept: those CPUs take the avx2 or avx512_vnni ones.)
 DECODE_LOOPS: tuple[tuple[str, str, frozenset[str], dict[str, str]], ...] = (
     # decode-cpu-intel-xeon-avx512-amx.json: float32 avx512 1.475 < avx2 1.515; bfloat16 avx512_bf16 0.871 <
     # avx2 0.921 < avx512 0.946; int8 avx512 0.544 < 0.551; int4 avx512_vnni 0.315 < avx512 0.331 < avx2 0.358;
@@ -285,23 +279,10 @@ def isa_features() -> tuple[str, ...]:
     return _state["isa"].features if load() else ()
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them in /proc/cpuinfo (empty where there is no such file)."""
-    from ..device import cpu_capabilities
-
-    return cpu_capabilities().flags
-
-
-def bfloat16_in_hardware() -> bool:
-    """Whether this CPU multiplies bfloat16 itself (AVX512-BF16 or AMX), which torch's bfloat16 matmul (oneDNN)
-    then uses."""
-    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
-
-
 # A prefill (more than MAX_TOKENS rows) runs its products by the blocked kernel or by torch's matmul (after
 # dequantizing, for int8/int4 weights: what the modules do). The blocked kernel ran every format's 128-token prefill
 # of SmolLM2-135M faster on every class recorded (data/benchmarks/decode-cpu-*.json, "prefill" > "by_precision",
-# blocked_s against torch_s: AVX2 EPYC 1.5-5.5x, Zen 4 1.5-2.8x, Zen 5 1.2-3.4x, Xeon with AMX 1.6-2.8x), so it is the
+# blocked_s against torch_s: AVX2 EPYC 1.5-5.5x, Zen 4 1.5-2.8x, Zen 5 1.2-3.4x, Xeon with AMX 1.6-3.2x), so it is the
 # path wherever the vector loops run (AVX2 and above), and torch's matmul with the portable loops.
 PREFILL_PATHS = ("blocked", "torch")
 PREFILL_ENV = "LLMINFER_PREFILL"           # 'blocked' or 'torch' forces the path (for comparisons)
@@ -329,21 +310,17 @@ def prefill_path(weight_dtype: torch.dtype = torch.float32, rows: int = 128) -> 
     return forced or "blocked"
 
 
-class force_prefill:
+@contextmanager
+def force_prefill(path: str | None):
     """Context manager: every prefill takes `path` ('blocked' or 'torch'; None: the default) inside it, for a
     benchmark's comparison. Appendix A1."""
-
-    def __init__(self, path: str | None):
-        if path is not None and path not in PREFILL_PATHS:
-            raise ValueError(f"path={path!r} must be one of {PREFILL_PATHS} or None")
-        self.path = path
-
-    def __enter__(self):
-        self.before, _prefill["forced"] = _prefill["forced"], self.path
-        return self
-
-    def __exit__(self, *exc):
-        _prefill["forced"] = self.before
+    if path is not None and path not in PREFILL_PATHS:
+        raise ValueError(f"path={path!r} must be one of {PREFILL_PATHS} or None")
+    before, _prefill["forced"] = _prefill["forced"], path
+    try:
+        yield
+    finally:
+        _prefill["forced"] = before
 
 
 def blocked_prefill(weight_dtype: torch.dtype | None = None, rows: int = 128) -> bool:
@@ -353,30 +330,28 @@ def blocked_prefill(weight_dtype: torch.dtype | None = None, rows: int = 128) ->
 
 
 def layer_products(dtype: torch.dtype, rows: int, shapes=PREFILL_PROBE_SHAPES) -> tuple[dict, int]:
-    """Returns ({path: run}, FLOPs): `rows` rows of x times a random weight of dtype (float32, bfloat16, int8 codes
-    or uint8 for int4 tiles, groups of 32) for each (N, K) of shapes, by the blocked kernel and by torch's matmul on
-    the dequantized weights. x is bfloat16 for bfloat16 weights, float32 otherwise. The benchmark's matmul probe."""
+    """Returns ({path: run}, FLOPs): `rows` rows of x times a random (N, K) weight of dtype (float32, bfloat16, int8
+    codes, or uint8: int4 tiles in groups of 32) for each of shapes, by the blocked kernel ('blocked') and by torch's
+    matmul on the dequantized weight ('torch'); x bfloat16 for bfloat16 weights. The benchmark's matmul probe."""
     import torch.nn.functional as F
 
     _require()
-    x_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-    products = []
+    if dtype not in (torch.float32, torch.bfloat16, torch.int8, torch.uint8):
+        raise ValueError(f"no native product for {dtype} weights; float32, bfloat16, int8 and uint8 (int4) have one")
+    x_dtype, products = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32, []
     for seed, (N, K) in enumerate(shapes):
-        generator = torch.Generator().manual_seed(seed)
-        if dtype in (torch.float32, torch.bfloat16):
-            parts = [torch.randn(N, K, generator=generator).to(dtype)]
-            weight = parts[0]
-        elif dtype == torch.int8:
-            parts = [torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator), torch.rand(N)]
+        g = torch.Generator().manual_seed(seed)
+        parts = [torch.randn(N, K, generator=g).to(dtype)] if dtype.is_floating_point else []
+        weight = parts[0] if parts else None
+        if dtype == torch.int8:
+            parts = [torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g), torch.rand(N, generator=g)]
             weight = parts[0].float() * parts[1][:, None]
         elif dtype == torch.uint8:
-            nibbles = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=generator)
-            scale, offset = torch.rand(N, K // 32, generator=generator), torch.rand(N, K // 32, generator=generator)
+            nibbles = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
+            scale, offset = torch.rand(N, K // 32, generator=g), torch.rand(N, K // 32, generator=g)
             codes = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).reshape(N, K // 32, 32).float()
             weight = (codes * scale[..., None] + offset[..., None]).reshape(N, K)
             parts = [*tile_int4(nibbles, scale, offset), 32]
-        else:
-            raise ValueError(f"no native product for {dtype} weights; float32, bfloat16, int8 and uint8 (int4) have one")
         x = torch.randn(rows, K, generator=torch.Generator().manual_seed(100 + seed)).to(x_dtype)
         products.append((parts, weight.to(x_dtype), x))
     run = {"blocked": lambda: [gemv(x, *parts) for parts, _, x in products],
@@ -388,29 +363,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
          offset: torch.Tensor | None = None, group: int | None = None, activations: str = "float") -> torch.Tensor:
     """x (tokens, K) times the weight's transpose, by the kernel for the weight's dtype. Chapter 08.
 
-    float32 and bfloat16 weights (N, K); int8 codes (N, K) with `scale` (N,) or (N, K/group) (GGUF's Q8_0:
-    groups of 32); int4 in tiles of 8 rows (`tile_int4`: codes (N/8, K/8, 32), scale and offset (N/8, K/group, 8),
-    float32 or float16, where w = q·scale + offset). activations="int8" (int4 only, W4A8) rounds x to int8 per block
-    of 32 inputs and multiplies in integers: faster, and it changes the numbers.
-    """
+    float32 and bfloat16 weights (N, K); int8 codes (N, K) with `scale` (N,) or (N, K/group) (GGUF's Q8_0: groups of
+    32); int4 in tiles of 8 rows (`tile_int4`: codes (N/8, K/8, 32), scale and offset (N/8, K/group, 8), float32 or
+    float16, w = q·scale + offset). activations="int8" (int4 only, W4A8) rounds x to int8 per block of 32 inputs
+    and multiplies in integers: faster, and it changes the numbers."""
     _require()
     if activations not in ("float", "int8"):
         raise ValueError(f"activations={activations!r} must be 'float' or 'int8'")
     if weight.dtype == torch.uint8 and weight.dim() != 3:
         raise ValueError(f"int4 weights are read in tiles of 8 rows, got nibbles of shape {tuple(weight.shape)}; "
                          "pass tile_int4(nibbles, scale, offset)")
-    if activations == "int8":
-        if weight.dtype != torch.uint8:
-            raise ValueError(f"activations='int8' is for int4 weights (uint8 tiles), got {weight.dtype}")
-        return torch.ops.llminfer.gemv_int4_a8(x, weight, scale, offset, group)
-    if weight.dtype == torch.float32:
-        return torch.ops.llminfer.gemv_f32(x, weight)
-    if weight.dtype == torch.bfloat16:
-        return torch.ops.llminfer.gemv_bf16(x, weight)
-    if weight.dtype == torch.int8:
-        return torch.ops.llminfer.gemv_int8(x, weight, scale)
+    if activations == "int8" and weight.dtype != torch.uint8:
+        raise ValueError(f"activations='int8' is for int4 weights (uint8 tiles), got {weight.dtype}")
+    ops = torch.ops.llminfer
     if weight.dtype == torch.uint8:
-        return torch.ops.llminfer.gemv_int4(x, weight, scale, offset, group)
+        return (ops.gemv_int4_a8 if activations == "int8" else ops.gemv_int4)(x, weight, scale, offset, group)
+    if weight.dtype == torch.int8:
+        return ops.gemv_int8(x, weight, scale)
+    if weight.dtype in (torch.float32, torch.bfloat16):
+        return (ops.gemv_f32 if weight.dtype == torch.float32 else ops.gemv_bf16)(x, weight)
     raise ValueError(f"no native kernel for {weight.dtype} weights; float32, bfloat16, int8 and int4 (uint8 "
                      "tiles) have one")
 

@@ -18,8 +18,8 @@ namespace llminfer_cpu {
 // two FMA units stay busy. float32 rows of W are read in place (the checkpoint's row-major layout); the
 // other formats widen each block of 6 rows to float32 once (a few KB), which all the token tiles then
 // share. The six rows stay in L1 while the token tiles pass; long inputs are split into chunks so that a
-// chunk of packed x stays in L2, as few and as equal as that allows: a 576-input product in one chunk, not one
-// of 512 and one of 64, ran 1.07 times faster on a Zen 4 (the second chunk's tiles store and reload every output).
+// chunk of packed x stays in L2, as few and as equal as that allows (a second chunk's tiles store and reload every
+// output).
 
 constexpr int64_t kGemmTile = 16;   // tokens of one packed tile
 constexpr int64_t kGemmRowsW = 6;   // rows of W of one tile
@@ -27,8 +27,7 @@ constexpr int64_t kGemmPackedBytes = 384 << 10;  // packed x of one chunk, all t
 
 // inputs per chunk for a product of M rows and K inputs, packed x `bytes` an element: as few chunks as keep packed
 // x within kGemmPackedBytes (from 256 to 1024 float32 inputs a chunk, twice as many bfloat16 ones), of equal size, a
-// multiple of 32 (where an int4 group can start). (Sized as float32, bfloat16 x split a 128-token product of 1536
-// inputs in two chunks; in one the layer's products ran 1.03 times faster on a Zen 5, 1.015 at one thread.)
+// multiple of 32 (where an int4 group can start).
 inline int64_t gemm_chunk(int64_t M, int64_t K, int64_t tokens, int64_t bytes) {
   const int64_t padded = (M + tokens - 1) / tokens * tokens, wide = 4 / bytes;
   const int64_t limit = std::clamp<int64_t>(kGemmPackedBytes / (padded * bytes) / 32 * 32, 256 * wide, 1024 * wide);
@@ -39,11 +38,8 @@ inline int64_t gemm_chunk(int64_t M, int64_t K, int64_t tokens, int64_t bytes) {
 // Tokens per group for a product of M rows, N outputs and K inputs whose packed x needs chunks of K: where its
 // outputs (float32) outgrow kGemmPackedBytes, the chunks' partial sums no longer stay in L2 between chunks, and the
 // tokens go in groups instead, each taking every input in as few chunks as its packed x allows (W then read once a
-// group); M where they need not. Groups are as equal as whole token tiles allow. On a Xeon with AMX (2 threads,
-// alternating processes) a 512-token prefill of SmolLM2-135M ran 1.36 times as fast so in float32, 1.32 in int8,
-// 1.19 in int4 and W4A8 and 1.04 in bfloat16 (1024 tokens: float32 1.47-1.49, bfloat16 1.14-1.21). A 128-token
-// one, whose only chunked product (down, 1536 inputs) has outputs of 288 KiB, keeps its chunks: in groups of 64
-// its int8 prefill ran 0.92 times as fast, W4A8 0.95 (a quantized W is widened again for every group).
+// group); M where they need not (a quantized W is widened again for every group). Groups are as equal as whole
+// token tiles allow.
 inline int64_t gemm_token_group(int64_t M, int64_t N, int64_t K, int64_t tokens, int64_t bytes) {
   if (gemm_chunk(M, K, tokens, bytes) >= K || M * N * 4 <= kGemmPackedBytes) return M;
   const int64_t most = std::max<int64_t>(tokens, kGemmPackedBytes / (K * bytes) / tokens * tokens);
@@ -104,8 +100,7 @@ __attribute__((target("avx2,fma"))) void transpose8x8(const float* in, int64_t l
 // Where the next block's rows lie in W as stored: `spans` runs of `bytes`, `stride` apart, from p (a float or int8
 // block's rows, or the int4 tiles of 8 rows that hold them). A float tile given one fetches it into L2 a line every
 // other step, so that the next block's widening (or its first token tile, for float32 read in place) finds its rows
-// there and not in memory. On a Zen 5 (2 threads, one process taking turns, medians of 10 rounds) a 128-token
-// prefill ran 1.06-1.10 times faster in float32, 1.08 in int8 and 1.02-1.03 in int4, the same bits.
+// there and not in memory.
 struct Ahead {
   const char* p = nullptr;
   int64_t stride = 0, bytes = 0, spans = 0;
@@ -203,10 +198,8 @@ __attribute__((target("avx2,fma,f16c"))) void widen_rows(const Weight& W, int64_
 // rows n .. n + r - 1 (r <= 6) of int4 tiles of 8 rows, inputs [k0, k0 + kc), as float32 into out (row i at
 // out + i·kc), 16 inputs a step: one 64-byte load holds two chunks of 8 inputs of all 8 rows of the tile, a permute
 // puts this row's word of each in 8 lanes, a variable shift its nibbles. The same floats as widen_rows (q·s + z by
-// one FMA) in about a third of its instructions: widening an int4 block, 16 % of a 128-token prefill's samples on a
-// Zen 5, was bound by them (a broadcast, shift, mask, conversion, FMA and store a word, and float16 terms converted by
-// plain code). The prefill ran 1.055 times faster (2 threads, 10 rounds taking turns), the same bits. Chunks start
-// and end on a multiple of 32 inputs (a group is a multiple of 32).
+// one FMA) in about a third of its instructions. Chunks start and end on a multiple of 32 inputs (a group is a
+// multiple of 32).
 __attribute__((target("avx2,fma,f16c,avx512f"))) void widen_int4_tiles_avx512(const Weight& W, int64_t n, int64_t r,
                                                                             int64_t k0, int64_t kc, float* out) {
   const int64_t K = W.K, G = K / W.group;
@@ -264,18 +257,13 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) inline void store_tile_x32(const _
 }
 
 // y (rows <= 16·V tokens, R outputs, rows `ldy` apart) (+)= packed x[0..kc)[0..16·V) · W[0..R)[0..kc)ᵀ, W rows `ldw`
-// floats apart: R·V accumulators, each broadcast of W multiplied into V registers of x. On a Xeon with AVX-512 (2
-// threads, the tiles taking turns in one process, a layer's 128-row products) 6 rows by 64 tokens ran 1.11 times as
-// fast as the 6 by 32 it replaces in float32 (1.14 at one thread), 1.14 in int8 and 1.11 in int4; 12 by 32 (the
-// same 24 accumulators, more broadcasts) 1.06, 8 by 48 1.03.
+// floats apart: R·V accumulators, each broadcast of W multiplied into V registers of x.
 template <int R, int V>
 __attribute__((target(LLMINFER_GEMM_AVX512))) void gemm_tile_avx512(const float* w, int64_t ldw, const float* xp,
                                                                      int64_t kc, float* y, int64_t ldy, int64_t rows,
                                                                      bool accumulate, const Ahead& next) {
   static_assert(V % 2 == 0 && R * V + V < 32);       // accumulators, x and a broadcast in the 32 registers
-  Ahead ahead = next;                                 // (copied here: passed by value, the caller's copy of the
-                                                      // 48 bytes onto the stack stalled each call on its own stores:
-                                                      // a 128-token float32 prefill 1.03 times as long on the Xeon)
+  Ahead ahead = next;                                 // (a copy: passed by value, the caller's stores stalled)
   __m512 a[V][R];
 #pragma GCC unroll 16
   for (int v = 0; v < V; ++v)
@@ -305,7 +293,7 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) void gemm_tile_avx512(const float*
 // 24 accumulators, so each pair of x registers loaded serves 24 vdpbf16ps. `next`, where not null: the same inputs of
 // the next block of R rows, fetched into L1 a line of each row every 16 steps, as far ahead as this tile reads. The
 // driver passes it on a block's first token tile, so that the next block's first tile finds its rows in L1 and not
-// in memory (on a Zen 5 the layer's products ran 1.19 times faster on one thread, 1.04 on two).
+// in memory.
 template <int R>
 __attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) void gemm_tile_x32_bf16dp(
     const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t kc, float* y, int64_t ldy, int64_t rows,
@@ -349,8 +337,7 @@ struct GatedOut {
 
 // The AMX tile configuration the tile below runs under: 8 tiles of 16 rows of 64 bytes. It is the thread's, and
 // torch's oneDNN sets its own on the same threads, so a thread loads it before its share of a product's tiles and
-// releases the tiles after (`TileAMX::begin`, `end`). Loaded on every call instead, a 128-token bfloat16 prefill
-// took 1.16 times as long on a Xeon with AMX (2 threads, alternating processes).
+// releases the tiles after (`TileAMX::begin`, `end`), not on every call.
 // (a constant: as a local filled in before ldtilecfg, GCC dropped the stores it did not see the instruction read)
 struct alignas(64) AmxConfig {
   uint8_t palette, start_row, reserved[14];
@@ -370,9 +357,7 @@ __attribute__((target(LLMINFER_GEMM_AVX512 ",amx-tile,amx-bf16"))) void amx_end(
 // configuration. The C tiles hold (row, token); each is transposed in registers and stored a token at a time (y,
 // rows `ldy` apart). With `gate`, the first 16 rows are gate rows and the other 16 their up rows (`upper` = the MLP's
 // width): SwiGLU of each pair of C tiles, elementwise as they lie, then one transpose, into gate->act (rows `ldy`
-// apart); gate's and up's outputs are never stored, and half the transposes go. On a Xeon with AMX a 128-token
-// bfloat16 prefill ran 1.05-1.07 times as fast as with the product and SwiGLU apart (2 threads, paired in one
-// process), the same bits.
+// apart); gate's and up's outputs are never stored, and half the transposes go.
 __attribute__((target(LLMINFER_GEMM_AVX512 ",amx-tile,amx-bf16"))) void gemm_tile_x32_amx(
     const uint16_t* w, int64_t ldw, int64_t upper, const uint16_t* xp, int64_t kc, float* y, int64_t ldy,
     int64_t rows, bool accumulate, const GatedOut* gate) {
@@ -588,8 +573,8 @@ struct AlignedBuffer {
 };
 
 // The calling thread's buffer for packed x, kept between products up to kScratchBytes: a prefill's products each
-// packed into fresh pages, which the kernel then zeroed at the first touch (on a Zen 5 page clearing took 4 % of a
-// bfloat16 prefill). Larger ones (long prompts) are allocated per product.
+// packed into fresh pages, which the kernel then zeroed at the first touch. Larger ones (long prompts) are allocated
+// per product.
 constexpr size_t kScratchBytes = size_t(16) << 20;
 
 struct PackedX {
@@ -644,12 +629,10 @@ bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y, const Ga
   if (amx_gate && !(in_place && N % 2 == 0 && hidden % 16 == 0 && chunk >= K)) return false;
   const int64_t blocks = amx_gate ? hidden / 16 : (N + RW - 1) / RW;   // the last may hold fewer than RW rows
   // the bfloat16 tile, in one chunk, stores into a thread's panel (4 blocks of outputs, each token's 16 floats apart)
-  // that panel_out then writes to y; stored straight into y, 12 floats a token at a time, the layer's products ran
-  // 0.98 times as fast (Zen 5, 2 threads)
+  // that panel_out then writes to y (rather than 12 floats a token at a time straight into y)
   const bool panels = kBF16 && RW == 12 && TT == 32 && chunk >= K;
   // SwiGLU from the panels: a group of 4 blocks is 24 gate rows and the same 24 up rows, so that the gate's and up's
-  // outputs (1.5 MB a layer at 128 tokens) are never written and read back (on a Zen 5 a 128-token bfloat16 prefill
-  // ran 1.05 times faster at 2 threads, 1.06 at 1, the same bits)
+  // outputs (1.5 MB a layer at 128 tokens) are never written and read back
   if (gate && !amx_gate && !(panels && in_place && N % (4 * RW) == 0)) return false;
   // block b's first row of W: the next RW rows, or with `gate` gate's or up's rows of the group b / 4
   const auto first_row = [&](int64_t b) {

@@ -1,6 +1,7 @@
 // Shared by the native CPU kernels, one torch extension built from several units by job. Chapter 08.
 //
-//   cpu_matvec.cpp     y = x · Wᵀ for a few rows of x: the matrix-vector loops, and the dispatch by rows
+//   cpu_ref.cpp        the portable reference of each product loop (plain C++, any CPU)
+//   cpu_matvec.cpp     y = x · Wᵀ for a few rows of x: the vector matrix-vector loops, and the dispatch by rows
 //   cpu_gemm.cpp       the blocked matrix multiply for many rows of x (a prefill, a large batch)
 //   cpu_attention.cpp  decode attention against a K/V cache read in place
 //   cpu_layers.cpp     a prepared layer stack, one call a step over contiguous or paged K/V
@@ -76,7 +77,6 @@ enum Feature : int64_t {
   kAVX512 = 2,        // AVX-512 F/BW/VL: 16-lane float loops
   kAVX512VNNI = 4,    // vpdpbusd (AVX512-VNNI + VL; 512-bit for int4 tiles): int8 dot products in one instruction
   kAVX512BF16 = 8,    // vdpbf16ps: bfloat16 pairs multiplied and added into float32
-  kAVXVNNI = 16,      // AVX-VNNI: vpdpbusd with the VEX encoding (CPUs without AVX-512 have it too)
   kAMXBF16 = 32,      // AMX tiles with AMX-BF16: a prefill's bfloat16 products by tdpbf16ps (the OS must grant the
                       // tile state: arch_prctl(ARCH_REQ_XCOMP_PERM), asked once when the CPU is read)
 };
@@ -153,6 +153,24 @@ __attribute__((target(LLMINFER_AVX512))) inline __m512 wload16(const void* w, in
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
   }
 }
+
+// The vector width a loop is written over, once, as a macro of (V, target): V8 is AVX2 + FMA (8 floats a register),
+// V16 AVX-512 (16), the same operations under the same names
+#define LLMINFER_VEC(NAME, F, LANES, TARGET, SFX, HSUM, WLOAD)                                                 \
+  struct NAME {                                                                                               \
+    using Vec = F;                                                                                            \
+    static constexpr int64_t kLanes = LANES;                                                                  \
+    __attribute__((target(TARGET))) static F zero() { return _mm##SFX##_setzero_ps(); }                        \
+    __attribute__((target(TARGET))) static F load(const float* p) { return _mm##SFX##_loadu_ps(p); }           \
+    __attribute__((target(TARGET))) static F add(F a, F b) { return _mm##SFX##_add_ps(a, b); }                 \
+    __attribute__((target(TARGET))) static F fmadd(F a, F b, F c) { return _mm##SFX##_fmadd_ps(a, b, c); }     \
+    __attribute__((target(TARGET))) static float hsum(F v) { return HSUM(v); }                                 \
+    template <WKind kind>                                                                                     \
+    __attribute__((target(TARGET))) static F wload(const void* w, int64_t i) { return WLOAD<kind>(w, i); }     \
+  };
+LLMINFER_VEC(V8, __m256, 8, "avx2,fma", 256, llminfer_cpu::hsum, wload8)
+LLMINFER_VEC(V16, __m512, 16, LLMINFER_AVX512, 512, llminfer_cpu::hsum16, wload16)
+#undef LLMINFER_VEC
 
 // the 64-bit lanes of a and b interleaved: the low ones of each 128-bit lane (pd_lo), or the high ones (pd_hi)
 __attribute__((target(LLMINFER_AVX512))) inline __m512 pd_lo(__m512 a, __m512 b) {
@@ -336,6 +354,15 @@ void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y);
 // chunk of inputs, N / 2 a multiple of 24); false, nothing computed, otherwise
 bool gemm_blocked_gated(const float* x, int64_t M, const Weight& W, bool bf16, float* act);
 #endif
+
+// The portable reference of each product loop (cpu_ref.cpp), what the vector loops compute faster
+namespace ref {
+void dense_rows(const Weight& W, const float* x, int64_t M, float* y, int64_t n0, int64_t n1);
+void int4_tiles(const Weight& W, const float* x, const float* xsum, int64_t M, float* y, int64_t t0, int64_t t1);
+void int4_tiles_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+                   Terms terms, int64_t group, float* y, int64_t N, int64_t t0, int64_t t1);
+void quantize_x_blocks(const float* x, int64_t n_blocks, int8_t* xq, float* dx);
+}  // namespace ref
 
 // x as contiguous float32
 std::vector<float> x_as_float(const at::Tensor& x);

@@ -1,26 +1,23 @@
-// Matrix-vector kernels for decode on a CPU: y = x · Wᵀ for a few rows of x and a weight W held as
-// float32, bfloat16, int8 (one scale per output channel) or int4 (a scale and zero point per group of
-// inputs). Chapter 08.
+// Matrix-vector kernels for decode on a CPU: y = x · Wᵀ for a few rows of x and a weight W held as float32,
+// bfloat16, int8 (a scale per output channel or per group of inputs) or int4 (a scale and offset per group of inputs,
+// in tiles of 8 rows). Chapter 08.
 //
-// A decode step multiplies one activation vector by every weight matrix, so its speed is how fast the
-// weights stream from memory. These loops read each weight row once, in order, four rows at a time
-// (four streams for the prefetchers), widen the weights to float32 in registers and multiply-add them
-// into float32 accumulators. float32, bfloat16 and int8 are read in the checkpoint's own row-major layout.
-// int4 is read either row-major (two codes a byte, the even input in the low nibble) or, as the quantized
-// layers keep it, in tiles of 8 rows (one 32-bit word a row for 8 inputs, 8 rows side by side), where one
-// AND and one conversion per 8 codes serve 8 rows at once. x stays in cache for the whole matrix.
-// With many rows of x, `linear_rows` hands the product to the blocked kernel (cpu_gemm.cpp).
+// A decode step multiplies one activation vector by every weight matrix, so its speed is how fast the weights stream
+// from memory. These loops read each weight row once, in order, four rows at a time (four streams for the
+// prefetchers), widen the weights to float32 in registers and multiply-add them into float32 accumulators. float32,
+// bfloat16 and int8 are read in the checkpoint's row-major layout; int4 in tiles of 8 rows (one 32-bit word a row for
+// 8 inputs, 8 rows side by side), where one AND and one conversion per 8 codes serve 8 rows at once. x stays in cache
+// for the whole matrix. With many rows of x, `linear_rows` hands the product to the blocked kernel (cpu_gemm.cpp).
+// cpu_ref.cpp holds the portable reference of each loop.
 //
-// Each loop exists for several instruction sets, each compiled with its own target attribute (the file is
-// built without -march, so it loads on any x86 CPU). Which ones may run is set once per process (`features()`,
-// by llminfer/cpu/__init__.py from the CPU's flags or LLMINFER_ISA); which of them a weight format's decode loops
-// use is timed at load (`matvec_features(kind)`), since the widest is not the fastest on every CPU:
-//   portable     plain loops (the compiler vectorises them), on any CPU
-//   AVX2 + FMA   8 floats a register; int4 codes widened 8 at a time (tiles: isolated in place, 8 rows a
-//                register); W4A8 by maddubs + madd
-//   AVX-512      16 floats a register (float32, int8, int4); bfloat16 32 weights a load, the even ones by a
-//                shift and the odd by an AND
-//   VNNI         W4A8 by one vpdpbusd (AVX-VNNI; AVX512-VNNI on 512-bit registers for tiles, 256-bit for rows)
+// Each loop exists for several instruction sets, each compiled with its own target attribute (the file is built
+// without -march, so it loads on any x86 CPU). Which may run is set once per process (`features()`, from the CPU's
+// flags or LLMINFER_ISA), and which of them each format's decode loops use by the static table in
+// llminfer/cpu/__init__.py (`matvec_features(kind)`):
+//   AVX2 + FMA   8 floats a register; int4 codes isolated in place, 8 rows a register; W4A8 by maddubs + madd
+//   AVX-512      16 floats a register (float32, int8, int4); bfloat16 32 weights a load, the even ones by a shift and
+//                the odd by an AND
+//   AVX512-VNNI  int4 (x as three int8 planes) and W4A8 by vpdpbusd on 512-bit registers
 //   AVX512-BF16  bfloat16 weights by vdpbf16ps, where x is bfloat16 already (a bfloat16 model's activations)
 
 #ifdef __linux__
@@ -67,7 +64,6 @@ int64_t cpu_supported() {
     bits |= kAVX512;
   if ((bits & kAVX512) && __builtin_cpu_supports("avx512vnni")) bits |= kAVX512VNNI;
   if ((bits & kAVX512) && __builtin_cpu_supports("avx512bf16")) bits |= kAVX512BF16;
-  if ((bits & kAVX2) && __builtin_cpu_supports("avxvnni")) bits |= kAVXVNNI;
   if ((bits & kAVX512BF16) && amx_bf16_granted()) bits |= kAMXBF16;
 #endif
   return bits;
@@ -115,112 +111,67 @@ int64_t matvec_kind(const Weight& W) {
 }
 }  // namespace
 
-// ---------------------------------------------------------------------------------------------------
-// portable loops
-
-// rows [n0, n1) of y (M, N) for one of the three dense-row formats; w is (N, K) row-major; scale (N, K/group)
-template <WKind kind>
-void rows_portable(const float* x, int64_t M, int64_t K, const void* w, const float* scale, int64_t group,
-                   float* y, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t G = scale ? K / group : 1, width = scale ? group : K;
-  for (int64_t n = n0; n < n1; ++n) {
+// rows [n0, n1) of y (M, N) for the dense-row formats by `Dot`: Dot<4> takes four rows of W at a time against one
+// row of xp (rows of x as Dot reads them) while the next four, contiguous after them (`ahead`), are prefetched at
+// the same pace (the hardware prefetcher alone ramps up too slowly on rows a few KB long); Dot<1> the rest. An int8
+// weight with one scale a row has it applied here.
+template <typename X, void (*Dot4)(const X*, const Weight&, int64_t, float*, const char*),
+          void (*Dot1)(const X*, const Weight&, int64_t, float*, const char*)>
+void rows_by(const X* xp, int64_t M, const Weight& W, float* y, int64_t n0, int64_t n1) {
+  const int64_t K = W.K, N = W.N;
+  const int64_t row_bytes = K * (W.format == Weight::F32 ? 4 : W.format == Weight::BF16 ? 2 : 1);
+  const float* row_scale = W.format == Weight::I8 && W.group == K ? W.scale : nullptr;
+  float out[4];
+  for (int64_t n = n0; n < n1;) {
+    const int R = n + 4 <= n1 ? 4 : 1;
+    const char* ahead = R == 4 && n + 8 <= n1 ? static_cast<const char*>(W.w) + (n + 4) * row_bytes : nullptr;
     for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      float total = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t k = g * width;
-        const int64_t end = (g + 1) * width;
-        for (; k + 8 <= end; k += 8)
-          for (int j = 0; j < 8; ++j) acc[j] += xm[k + j] * weight_at<kind>(w, n * K + k + j);
-        float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        for (; k < end; ++k) sum += xm[k] * weight_at<kind>(w, n * K + k);
-        total += scale ? sum * scale[n * G + g] : sum;
-      }
-      y[m * N + n] = total;
+      (R == 4 ? Dot4 : Dot1)(xp + m * K, W, n, out, m == 0 ? ahead : nullptr);
+      for (int r = 0; r < R; ++r) y[m * N + n + r] = row_scale ? out[r] * row_scale[n + r] : out[r];
     }
+    n += R;
   }
 }
 
-// ---------------------------------------------------------------------------------------------------
-// AVX2 + FMA
 #ifdef LLMINFER_X86
-// While R rows are read, the next R rows (contiguous after them, `ahead`) are prefetched at the same
-// pace, one block ahead: the hardware prefetcher alone ramps up too slowly on rows a few KB long.
-template <WKind kind, int R>
-__attribute__((target("avx2,fma"))) void dot_rows_avx2(const float* x, int64_t K, const void* w, int64_t n,
-                                                        float* out, const char* ahead) {
-  __m256 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  constexpr int64_t step_bytes = 16 * wbytes<kind>() * R;        // bytes of the block read per step
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    if (ahead) {
-      for (int64_t line = 0; line < step_bytes; line += 64)
-        _mm_prefetch(ahead + k * wbytes<kind>() * R + line, _MM_HINT_T0);
-    }
-    __m256 x0 = load8(x + k), x1 = load8(x + k + 8);
-    for (int r = 0; r < R; ++r) {
-      a0[r] = _mm256_fmadd_ps(wload8<kind>(w, (n + r) * K + k), x0, a0[r]);
-      a1[r] = _mm256_fmadd_ps(wload8<kind>(w, (n + r) * K + k + 8), x1, a1[r]);
-    }
+// R rows of a float32, bfloat16 or int8 weight against x, written once over the vector width V (V8: AVX2 + FMA,
+// 8 floats a register; V16: AVX-512, 16): two chains a row, 2·V::kLanes inputs a step, the weights widened to float32
+// in registers (bfloat16 on 512-bit registers takes bf16_rows_avx512 instead)
+#define LLMINFER_DOT_ROWS(NAME, V, TARGET)                                                                      \
+  template <WKind kind, int R>                                                                                  \
+  __attribute__((target(TARGET))) void NAME(const float* x, const Weight& W, int64_t n, float* out,            \
+                                            const char* ahead) {                                               \
+    constexpr int64_t L = V::kLanes, step_bytes = 2 * L * wbytes<kind>() * R;                                  \
+    const int64_t K = W.K;                                                                                     \
+    typename V::Vec a0[R], a1[R];                                                                              \
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = V::zero();                                                     \
+    int64_t k = 0;                                                                                             \
+    for (; k + 2 * L <= K; k += 2 * L) {                                                                       \
+      if (ahead)                                                                                               \
+        for (int64_t line = 0; line < step_bytes; line += 64)                                                  \
+          _mm_prefetch(ahead + k * wbytes<kind>() * R + line, _MM_HINT_T0);                                    \
+      const typename V::Vec x0 = V::load(x + k), x1 = V::load(x + k + L);                                  \
+      for (int r = 0; r < R; ++r) {                                                                            \
+        a0[r] = V::fmadd(V::template wload<kind>(W.w, (n + r) * K + k), x0, a0[r]);                            \
+        a1[r] = V::fmadd(V::template wload<kind>(W.w, (n + r) * K + k + L), x1, a1[r]);                        \
+      }                                                                                                        \
+    }                                                                                                          \
+    for (int r = 0; r < R; ++r) {                                                                              \
+      float s = V::hsum(V::add(a0[r], a1[r]));                                                                 \
+      for (int64_t j = k; j < K; ++j) s += x[j] * weight_at<kind>(W.w, (n + r) * K + j);                       \
+      out[r] = s;                                                                                              \
+    }                                                                                                          \
   }
-  for (int r = 0; r < R; ++r) {
-    float s = hsum(_mm256_add_ps(a0[r], a1[r]));
-    for (int64_t j = k; j < K; ++j) s += x[j] * weight_at<kind>(w, (n + r) * K + j);
-    out[r] = s;
-  }
-}
-
-template <WKind kind>
-__attribute__((target("avx2,fma"))) void rows_avx2(const float* x, int64_t M, int64_t K, const void* w,
-                                                    const float* scale, float* y, int64_t N, int64_t n0,
-                                                    int64_t n1) {
-  float out[4];
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const char* ahead = n + 8 <= n1 ? static_cast<const char*>(w) + (n + 4) * K * wbytes<kind>() : nullptr;
-    for (int64_t m = 0; m < M; ++m) {
-      dot_rows_avx2<kind, 4>(x + m * K, K, w, n, out, m == 0 ? ahead : nullptr);
-      for (int r = 0; r < 4; ++r) y[m * N + n + r] = scale ? out[r] * scale[n + r] : out[r];
-    }
-  }
-  for (; n < n1; ++n) {
-    for (int64_t m = 0; m < M; ++m) {
-      dot_rows_avx2<kind, 1>(x + m * K, K, w, n, out, nullptr);
-      y[m * N + n] = scale ? out[0] * scale[n] : out[0];
-    }
-  }
-}
-
-// rows [n0, n1) of y (M, N) for bfloat16 weights by `Rows4` (4 rows at a time, the next 4 prefetched alongside) and
-// `Rows1`, against xp, rows of x as those loops read them (float32 in the split loop's order, or bfloat16)
-template <typename X, void (*Rows4)(const X*, int64_t, const uint16_t*, int64_t, float*, const char*),
-          void (*Rows1)(const X*, int64_t, const uint16_t*, int64_t, float*, const char*)>
-void rows_bf16(const X* xp, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
-  float out[4];
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const char* ahead = n + 8 <= n1 ? reinterpret_cast<const char*>(w + (n + 4) * K) : nullptr;
-    for (int64_t m = 0; m < M; ++m) {
-      Rows4(xp + m * K, K, w, n, out, m == 0 ? ahead : nullptr);
-      std::memcpy(y + m * N + n, out, 4 * sizeof(float));
-    }
-  }
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      Rows1(xp + m * K, K, w, n, out, nullptr);
-      y[m * N + n] = out[0];
-    }
-}
+LLMINFER_DOT_ROWS(dot_rows_avx2, V8, "avx2,fma")
+LLMINFER_DOT_ROWS(dot_rows_avx512, V16, LLMINFER_AVX512)
+#undef LLMINFER_DOT_ROWS
 
 // int8 with a scale per group of inputs (GGUF's Q8_0: groups of 32), R rows: per group q·x in two vector
 // chains, scaled into the row's accumulator by one FMA
 template <int R>
-__attribute__((target("avx2,fma"))) void int8g_rows_avx2(const float* x, int64_t K, const int8_t* w,
-                                                          const float* scale, int64_t group, int64_t n,
-                                                          float* out, const char* ahead) {
-  const int64_t G = K / group;
+__attribute__((target("avx2,fma"))) void int8g_rows_avx2(const float* x, const Weight& W, int64_t n, float* out,
+                                                          const char* ahead) {
+  const int64_t K = W.K, group = W.group, G = K / group;
   __m256 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -230,35 +181,16 @@ __attribute__((target("avx2,fma"))) void int8g_rows_avx2(const float* x, int64_t
       if (ahead && k % 64 == 0) {
         for (int64_t line = 0; line < 64 * R; line += 64) _mm_prefetch(ahead + k * R + line, _MM_HINT_T0);
       }
-      const __m256 x0 = load8(x + k), x1 = load8(x + k + 8);
+      const __m256 x0 = V8::load(x + k), x1 = V8::load(x + k + 8);
       for (int r = 0; r < R; ++r) {
-        a0[r] = _mm256_fmadd_ps(wload8<WKind::I8>(w, (n + r) * K + k), x0, a0[r]);
-        a1[r] = _mm256_fmadd_ps(wload8<WKind::I8>(w, (n + r) * K + k + 8), x1, a1[r]);
+        a0[r] = _mm256_fmadd_ps(V8::wload<WKind::I8>(W.w, (n + r) * K + k), x0, a0[r]);
+        a1[r] = _mm256_fmadd_ps(V8::wload<WKind::I8>(W.w, (n + r) * K + k + 8), x1, a1[r]);
       }
     }
     for (int r = 0; r < R; ++r)
-      total[r] = _mm256_fmadd_ps(_mm256_add_ps(a0[r], a1[r]), _mm256_set1_ps(scale[(n + r) * G + g]), total[r]);
+      total[r] = _mm256_fmadd_ps(_mm256_add_ps(a0[r], a1[r]), _mm256_set1_ps(W.scale[(n + r) * G + g]), total[r]);
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(total[r]);
-}
-
-__attribute__((target("avx2,fma"))) void rows_int8g_avx2(const float* x, int64_t M, int64_t K, const int8_t* w,
-                                                          const float* scale, int64_t group, float* y, int64_t N,
-                                                          int64_t n0, int64_t n1) {
-  float out[4];
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const char* ahead = n + 8 <= n1 ? reinterpret_cast<const char*>(w + (n + 4) * K) : nullptr;
-    for (int64_t m = 0; m < M; ++m) {
-      int8g_rows_avx2<4>(x + m * K, K, w, scale, group, n, out, m == 0 ? ahead : nullptr);
-      for (int r = 0; r < 4; ++r) y[m * N + n + r] = out[r];
-    }
-  }
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      int8g_rows_avx2<1>(x + m * K, K, w, scale, group, n, out, nullptr);
-      y[m * N + n] = out[0];
-    }
+  for (int r = 0; r < R; ++r) out[r] = V8::hsum(total[r]);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -296,30 +228,6 @@ Int4TX int4t_x(const float* x, int64_t M, int64_t K, int64_t group, bool placed)
       out.xsum[m * G + g] = sum;
     }
   return out;
-}
-
-// code of row n, input k in the tiled layout
-inline int tiled_code(const uint8_t* w, int64_t K, int64_t n, int64_t k) {
-  const uint8_t byte = w[((n / 8) * (K / 8) + k / 8) * 32 + (n % 8) * 4 + (k % 8) / 2];
-  return k % 2 ? byte >> 4 : byte & 0xF;
-}
-
-// tiles [t0, t1) of y (M, N), plain loops
-void rows_int4t_portable(const float* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w, Terms terms,
-                         int64_t group, float* y, int64_t N, int64_t t0, int64_t t1) {
-  const int64_t G = K / group;
-  for (int64_t n = t0 * 8; n < t1 * 8; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      float total = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        float sum = 0.f;
-        for (int64_t k = g * group; k < (g + 1) * group; ++k)
-          sum += static_cast<float>(tiled_code(w, K, n, k)) * x[m * K + k];
-        const int64_t at = ((n / 8) * G + g) * 8 + n % 8;
-        total += sum * term_at(terms.scale, terms.half, at) + term_at(terms.offset, terms.half, at) * xsum[m * G + g];
-      }
-      y[m * N + n] = total;
-    }
 }
 
 #ifdef LLMINFER_X86
@@ -474,73 +382,40 @@ __attribute__((target("avx2"))) void int4t_spread(const int8_t* xq, int64_t K, i
 // W4A8 on the tiled layout, one tile for one row of x. xq holds each chunk of 8 inputs as its 4 even then its 4
 // odd ones (int8; x ≈ xq·dx, one dx a block of 32). A word's low nibbles (AND 0x0F0F0F0F) are a row's 4 even
 // codes as bytes, its high ones (shift, AND) the 4 odd: against the chunk's even and odd bytes broadcast to every
-// lane, `DOT` (maddubs summed in int16 over the block, then one madd with ones, on AVX2; vpdpbusd into int32 with
-// VNNI) gives each of the 8 rows its block sum. Then one conversion and one FMA by dx, and per group one FMA by the
-// 8 rows' scales.
-//   Planes = 3 (int4 with float x, `int4_x_digits`): x = (a·2^16 + b·2^8 + c)·dx, three int8 planes of K bytes one
-//     after the other, each in the order above; the nibbles, isolated once, meet each plane (six byte products a
-//     chunk, against eight conversions and eight FMAs in the float loop), and 65536·A + (256·B + C) is formed in
-//     float32 from two exact conversions: one rounding, as an FMA's. The int16 pair sums stay exact: at most
-//     2·15·128 a maddubs, 8 of them a block.
-#define LLMINFER_INT4T_A8(NAME, TARGET, DOT, FINISH)                                                             \
-  template <int Planes>                                                                                        \
-  __attribute__((target(TARGET))) void NAME(const int8_t* xq, const float* dx, const float* xsum, int64_t K,   \
-                                            const uint8_t* w, Terms terms, int64_t group, int64_t tile,        \
-                                            float* out) {                                                      \
-    static_assert(Planes == 1 || Planes == 3, "one plane (W4A8) or three (float x)");                          \
-    const int64_t G = K / group;                                                                               \
-    const __m256i low = _mm256_set1_epi8(0x0F);                                                                \
-    const __m256i ones = _mm256_set1_epi16(1);                                                                 \
-    const __m256 place = _mm256_set1_ps(65536.f);                                                              \
-    (void)ones;                                                                                                \
-    (void)place;                                                                                               \
-    const uint8_t* codes = w + tile * (K / 8) * 32;                                                            \
-    const int64_t ahead = (K / 8) * 32;                   /* bytes from a tile to the next */                  \
-    __m256 total = _mm256_setzero_ps(), off = _mm256_setzero_ps();                                             \
-    for (int64_t g = 0; g < G; ++g) {                                                                          \
-      __m256 acc = _mm256_setzero_ps();                                                                        \
-      prefetch_terms(terms, ((tile + 1) * G + g) * 8);                                                         \
-      for (int64_t b = g * group; b < (g + 1) * group; b += 32) {                                              \
-        __m256i sum[Planes];                                                                                   \
-        for (int p = 0; p < Planes; ++p) sum[p] = _mm256_setzero_si256();                                      \
-        for (int64_t k = b; k < b + 32; k += 8) {                                                              \
-          if (k % 16 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + ahead + k * 4), _MM_HINT_T0);    \
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * 4));               \
-          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);    \
-          for (int p = 0; p < Planes; ++p) {                                                                   \
-            int32_t even, odd;                                                                                 \
-            std::memcpy(&even, xq + p * K + k, 4);                                                             \
-            std::memcpy(&odd, xq + p * K + k + 4, 4);                                                          \
-            sum[p] = DOT(DOT(sum[p], lo, _mm256_set1_epi32(even)), hi, _mm256_set1_epi32(odd));                \
-          }                                                                                                    \
-        }                                                                                                      \
-        __m256 dot;                                                                                            \
-        if constexpr (Planes == 1) {                                                                           \
-          dot = _mm256_cvtepi32_ps(FINISH(sum[0]));                                                            \
-        } else {                                                                                               \
-          const __m256i rest = _mm256_add_epi32(_mm256_slli_epi32(FINISH(sum[1]), 8), FINISH(sum[2]));         \
-          dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(FINISH(sum[0])), place, _mm256_cvtepi32_ps(rest));          \
-        }                                                                                                      \
-        acc = _mm256_fmadd_ps(dot, _mm256_set1_ps(dx[b / 32]), acc);                                           \
-      }                                                                                                        \
-      const int64_t at = (tile * G + g) * 8;                                                                   \
-      total = _mm256_fmadd_ps(acc, terms8(terms.scale, terms.half, at), total);                                \
-      off = _mm256_fmadd_ps(terms8(terms.offset, terms.half, at), _mm256_broadcast_ss(xsum + g), off);         \
-    }                                                                                                          \
-    _mm256_storeu_ps(out, _mm256_add_ps(total, off));                                                          \
+// lane, maddubs sums the byte products in pairs to int16 (at most 2·15·128 each, 8 of them a block: 30720 fits),
+// and one madd with ones sums the block's pairs to int32 for each of the 8 rows. Then one conversion and one FMA by
+// dx, and per group one FMA by the 8 rows' scales.
+__attribute__((target("avx2,fma,f16c"))) void int4t_a8_avx2(const int8_t* xq, const float* dx, const float* xsum,
+                                                            int64_t K, const uint8_t* w, Terms terms, int64_t group,
+                                                            int64_t tile, float* out) {
+  const int64_t G = K / group;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const uint8_t* codes = w + tile * (K / 8) * 32;
+  const int64_t ahead = (K / 8) * 32;                   // bytes from a tile to the next
+  __m256 total = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 acc = _mm256_setzero_ps();
+    prefetch_terms(terms, ((tile + 1) * G + g) * 8);
+    for (int64_t b = g * group; b < (g + 1) * group; b += 32) {
+      __m256i sum = _mm256_setzero_si256();
+      for (int64_t k = b; k < b + 32; k += 8) {
+        if (k % 16 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + ahead + k * 4), _MM_HINT_T0);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * 4));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        int32_t even, odd;
+        std::memcpy(&even, xq + k, 4);
+        std::memcpy(&odd, xq + k + 4, 4);
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(even)));
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(odd)));
+      }
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones)), _mm256_set1_ps(dx[b / 32]), acc);
+    }
+    const int64_t at = (tile * G + g) * 8;
+    total = _mm256_fmadd_ps(acc, terms8(terms.scale, terms.half, at), total);
+    off = _mm256_fmadd_ps(terms8(terms.offset, terms.half, at), _mm256_broadcast_ss(xsum + g), off);
   }
-
-// AVX2: byte products summed in pairs to int16 (at most 2·15·128 each, 8 of them a block: 30720 fits), the
-// block's int16 pairs summed to int32 once
-#define LLMINFER_MADDUBS(S, Q, X) _mm256_add_epi16(S, _mm256_maddubs_epi16(Q, X))
-#define LLMINFER_PAIRS(S) _mm256_madd_epi16(S, ones)
-#define LLMINFER_AS_IS(S) (S)
-LLMINFER_INT4T_A8(int4t_a8_avx2, "avx2,fma,f16c", LLMINFER_MADDUBS, LLMINFER_PAIRS)
-LLMINFER_INT4T_A8(int4t_a8_avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32, LLMINFER_AS_IS)
-#undef LLMINFER_MADDUBS
-#undef LLMINFER_PAIRS
-#undef LLMINFER_AS_IS
-#undef LLMINFER_INT4T_A8
+  _mm256_storeu_ps(out, _mm256_add_ps(total, off));
+}
 
 // int8 dot products on 512-bit registers (AVX512-VNNI), for W4A8 and for int4 with float x. One 64-byte load
 // brings two chunks of a tile, as in the weight-only loop above. The x bytes each half multiplies are laid out once
@@ -620,79 +495,8 @@ void rows_int4t_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t
 }
 #endif
 
-// W4A8 on the tiled layout, plain loops (xq in the chunk order above)
-void rows_int4t_a8_portable(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K,
-                            const uint8_t* w, Terms terms, int64_t group, float* y, int64_t N, int64_t t0,
-                            int64_t t1) {
-  const int64_t G = K / group, B = K / 32;
-  for (int64_t n = t0 * 8; n < t1 * 8; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      float total = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        float acc = 0.f;
-        for (int64_t b = g * group; b < (g + 1) * group; b += 32) {
-          int32_t dot = 0;
-          for (int64_t k = b; k < b + 32; ++k) {
-            const int64_t c = k / 8 * 8, i = k % 8;              // xq: 4 even then 4 odd a chunk
-            dot += tiled_code(w, K, n, k) * xq[m * K + c + (i % 2) * 4 + i / 2];
-          }
-          acc += static_cast<float>(dot) * dx[m * B + b / 32];
-        }
-        const int64_t at = ((n / 8) * G + g) * 8 + n % 8;
-        total += acc * term_at(terms.scale, terms.half, at) + term_at(terms.offset, terms.half, at) * xsum[m * G + g];
-      }
-      y[m * N + n] = total;
-    }
-}
-
 // ---------------------------------------------------------------------------------------------------
-// AVX-512: the same loops, 16 floats a register (compiled for it; they run only where the CPU has it)
-// float32 or int8 weights (bfloat16 ones take the split loop, bf16_rows_avx512)
-template <WKind kind, int R>
-__attribute__((target(LLMINFER_AVX512))) void dot_rows_avx512(const float* x, int64_t K, const void* w, int64_t n,
-                                                               float* out, const char* ahead) {
-  static_assert(kind != WKind::BF16, "bfloat16 rows run bf16_rows_avx512");
-  __m512 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-  constexpr int64_t step_bytes = 32 * wbytes<kind>() * R;
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    if (ahead) {
-      for (int64_t line = 0; line < step_bytes; line += 64)
-        _mm_prefetch(ahead + k * wbytes<kind>() * R + line, _MM_HINT_T0);
-    }
-    const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
-    for (int r = 0; r < R; ++r) {
-      a0[r] = _mm512_fmadd_ps(wload16<kind>(w, (n + r) * K + k), x0, a0[r]);
-      a1[r] = _mm512_fmadd_ps(wload16<kind>(w, (n + r) * K + k + 16), x1, a1[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float s = hsum16(_mm512_add_ps(a0[r], a1[r]));
-    for (int64_t j = k; j < K; ++j) s += x[j] * weight_at<kind>(w, (n + r) * K + j);
-    out[r] = s;
-  }
-}
-
-template <WKind kind>
-__attribute__((target(LLMINFER_AVX512))) void rows_avx512(const float* x, int64_t M, int64_t K, const void* w,
-                                                           const float* scale, float* y, int64_t N, int64_t n0,
-                                                           int64_t n1) {
-  float out[4];
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const char* ahead = n + 8 <= n1 ? static_cast<const char*>(w) + (n + 4) * K * wbytes<kind>() : nullptr;
-    for (int64_t m = 0; m < M; ++m) {
-      dot_rows_avx512<kind, 4>(x + m * K, K, w, n, out, m == 0 ? ahead : nullptr);
-      for (int r = 0; r < 4; ++r) y[m * N + n + r] = scale ? out[r] * scale[n + r] : out[r];
-    }
-  }
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      dot_rows_avx512<kind, 1>(x + m * K, K, w, n, out, nullptr);
-      y[m * N + n] = scale ? out[0] * scale[n] : out[0];
-    }
-}
+// bfloat16 on 512-bit registers (compiled for AVX-512; they run only where the CPU has it)
 
 // bfloat16, R rows, 16 lanes: one 64-byte load brings 32 weights, two a 32-bit lane; a bfloat16 is the top half of
 // its float32, so the lane shifted left by 16 is the even weight and the lane ANDed with 0xFFFF0000 the odd one (2
@@ -700,8 +504,10 @@ __attribute__((target(LLMINFER_AVX512))) void rows_avx512(const float* x, int64_
 // instructions, below memory speed), against xp's chunk of 32 as its 16 even, then its 16 odd entries
 // (`even_odd`); x itself for the inputs after the last chunk
 template <int R>
-__attribute__((target(LLMINFER_AVX512))) void bf16_rows_avx512(const float* xp, int64_t K, const uint16_t* w,
-                                                                int64_t n, float* out, const char* ahead) {
+__attribute__((target(LLMINFER_AVX512))) void bf16_rows_avx512(const float* xp, const Weight& W, int64_t n, float* out,
+                                                                const char* ahead) {
+  const int64_t K = W.K;
+  const uint16_t* w = static_cast<const uint16_t*>(W.w);
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 even[R], odd[R];
   for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
@@ -718,7 +524,7 @@ __attribute__((target(LLMINFER_AVX512))) void bf16_rows_avx512(const float* xp, 
     }
   }
   for (int r = 0; r < R; ++r) {
-    float sum = hsum16(_mm512_add_ps(even[r], odd[r]));
+    float sum = V16::hsum(_mm512_add_ps(even[r], odd[r]));
     for (int64_t j = k; j < K; ++j) sum += xp[j] * weight_at<WKind::BF16>(w, (n + r) * K + j);
     out[r] = sum;
   }
@@ -727,9 +533,10 @@ __attribute__((target(LLMINFER_AVX512))) void bf16_rows_avx512(const float* xp, 
 // bfloat16 weights by vdpbf16ps: xb is x as bfloat16, 32 inputs a step in pairs; the products are summed in
 // float32. Taken only where x is bfloat16 already (`bfloat16_exact`), so rounding it changes nothing.
 template <int R>
-__attribute__((target(LLMINFER_AVX512 ",avx512bf16"))) void dot_rows_bf16dp(const uint16_t* xb, int64_t K,
-                                                                             const uint16_t* w, int64_t n,
-                                                                             float* out, const char* ahead) {
+__attribute__((target(LLMINFER_AVX512 ",avx512bf16"))) void dot_rows_bf16dp(const uint16_t* xb, const Weight& W,
+                                                                             int64_t n, float* out, const char* ahead) {
+  const int64_t K = W.K;
+  const uint16_t* w = static_cast<const uint16_t*>(W.w);
   __m512 a[R];
   for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
   int64_t k = 0;
@@ -742,7 +549,7 @@ __attribute__((target(LLMINFER_AVX512 ",avx512bf16"))) void dot_rows_bf16dp(cons
       a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_loadu_si512(w + (n + r) * K + k), xv);
   }
   for (int r = 0; r < R; ++r) {
-    float s = hsum16(a[r]);
+    float s = V16::hsum(a[r]);
     for (int64_t j = k; j < K; ++j) s += weight_at<WKind::BF16>(xb, j) * weight_at<WKind::BF16>(w, (n + r) * K + j);
     out[r] = s;
   }
@@ -894,20 +701,6 @@ std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t grou
 // x rounded to int8 per block of 32 for the W4A8 loops: dx[b] = max |x| / 127 of block b, and its 32 codes
 // lrint(x / dx) stored in the order the tile loops read them: each chunk of 8 as its 4 even, then its 4 odd inputs.
 // (lrint rounds half to even, as vcvtps2dq does, so both versions give the same bytes.)
-void quantize_x_blocks_portable(const float* x, int64_t n_blocks, int8_t* xq, float* dx) {
-  for (int64_t b = 0; b < n_blocks; ++b) {
-    const float* xb = x + b * 32;
-    float amax = 0.f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float step = amax / 127.f, inverse = step > 0.f ? 1.f / step : 0.f;
-    dx[b] = step;
-    int8_t* q = xq + b * 32;
-    for (int j = 0; j < 32; ++j) {
-      q[j / 8 * 8 + (j % 2) * 4 + (j % 8) / 2] = static_cast<int8_t>(std::lrint(xb[j] * inverse));
-    }
-  }
-}
-
 #ifdef LLMINFER_X86
 __attribute__((target("avx2,fma"))) void quantize_x_blocks_avx2(const float* x, int64_t n_blocks, int8_t* xq,
                                                                 float* dx) {
@@ -953,11 +746,11 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y, const 
   if (has_avx2()) quantize_x_blocks_avx2(x, M * B, xq.data(), dx.data());
   else
 #endif
-    quantize_x_blocks_portable(x, M * B, xq.data(), dx.data());
+    ref::quantize_x_blocks(x, M * B, xq.data(), dx.data());
   // the loops for the instruction set: VNNI, AVX2 or plain
   using Tiles = void (*)(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, Terms, int64_t,
                          float*, int64_t, int64_t, int64_t);
-  Tiles tiles = rows_int4t_a8_portable;
+  Tiles tiles = ref::int4_tiles_a8;
   const int64_t bits = matvec_features(kMatvecI4A8);
 #ifdef LLMINFER_X86
   std::vector<int8_t> spread;                              // the 512-bit loops' layout of xq
@@ -965,10 +758,8 @@ void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y, const 
     tiles = rows_int4t_a8<int4t_dp_avx512<1>, 8>;
     spread.resize(M * K * 8);
     for (int64_t m = 0; m < M; ++m) int4t_spread(xq.data() + m * K, K, spread.data() + m * K * 8);
-  } else if (bits & kAVXVNNI) {
-    tiles = rows_int4t_a8<int4t_a8_avxvnni<1>>;
   } else if (bits & kAVX2) {
-    tiles = rows_int4t_a8<int4t_a8_avx2<1>>;
+    tiles = rows_int4t_a8<int4t_a8_avx2>;
   }
 #endif
   const uint8_t* wp = static_cast<const uint8_t*>(W.w);
@@ -1084,7 +875,7 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y, const Tea
         return rows_int4t<int4t_tiles_avx2<2>, int4t_tiles_avx2<1>>(sums.xs.data(), sums.xsum.data(), M, K, wp,
                                                                      W.terms, W.group, y, N, t0, t1);
 #endif
-      rows_int4t_portable(x, sums.xsum.data(), M, K, wp, W.terms, W.group, y, N, t0, t1);
+      ref::int4_tiles(W, x, sums.xsum.data(), M, y, t0, t1);
     });
     return;
   }
@@ -1095,32 +886,27 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y, const Tea
   const bool split = W.format == Weight::BF16 && !x_bf16 && avx512;
   std::vector<float> xp;
   if (split) xp = even_odd(x, M, K, 32);
+  std::vector<uint16_t> xb;
+  if (x_bf16) {                                          // x rounded to bfloat16 (round to nearest even)
+    xb.resize(M * K);
+    to_bf16(x, M * K, xb.data());
+  }
   split_rows(team, N, kGrain, 1, y, M, N, residual, [&](int64_t n0, int64_t n1) {
 #ifdef LLMINFER_X86
-    if (split)
-      return rows_bf16<float, bf16_rows_avx512<4>, bf16_rows_avx512<1>>(xp.data(), M, K,
-                                                                         static_cast<const uint16_t*>(W.w), y, N, n0, n1);
-    if (grouped && avx2)
-      return rows_int8g_avx2(x, M, K, static_cast<const int8_t*>(W.w), W.scale, W.group, y, N, n0, n1);
-    if (!grouped && W.format == Weight::BF16 && (bits & kAVX512BF16) && x_bf16) {
-      std::vector<uint16_t> xb(M * K);                     // x rounded to bfloat16 (round to nearest even)
-      to_bf16(x, M * K, xb.data());
-      return rows_bf16<uint16_t, dot_rows_bf16dp<4>, dot_rows_bf16dp<1>>(xb.data(), M, K,
-                                                                         static_cast<const uint16_t*>(W.w), y, N, n0, n1);
-    }
+    if (split) return rows_by<float, bf16_rows_avx512<4>, bf16_rows_avx512<1>>(xp.data(), M, W, y, n0, n1);
+    if (grouped && avx2) return rows_by<float, int8g_rows_avx2<4>, int8g_rows_avx2<1>>(x, M, W, y, n0, n1);
+    if (x_bf16) return rows_by<uint16_t, dot_rows_bf16dp<4>, dot_rows_bf16dp<1>>(xb.data(), M, W, y, n0, n1);
     if (!grouped && avx512) {
-      if (W.format == Weight::F32) return rows_avx512<WKind::F32>(x, M, K, W.w, W.scale, y, N, n0, n1);
-      return rows_avx512<WKind::I8>(x, M, K, W.w, W.scale, y, N, n0, n1);
+      if (W.format == Weight::F32) return rows_by<float, dot_rows_avx512<WKind::F32, 4>, dot_rows_avx512<WKind::F32, 1>>(x, M, W, y, n0, n1);
+      return rows_by<float, dot_rows_avx512<WKind::I8, 4>, dot_rows_avx512<WKind::I8, 1>>(x, M, W, y, n0, n1);
     }
     if (!grouped && avx2) {
-      if (W.format == Weight::F32) return rows_avx2<WKind::F32>(x, M, K, W.w, W.scale, y, N, n0, n1);
-      if (W.format == Weight::BF16) return rows_avx2<WKind::BF16>(x, M, K, W.w, W.scale, y, N, n0, n1);
-      return rows_avx2<WKind::I8>(x, M, K, W.w, W.scale, y, N, n0, n1);
+      if (W.format == Weight::F32) return rows_by<float, dot_rows_avx2<WKind::F32, 4>, dot_rows_avx2<WKind::F32, 1>>(x, M, W, y, n0, n1);
+      if (W.format == Weight::BF16) return rows_by<float, dot_rows_avx2<WKind::BF16, 4>, dot_rows_avx2<WKind::BF16, 1>>(x, M, W, y, n0, n1);
+      return rows_by<float, dot_rows_avx2<WKind::I8, 4>, dot_rows_avx2<WKind::I8, 1>>(x, M, W, y, n0, n1);
     }
 #endif
-    if (W.format == Weight::F32) rows_portable<WKind::F32>(x, M, K, W.w, nullptr, K, y, N, n0, n1);
-    else if (W.format == Weight::BF16) rows_portable<WKind::BF16>(x, M, K, W.w, nullptr, K, y, N, n0, n1);
-    else rows_portable<WKind::I8>(x, M, K, W.w, W.scale, W.group, y, N, n0, n1);
+    ref::dense_rows(W, x, M, y, n0, n1);
   });
 }
 
@@ -1239,35 +1025,26 @@ at::Tensor gemv_int4_a8(const at::Tensor& x, const at::Tensor& w, const at::Tens
 // widest loads this process runs (64 bytes with AVX-512, 32 with AVX2), into four independent XOR chains so the
 // loads, not the arithmetic, set the pace. Returns a checksum, so that the reads cannot be left out.
 #ifdef LLMINFER_X86
-__attribute__((target("avx2"))) uint64_t read_avx2(const uint8_t* p, int64_t n) {
-  __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
-  int64_t i = 0;
-  for (; i + 128 <= n; i += 128) {
-    a = _mm256_xor_si256(a, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i)));
-    b = _mm256_xor_si256(b, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
-    c = _mm256_xor_si256(c, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
-    d = _mm256_xor_si256(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
+#define LLMINFER_READ(NAME, TARGET, I, SFX, BYTES, FOLD)                                                      \
+  __attribute__((target(TARGET))) uint64_t NAME(const uint8_t* p, int64_t n) {                                 \
+    I a = _mm##SFX##_setzero_si##SFX(), b = a, c = a, d = a;                                                   \
+    int64_t i = 0;                                                                                             \
+    for (; i + 4 * BYTES <= n; i += 4 * BYTES) {                                                               \
+      a = _mm##SFX##_xor_si##SFX(a, _mm##SFX##_load_si##SFX(reinterpret_cast<const I*>(p + i)));              \
+      b = _mm##SFX##_xor_si##SFX(b, _mm##SFX##_load_si##SFX(reinterpret_cast<const I*>(p + i + BYTES)));      \
+      c = _mm##SFX##_xor_si##SFX(c, _mm##SFX##_load_si##SFX(reinterpret_cast<const I*>(p + i + 2 * BYTES)));  \
+      d = _mm##SFX##_xor_si##SFX(d, _mm##SFX##_load_si##SFX(reinterpret_cast<const I*>(p + i + 3 * BYTES)));  \
+    }                                                                                                          \
+    const I all = _mm##SFX##_xor_si##SFX(_mm##SFX##_xor_si##SFX(a, b), _mm##SFX##_xor_si##SFX(c, d));          \
+    uint64_t out = static_cast<uint64_t>(FOLD(all));                                                           \
+    for (; i < n; ++i) out ^= p[i];                                                                            \
+    return out;                                                                                                \
   }
-  const __m256i all = _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
-  uint64_t out = static_cast<uint64_t>(_mm256_extract_epi64(all, 0) ^ _mm256_extract_epi64(all, 3));
-  for (; i < n; ++i) out ^= p[i];
-  return out;
-}
-
-__attribute__((target(LLMINFER_AVX512))) uint64_t read_avx512(const uint8_t* p, int64_t n) {
-  __m512i a = _mm512_setzero_si512(), b = a, c = a, d = a;
-  int64_t i = 0;
-  for (; i + 256 <= n; i += 256) {
-    a = _mm512_xor_si512(a, _mm512_load_si512(p + i));
-    b = _mm512_xor_si512(b, _mm512_load_si512(p + i + 64));
-    c = _mm512_xor_si512(c, _mm512_load_si512(p + i + 128));
-    d = _mm512_xor_si512(d, _mm512_load_si512(p + i + 192));
-  }
-  const __m512i all = _mm512_xor_si512(_mm512_xor_si512(a, b), _mm512_xor_si512(c, d));
-  uint64_t out = static_cast<uint64_t>(_mm512_reduce_or_epi64(all));
-  for (; i < n; ++i) out ^= p[i];
-  return out;
-}
+#define LLMINFER_FOLD256(v) (_mm256_extract_epi64(v, 0) ^ _mm256_extract_epi64(v, 3))
+LLMINFER_READ(read_avx2, "avx2", __m256i, 256, 32, LLMINFER_FOLD256)
+LLMINFER_READ(read_avx512, LLMINFER_AVX512, __m512i, 512, 64, _mm512_reduce_or_epi64)
+#undef LLMINFER_FOLD256
+#undef LLMINFER_READ
 #endif
 
 int64_t stream_read(const at::Tensor& data, int64_t width) {

@@ -13,15 +13,8 @@ from llminfer.bench import decode
 def test_a_short_run_writes_its_report(tmp_path, capsys, monkeypatch):
     from llminfer import cpu as kernels
 
-    # a run this short times its decode loops on 3-token steps: its answers are kept aside, not for the machine,
-    # and the process's loops are put back afterwards (loaded first: the build sets where answers are kept)
     assert kernels.load(), kernels.why_unavailable()
-    (tmp_path / "kept").mkdir()
-    monkeypatch.setitem(kernels._state, "build", str(tmp_path / "kept"))
-    monkeypatch.setattr(kernels, "_prefill", {"choices": {}, "forced": None, "loaded_from_disk": False})
-    monkeypatch.delenv(kernels.PREFILL_ENV, raising=False)         # the tests' fixed path off: the run measures
-    kinds = [kind for kind, _ in kernels.MATVEC_CANDIDATES.values()]
-    bits, choices = {k: int(torch.ops.llminfer.matvec_features(k)) for k in kinds}, kernels.matvec_choices()
+    monkeypatch.delenv(kernels.PREFILL_ENV, raising=False)         # the kernels' own prefill path
     # the plain model's prefill computes the last position's logits only, as a prefill does
     from llminfer.model import Transformer
     shapes = []
@@ -33,15 +26,9 @@ def test_a_short_run_writes_its_report(tmp_path, capsys, monkeypatch):
         return out
 
     monkeypatch.setattr(Transformer, "forward", forward)
-    try:
-        code = bench.main(["decode", "--precisions", "fp32,int8", "--prompt-len", "8", "--new-tokens", "3", "--repeats", "1",
-                            "--threads", "1", "--no-compile", "--no-transformers", "--no-llama-cpp",
-                            "--out", str(tmp_path)])
-        report_choices = kernels.matvec_choices()
-    finally:
-        for k, b in bits.items():
-            torch.ops.llminfer.set_matvec_features(k, b)
-        kernels._matvec["choices"] = choices
+    code = bench.main(["decode", "--precisions", "fp32,int8", "--prompt-len", "8", "--new-tokens", "3", "--repeats", "1",
+                        "--threads", "1", "--no-compile", "--no-transformers", "--no-llama-cpp",
+                        "--out", str(tmp_path)])
     assert code == 0
     (path,) = tmp_path.glob("decode-*.json")
     report = json.loads(path.read_text())
@@ -56,13 +43,8 @@ def test_a_short_run_writes_its_report(tmp_path, capsys, monkeypatch):
     features = kernels.isa_features()
     assert widths == sorted([w for w, level in ((64, "avx512"), (32, "avx2")) if level in features] or [8])
     assert band["native_read_bytes_per_s"] == max(by_width.values())
-    # each format's decode loops, as chosen here, are in the report
-    assert report["kernels"]["matvec"] == report_choices
-    # timed on the run's own decode steps: the formats it ran, where there was a choice to make
-    for precision in ("fp32", "int8"):
-        entry = report["kernels"]["matvec"].get(decode.MATVEC_FORMAT[precision])
-        if entry and entry["measured"]:
-            assert entry["probe"] == kernels.MATVEC_STEP and len(entry["median_s"]) > 1
+    # each format's decode loops, as the kernels' static table chose them here, are in the report
+    assert report["kernels"]["matvec"] == {name: {"level": level} for name, level in kernels.decode_loops().items()}
     # the kernels' level and, per precision, the prefill on the measured path, on both paths and on the plain model
     assert report["kernels"]["isa"] == kernels.isa()
     prefill = report["prefill"]["by_precision"]
@@ -77,17 +59,10 @@ def test_a_short_run_writes_its_report(tmp_path, capsys, monkeypatch):
     assert rates["int8"] == probes[int8_probe] > 0
     assert rates["float32"] == max(rate for what, rate in probes.items() if what != int8_probe)
     yardstick = {"fp32": rates["float32"], "int8": max(rates["float32"], rates["int8"])}
-    # each precision's prefill path was timed on its whole prefill both ways, the lower median taken
-    step_choices = {key.rsplit("|", 2)[1]: entry for key, entry in report["prefill"]["choices"].items()
-                    if entry["probe"] == kernels.PREFILL_STEP}
+    # each precision's prefill took the kernels' path: the blocked kernel wherever the vector loops run
     vector = kernels.isa() != "portable"
-    assert sorted(step_choices) == (["float32", "int8"] if vector else [])
-    for entry in step_choices.values():
-        assert entry["path"] == min(kernels.PREFILL_PATHS, key=lambda p: (entry["median_s"][p], p != "blocked"))
     for name, entry in prefill.items():
-        assert entry["measured_path"] in ("blocked", "torch")
-        if vector:
-            assert entry["measured_path"] == step_choices[str(decode.weight_dtype_of(name)).removeprefix("torch.")]["path"]
+        assert entry["measured_path"] == ("blocked" if vector else "torch")
         assert entry["mfu_against_flop_per_s"] == yardstick[name]
         assert entry["chosen_mfu"] == pytest.approx(report["prefill"]["flops"] / entry["chosen_s"] / yardstick[name])
         assert all(entry[f"{path}_s"] > 0 for path in ("chosen", "blocked", "torch", "plain"))

@@ -123,8 +123,7 @@ def test_this_machine_is_read_once_and_the_kernels_and_reports_ask_the_same_read
     here = device.cpu_capabilities()
     assert device.cpu_capabilities() is here                       # read once
     assert here.logical_cpus >= 1 and here.physical_cores >= 1 and here.model
-    assert cpu_kernels.cpu_flags() == here.flags
-    assert cpu_kernels.bfloat16_in_hardware() == here.bfloat16_in_hardware
+    assert cpu_kernels.choose_isa().level == here.isa_level or here.isa_level == "avx_vnni"   # the kernels' table
     machine = report.machine(torch.device("cpu"))
     assert machine["cpu"] == here.model and machine["cpu_isa"] == here.isa_level
     assert set(machine["cpu_vector_flags"]) <= here.flags            # every benchmark's one description
