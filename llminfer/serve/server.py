@@ -369,17 +369,21 @@ class OpenAIServer:
     def parse_body(self, raw: bytes, schema):
         """The request parsed and checked in size and type, or an APIError (400) naming what is wrong. Chapter 11.
 
-        Sizes come first and cost little: the JSON's arrays and objects are counted in its bytes before it is
-        parsed (`count_containers`), integers too long to convert are kept as text (`checks.parse_json_int`),
+        Sizes come first and cost little: the JSON's arrays, objects and values are counted in its bytes before it
+        is parsed (`count_structure`), integers too long to convert are kept as text (`checks.parse_json_int`),
         and the prompts' number, each prompt's length and their total are checked on the parsed document
         (`check_sizes`) before the schema reads it, so an oversized request is refused before any per-prompt
         work."""
-        containers = count_containers(raw)
-        limit = self.max_json_containers
+        limit, most_values = self.max_json_containers, self.max_json_values
+        containers, commas = count_structure(raw, min(limit, most_values))
         if containers > limit:
             raise APIError(f"the JSON body holds {containers} arrays and objects, more than the {limit} a request "
                            f"may hold (at most {self.loop.max_queued_requests} prompts); send fewer prompts or "
                            "messages per request", code="too_many_values")
+        if commas >= most_values:
+            raise APIError(f"the JSON body holds more than {commas} values, more than the {most_values} a request "
+                           f"may hold (at most {self.loop.max_queued_requests} prompts of at most "
+                           f"{self.max_model_len} tokens); send fewer or shorter prompts", code="too_many_values")
         try:
             body = json.loads(raw, parse_int=checks.parse_json_int)
         except (ValueError, UnicodeDecodeError) as exc:       # JSONDecodeError is a ValueError
@@ -390,8 +394,8 @@ class OpenAIServer:
                            "levels") from None
         if not isinstance(body, dict):
             raise APIError(f"the request body must be a JSON object, got a JSON {type(body).__name__}")
+        self.check_sizes(body)                # lengths first: cheaper than a walk over every value
         check_json_values(body)
-        self.check_sizes(body)
         try:
             parsed = schema.model_validate(body)
         except ValidationError as exc:
@@ -414,6 +418,11 @@ class OpenAIServer:
     def max_json_containers(self) -> int:
         """The most arrays and objects a body may hold: a list per prompt, and room for messages and options."""
         return self.loop.max_queued_requests + MAX_MESSAGES * 4 + 64
+
+    @property
+    def max_json_values(self) -> int:
+        """The most values a body may hold: every prompt's every token, and room for messages and options."""
+        return self.loop.max_queued_requests * self.max_model_len + MAX_MESSAGES * 8 + 1024
 
     def check_sizes(self, body: dict) -> None:
         """APIError (400) for more prompts than the queue holds, a prompt longer than the context (in tokens, or in
@@ -497,15 +506,16 @@ MAX_JSON_DEPTH = 32      # objects and arrays inside one another; OpenAI request
 MAX_MESSAGES = 2048      # messages in one chat request
 
 
-def count_containers(raw: bytes) -> int:
-    """The arrays and objects in a JSON text, counted in its bytes outside its strings (at the speed of bytes
-    methods: a body of a million tiny lists is counted in milliseconds, where parsing it takes seconds)."""
-    brackets = raw.count(b"[") + raw.count(b"{")
-    if brackets <= 64:
-        return brackets
+def count_structure(raw: bytes, limit: int) -> tuple[int, int]:
+    """(arrays and objects, commas) in a JSON text, counted in its bytes outside its strings, where either passes
+    limit (at the speed of bytes methods: a body of a million tiny lists is counted in milliseconds, where parsing
+    it takes seconds). A count within limit in the raw bytes is returned as it is, strings included."""
+    brackets, commas = raw.count(b"[") + raw.count(b"{"), raw.count(b",")
+    if brackets <= limit and commas <= limit:
+        return brackets, commas
     # outside strings only: escaped backslashes and quotes dropped, then every other piece between quotes
     unquoted = b"".join(raw.replace(b"\\\\", b"").replace(b'\\"', b"").split(b'"')[::2])
-    return unquoted.count(b"[") + unquoted.count(b"{")
+    return unquoted.count(b"[") + unquoted.count(b"{"), unquoted.count(b",")
 
 
 _SHORT_REPR = reprlib.Repr()
