@@ -1,7 +1,9 @@
 """`python -m llminfer.serve --model tiny-capitals --port 8000`: the OpenAI-compatible server. Chapter 11.
 
 It listens on 127.0.0.1 (this machine only) unless --host names another address, which needs an API key
-(--api-key or LLMINFER_API_KEY; clients send it as a Bearer token) or --allow-unauthenticated. Ctrl-C (SIGINT) or
+(--api-key or LLMINFER_API_KEY; clients send it as a Bearer token) or --allow-unauthenticated. Without a key it
+answers only requests whose Host names the address it listens on or one of --allowed-hosts, so a web page cannot
+reach it through DNS rebinding; CORS is closed unless --allowed-origins names origins. Ctrl-C (SIGINT) or
 SIGTERM shuts it down gracefully: no new connections, in-flight requests finish for up to
 --drain-timeout seconds, the rest are aborted, then the engine stops.
 

@@ -449,7 +449,8 @@ class OpenAIServer:
             if len(messages) > MAX_MESSAGES:
                 raise APIError(f"the request holds {len(messages)} messages, more than the {MAX_MESSAGES} a request "
                                "may hold; send fewer", param="messages")
-            chars = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+            chars = sum(len(m["content"]) for m in messages
+                        if isinstance(m, dict) and isinstance(m.get("content"), str))
             if chars > self.max_prompt_chars:
                 raise APIError(f"the messages hold {chars} characters, more than the {self.max_prompt_chars} that "
                                f"could fit this model's maximum context length of {self.max_model_len} tokens; "
