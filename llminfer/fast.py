@@ -49,7 +49,7 @@ from .quant.linear import QuantizedLinear
 
 __all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "NativeDecoderStack",
            "layer_weights", "use_native_kernels", "use_huge_pages", "uses_native_kernels", "optimize_decode",
-           "compile_decode", "settle_prefill_paths"]
+           "compile_decode"]
 
 
 def _concat_linears(layers: list[nn.Module]) -> nn.Module:
@@ -460,20 +460,3 @@ def compile_decode(model, batch_size: int = 1, max_seq_len: int | None = None, f
     if warmup:
         decoder.warmup()
     return decoder
-
-
-def settle_prefill_paths(model: nn.Module, max_rows: int) -> dict[int, str]:
-    """Returns {bucket: path} for every rows bucket from MAX_TOKENS + 1 to max_rows, the prefill path
-    (`cpu.prefill_path`) of the weights of model's native stack; {} where no native stack runs. Chapter 08."""
-    layers = model.layers if isinstance(model, Transformer) else None
-    if not (isinstance(layers, NativeDecoderStack) and layers.weight_dtypes and native_cpu.available()
-            and model.device.type == "cpu"):
-        return {}
-    paths, rows = {}, native_cpu.MAX_TOKENS + 1
-    while True:
-        bucket = native_cpu.rows_bucket(rows)
-        paths[bucket] = native_cpu.prefill_path(layers.weight_dtypes[0], bucket)
-        # done at max_rows, or at the last bucket (longer prefills share its answer)
-        if bucket >= max_rows or native_cpu.rows_bucket(bucket + 1) == bucket:
-            return paths
-        rows = bucket + 1

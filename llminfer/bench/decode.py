@@ -321,14 +321,6 @@ def weight_dtype_of(name: str) -> torch.dtype:
     return QUANT_WEIGHTS[scheme[0]] if scheme else dtype
 
 
-def _timed_prefill(decoder, ids) -> float:
-    """Seconds of one prefill of ids by a compiled decoder."""
-    with torch.inference_mode():
-        start = time.perf_counter()
-        decoder.prefill(ids)
-        return time.perf_counter() - start
-
-
 def _prefill_table(args, base, ids, info, quant_dtype, matmuls) -> tuple[dict, dict[str, list[float]]]:
     """Per precision, median seconds of a prompt's prefill: the fast path as chosen here, forced onto each path,
     and the plain model; with samples of each matmul probe (by dtype) taken between them."""

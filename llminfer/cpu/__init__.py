@@ -35,7 +35,7 @@ from llminfer.attention import fast_attention, register_backend
 __all__ = ["available", "why_unavailable", "load", "loaded", "isa", "isa_features", "choose_isa",
            "IsaChoice", "ISA_ENV", "KERNEL_LEVELS", "DECODE_FORMATS", "DECODE_LOOPS", "decode_loops", "gemv",
            "decode_attention", "paged_attention", "attention_backend", "prefill_path", "force_prefill",
-           "blocked_prefill", "rows_bucket", "layer_products", "stream_read", "PREFILL_PATHS", "PREFILL_ENV",
+           "blocked_prefill", "layer_products", "stream_read", "PREFILL_PATHS", "PREFILL_ENV",
            "PREFILL_PROBE_SHAPES", "MAX_TOKENS", "SPLIT_KEYS", "tile_int4", "untile_int4", "SOURCES", "HEADERS", "cache_dir"]
 
 _HERE = Path(__file__).parent
@@ -289,14 +289,6 @@ PREFILL_ENV = "LLMINFER_PREFILL"           # 'blocked' or 'torch' forces the pat
 _prefill: dict = {"forced": None}
 # A layer's products, (N, K) each: SmolLM2-135M's fused qkv, o, gate_up and down (the benchmark's matmul probe).
 PREFILL_PROBE_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
-
-
-def rows_bucket(rows: int) -> int:
-    """Returns the power of two at or above rows, from 16 to 512: the rows a compiled prefill step is kept for."""
-    bucket = 16
-    while bucket < rows and bucket < 512:
-        bucket *= 2
-    return bucket
 
 
 def prefill_path(weight_dtype: torch.dtype = torch.float32, rows: int = 128) -> str:

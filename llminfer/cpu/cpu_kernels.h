@@ -302,9 +302,8 @@ Weight int8_weight(const at::Tensor& w, const at::Tensor& scale, const char* op)
 Weight int4_weight(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset, int64_t group,
                    const char* op);
 // A linear given as its parts: [weight] (float32 or bfloat16), [codes, scale] (int8, the group size read from
-// the scale's shape), [codes, scale, offset] (int4 in tiles of 8 rows: (N/8, K/8, 32) codes with (N/8, G, 8)
-// scales, likewise) or [codes, scale, offset, marker] (int4 with
-// int8 activations; the marker is any tensor: the layers pass their codes again, which makes no new tensor a step).
+// the scale's shape) or [codes, scale, offset] (int4 in tiles of 8 rows: (N/8, K/8, 32) codes with (N/8, G, 8)
+// scales, likewise), with float activations (the caller sets int8_activations for W4A8).
 Weight weight_from_parts(at::TensorList parts, const char* op);
 
 // The threads of a decode step's one parallel region (run_layers): this is thread `id` of `size`. A loop given a

@@ -655,12 +655,10 @@ Weight int4_weight(const at::Tensor& w, const at::Tensor& scale, const at::Tenso
   return W;
 }
 
-// A linear given as its parts: [weight] (float32 or bfloat16), [codes, scale] (int8, the group size read from
-// the scale's shape), [nibbles, scale, offset] (int4, likewise) or [nibbles, scale, offset, marker] (int4 with
-// int8 activations; the marker is any tensor).
+// A linear given as its parts (cpu_kernels.h); float activations until the caller sets int8_activations.
 Weight weight_from_parts(at::TensorList parts, const char* op) {
-  TORCH_CHECK(!parts.empty() && parts.size() <= 4, op, ": a linear is [weight], [codes, scale], "
-              "[nibbles, scale, offset] or [nibbles, scale, offset, marker], got ", parts.size(), " tensors");
+  TORCH_CHECK(!parts.empty() && parts.size() <= 3, op, ": a linear is [weight], [codes, scale] or "
+              "[nibbles, scale, offset], got ", parts.size(), " tensors");
   const at::Tensor& w = parts[0];
   if (parts.size() == 1) {
     TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, op,
@@ -671,9 +669,7 @@ Weight weight_from_parts(at::TensorList parts, const char* op) {
   TORCH_CHECK(parts[1].dim() == 3 && parts[1].size(1) > 0 && w.dim() == 3, op,
               ": int4 is (N/8, K/8, 32) tiles with (N/8, groups, 8) scales");
   const int64_t K = w.size(1) * 8;
-  Weight W = int4_weight(w, parts[1], parts[2], K / parts[1].size(1), op);
-  W.int8_activations = parts.size() == 4;               // the marker: any tensor (the layers pass their codes again)
-  return W;
+  return int4_weight(w, parts[1], parts[2], K / parts[1].size(1), op);
 }
 
 // rows M of x (K inputs) with each whole chunk of `chunk` inputs as its even then its odd entries (the inputs after

@@ -33,7 +33,6 @@ from ..checks import check_flag, check_int
 from ..checks import is_int as _is_int
 from ..costs import kv_cache_bytes
 from ..device import check_fits, dtype_bytes, free_memory_bytes, synchronize
-from ..fast import settle_prefill_paths
 from .attention_metadata import AttentionMetadata
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
@@ -221,11 +220,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, policy, chunked_prefill,
                                    max_prefill_tokens)
         self.runner = ModelRunner(model, self.cache)
-        if optimize:
-            # the prefill path of every step size, settled before the first request rather than timed inside the
-            # first request of each size (`cpu.prefill_path`; kept beside the kernel build, so once a
-            # machine)
-            settle_prefill_paths(model, max(max_num_batched_tokens, max_model_len))
         self.clock = clock
         self.trace: deque[StepRecord] = deque(maxlen=trace_limit)
         self.requests = RequestTable(cfg, max_model_len, clock, device=model.device)
