@@ -401,10 +401,10 @@ def table(report: dict) -> str:
         rates = p.get("matmul_flop_per_s_alongside", {"float32": p["sgemm_flop_per_s_alongside"]})
         lines.append(f"prefill of {p['prompt_len']} tokens, ms (MFU against the best matmul rate alongside for the "
                      "precision: " + ", ".join(f"{dtype} {rate / 1e9:.0f} GFLOP/s" for dtype, rate in rates.items())
-                     + "); 'chosen' takes the path measured at first use")
+                     + "); 'chosen' takes the path cpu.prefill_path gives here")
         for what, rate in p.get("matmul_flop_per_s_by_probe", {}).items():
             lines.append(f"  matmul probe {rate / 1e9:5.0f} GFLOP/s: {what}")
-        lines.append(f"{'precision':<10}{'measured':>10}{'chosen':>12}{'blocked':>12}{'torch':>12}{'plain':>12}"
+        lines.append(f"{'precision':<10}{'path':>10}{'chosen':>12}{'blocked':>12}{'torch':>12}{'plain':>12}"
                      f"{'plain/chosen':>14}")
         for name, e in p["by_precision"].items():
             cells = "".join(f"{e[f'{k}_s'] * 1e3:>6.0f} ({e[f'{k}_mfu']:.2f})" for k in ("chosen", "blocked", "torch",
