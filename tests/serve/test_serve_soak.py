@@ -128,9 +128,11 @@ def test_soak_good_bad_and_leaving_clients(capsys):
                 n += 1
                 if n % BAD_EVERY == 0:
                     name, kwargs, status = bad[(n // BAD_EVERY) % len(bad)]
-                    headers = {"Content-Type": "application/json"} if "content" in kwargs else {}
-                    tasks.append(asyncio.ensure_future(http.post(url + "/v1/completions", headers=headers,
-                                                                 **kwargs)))
+                    # a bad request's own headers (a foreign Host, a non-JSON type) win over the JSON default
+                    sent = dict(kwargs)
+                    headers = {"Content-Type": "application/json"} if "content" in sent else {}
+                    headers.update(sent.pop("headers", {}))
+                    tasks.append(asyncio.ensure_future(http.post(url + "/v1/completions", headers=headers, **sent)))
                     kinds.append(("bad", (name, status)))
                 if n % LEAVE_EVERY == 0:
                     tasks.append(asyncio.ensure_future(leave(http, url)))
