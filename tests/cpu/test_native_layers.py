@@ -22,21 +22,6 @@ from llminfer.static_cache import StaticKVCache
 from small_models import SMALL_CONFIGS, random_model
 
 
-@pytest.fixture
-def native_calls(monkeypatch):
-    """Records, for each forward through a NativeDecoderStack, whether it ran as one native call."""
-    seen = []
-    real = fast.NativeDecoderStack.native_step
-
-    def spy(self, *args):
-        out = real(self, *args)
-        seen.append(out is not None)
-        return out
-
-    monkeypatch.setattr(fast.NativeDecoderStack, "native_step", spy)
-    return seen
-
-
 def _pair(name: str | llminfer.ModelConfig, fmt: str):
     """(reference, native): the same weights (of a small model by name, or of a config), the reference run module
     by module with torch's kernels."""

@@ -140,22 +140,7 @@ def test_one_engine_step_in_one_call_gives_the_layers_numbers(name, dtype):
                                    rtol=tolerance)
 
 
-@pytest.fixture
-def paged_calls(monkeypatch):
-    """Records, for each forward through the native stack, whether it ran as one call."""
-    seen = []
-    real = fast.NativeDecoderStack.native_step
-
-    def spy(self, *args):
-        out = real(self, *args)
-        seen.append(out is not None)
-        return out
-
-    monkeypatch.setattr(fast.NativeDecoderStack, "native_step", spy)
-    return seen
-
-
-def test_every_engine_step_is_one_native_call(paged_calls):
+def test_every_engine_step_is_one_native_call(native_calls):
     model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
     rng = random.Random(0)
     prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(rng.randint(1, 30))] for _ in range(8)]
@@ -163,9 +148,9 @@ def test_every_engine_step_is_one_native_call(paged_calls):
     refs = [llminfer.generate(model, p, max_new_tokens=5).token_ids for p in prompts]
     engine = LLMEngine(model, block_size=8, max_num_seqs=8, max_num_batched_tokens=64, optimize=True)
     assert [o.token_ids for o in engine.generate(prompts, params)] == refs
-    assert len(paged_calls) == engine.stats.steps
+    assert len(native_calls) == engine.stats.steps
     # decode steps always; the prefill chunks too where the blocked kernel runs (AVX2)
-    assert all(paged_calls) if cpu.blocked_prefill(torch.float32) else any(paged_calls)
+    assert all(native_calls) if cpu.blocked_prefill(torch.float32) else any(native_calls)
     assert engine.cache.kernel_name == "native"
 
 
