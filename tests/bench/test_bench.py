@@ -170,12 +170,14 @@ def test_prefill_figures_by_hand():
     assert row["mfu"] == 0.5 and row["mfu_vs_run_ceiling"] == 0.25
 
 
-def test_a_utilisation_above_one_is_refused():
+def test_a_utilisation_above_one_is_reported_as_above_the_probe():
     assert figures.utilisation(0.5, 1.0, "x") == 0.5
-    with pytest.raises(ValueError, match="decode MBU would be 1.48: above 1.0 the ceiling .* is wrong"):
-        figures.utilisation(14.8, 10.0, "decode MBU")
+    assert figures.utilisation(14.8, 10.0, "decode MBU") == pytest.approx(1.48)     # returned, not refused
+    assert figures.above_probe({"mbu": 0.9, "graph_mbu": 1.02, "none": None, "exact": 1.0}) == ["graph_mbu"]
     with pytest.raises(ValueError, match="ceiling of 0"):
         figures.utilisation(1.0, 0, "decode MBU")
+    with pytest.raises(ValueError, match="cannot compare nan"):
+        figures.utilisation(float("nan"), 1.0, "decode MBU")
 
 
 def test_paired_ratio_and_roofline():
