@@ -19,6 +19,13 @@ the bytes it has to read (memory-bound). Nothing here touches a tensor.
     cache_vs_recompute_flops(cfg, prompt_len, new_tokens)  the chapter 04 prediction
     roofline_seconds(flops, nbytes, flops_per_s, bytes_per_s)  the slower of the two limits
 
+Mixture of experts (chapter 14), a `MoEShape` beside the config:
+    expected_distinct_experts(n_experts, top_k, batch_size)  experts a batch touches under random routing
+    moe_decode_step_bytes(cfg, moe, batch_size, ...)  bytes of one MoE decode step, beside the dense model
+                                             of the same active size
+    moe_decode_step_flops(cfg, moe, batch_size, ...)  its FLOPs (only the k chosen experts compute)
+    moe_weight_bytes(cfg, moe, dtype_bytes)  every weight an MoE model holds
+
 Conventions: one multiply-add is 2 FLOPs; attention is causal, so a query at
 absolute position p scores p + 1 keys; element-wise work (norms, RoPE,
 softmax, SwiGLU gate) is left out, being a few FLOPs per activation against
@@ -37,6 +44,8 @@ __all__ = [
     "attention_flops", "forward_flops", "prefill_flops", "decode_step_flops",
     "kv_bytes_per_token", "kv_cache_bytes", "activation_bytes", "generation_bytes", "decode_step_bytes", "decode_bytes",
     "CacheVsRecompute", "cache_vs_recompute_flops", "roofline_seconds",
+    "MoEShape", "expected_distinct_experts", "MoEStepBytes", "moe_decode_step_bytes", "moe_decode_step_flops",
+    "moe_weight_bytes",
 ]
 
 
@@ -234,3 +243,145 @@ def cache_vs_recompute_flops(cfg, prompt_len: int, new_tokens: int,
 def roofline_seconds(flops: float, nbytes: float, flops_per_s: float, bytes_per_s: float) -> float:
     """Returns the time the slower limit allows: max(FLOPs / rate, bytes / bandwidth). Chapter 04."""
     return max(flops / flops_per_s, nbytes / bytes_per_s)
+
+
+# --- mixture of experts ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MoEShape:
+    """What a mixture-of-experts feed-forward puts in place of a layer's MLP. Chapter 14.
+
+    n_experts routed experts, each a SwiGLU MLP of width expert_hidden_dim; every token is sent to top_k of them
+    by a router (a dim × n_experts matrix). shared_hidden_dim is the width of the shared expert(s) every token
+    also goes through (0: none; DeepSeek-V3 and Qwen2-MoE have one). The first n_dense_layers layers keep the
+    config's dense MLP of width cfg.hidden_dim (DeepSeek-V3: 3); the others are MoE layers.
+    """
+
+    n_experts: int
+    top_k: int
+    expert_hidden_dim: int
+    shared_hidden_dim: int = 0
+    n_dense_layers: int = 0
+
+    def __post_init__(self) -> None:
+        for name, least in (("n_experts", 1), ("top_k", 1), ("expert_hidden_dim", 1), ("shared_hidden_dim", 0),
+                            ("n_dense_layers", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"MoEShape.{name} must be an integer >= {least}, got {value!r}")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"MoEShape.top_k={self.top_k} is more than n_experts={self.n_experts}: a token picks "
+                             "top_k distinct experts; lower top_k or add experts")
+
+    def moe_layers(self, cfg) -> int:
+        """The number of MoE layers of cfg: its layers less the leading dense ones."""
+        if self.n_dense_layers > cfg.n_layers:
+            raise ValueError(f"MoEShape.n_dense_layers={self.n_dense_layers} is more than the model's "
+                             f"n_layers={cfg.n_layers}")
+        return cfg.n_layers - self.n_dense_layers
+
+    def expert_params(self, dim: int) -> int:
+        """The weights of one routed expert: gate, up and down, 3 · dim · expert_hidden_dim."""
+        return 3 * dim * self.expert_hidden_dim
+
+
+def expected_distinct_experts(n_experts: int, top_k: int, batch_size: int) -> float:
+    """Returns the expected number of distinct experts B tokens touch when each picks top_k of n_experts at
+    random: E · (1 − (1 − k/E)^B). Chapter 14.
+
+    Derivation. Fix one expert e. A token picks k distinct experts, a uniformly random k-subset of the E; of the
+    C(E, k) subsets, C(E − 1, k − 1) contain e, a fraction k/E, so the token misses e with probability 1 − k/E.
+    Tokens route independently, so all B miss e with probability (1 − k/E)^B. The distinct count is the sum over
+    the E experts of the indicator "touched", and an expectation of a sum is the sum of the expectations (the
+    indicators need not be independent): E · (1 − (1 − k/E)^B).
+
+    Limits: B = 1 gives E · k/E = k (one token reads only its own experts); while k·B is small against E the
+    count is about k·B (almost every pick is new); as B grows it tends to E (every expert is read, as in a dense
+    model of the total size). A trained router is not uniform: measure its count with
+    `llminfer.moe_balance.mean_distinct_experts`.
+    """
+    moe = MoEShape(n_experts, top_k, 1)          # checks the counts
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 0:
+        raise ValueError(f"batch_size must be an integer >= 0, got {batch_size!r}")
+    return moe.n_experts * (1.0 - (1.0 - moe.top_k / moe.n_experts) ** batch_size)
+
+
+@dataclass(frozen=True)
+class MoEStepBytes:
+    """The bytes one MoE decode step of batch_size sequences reads, split by what sets them. Chapter 14."""
+
+    batch_size: int
+    distinct_experts: float   # routed experts read per MoE layer (expected, or measured)
+    always_bytes: float       # read whatever the routing: attention, norms, head, routers, shared experts, dense MLPs
+    expert_bytes: float       # the routed experts touched, in every MoE layer
+    kv_bytes: float           # each sequence's K/V
+    dense_bytes: float        # the dense model of the same active size: always + k experts a layer + K/V
+
+    @property
+    def total_bytes(self) -> float:
+        return self.always_bytes + self.expert_bytes + self.kv_bytes
+
+    @property
+    def per_token_bytes(self) -> float:
+        return self.total_bytes / self.batch_size
+
+    @property
+    def dense_per_token_bytes(self) -> float:
+        return self.dense_bytes / self.batch_size
+
+
+def _moe_always_params(cfg, moe: MoEShape) -> int:
+    """Weights read whatever the routing, less the routed experts: attention, norms, head, the dense layers'
+    MLPs, and each MoE layer's router and shared expert (an untied embedding is gathered, not read)."""
+    moe_layers = moe.moe_layers(cfg)
+    dense_mlp = 3 * cfg.dim * cfg.hidden_dim
+    per_moe_layer = cfg.dim * moe.n_experts + 3 * cfg.dim * moe.shared_hidden_dim
+    return weight_bytes_read(cfg, 1) - moe_layers * dense_mlp + moe_layers * per_moe_layer
+
+
+def moe_weight_bytes(cfg, moe: MoEShape, dtype_bytes: int) -> int:
+    """Returns the bytes of every weight an MoE model holds: all n_experts routed experts of every MoE layer,
+    routers, shared experts, and everything `weight_bytes` counts outside the MLPs. Chapter 14."""
+    embedding = 0 if getattr(cfg, "tie_embeddings", False) else cfg.vocab_size * cfg.dim
+    routed = moe.moe_layers(cfg) * moe.n_experts * moe.expert_params(cfg.dim)
+    return (_moe_always_params(cfg, moe) + embedding + routed) * dtype_bytes
+
+
+def moe_decode_step_bytes(cfg, moe: MoEShape, batch_size: int = 1, *, cached_len: int = 0, dtype_bytes: int = 2,
+                          distinct_experts: float | None = None) -> MoEStepBytes:
+    """Returns the bytes one decode step of batch_size sequences after cached_len positions reads. Chapter 14.
+
+    Each MoE layer reads its router and shared expert, and each routed expert that at least one of the
+    batch_size tokens chose, once: distinct_experts of them (default: `expected_distinct_experts`, uniform random
+    routing; pass a count measured on a real router instead). At batch 1 that is k experts, the active size; as
+    the batch grows it tends to all n_experts. The dense model of the same active size reads, at every batch,
+    what the MoE reads at batch 1 (dense_bytes): its bytes per token fall as 1/B, the MoE's much more slowly.
+    """
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if distinct_experts is None:
+        distinct_experts = expected_distinct_experts(moe.n_experts, moe.top_k, batch_size)
+    most = min(moe.n_experts, moe.top_k * batch_size)
+    if not moe.top_k <= distinct_experts <= most:
+        raise ValueError(f"distinct_experts={distinct_experts} is impossible for {batch_size} tokens choosing "
+                         f"top_k={moe.top_k} of {moe.n_experts} experts: it lies in {moe.top_k}..{most}")
+    expert = moe.moe_layers(cfg) * moe.expert_params(cfg.dim) * dtype_bytes
+    always = _moe_always_params(cfg, moe) * dtype_bytes
+    kv = kv_cache_bytes(cfg, cached_len + 1, dtype_bytes, batch_size)
+    return MoEStepBytes(batch_size, distinct_experts, always, distinct_experts * expert, kv,
+                        always + moe.top_k * expert + kv)
+
+
+def moe_decode_step_flops(cfg, moe: MoEShape, batch_size: int = 1, *, cached_len: int = 0) -> int:
+    """Returns the FLOPs of one MoE decode step: as `decode_step_flops`, with each MoE layer's dense MLP replaced
+    by its router, its shared expert and the top_k chosen experts, for every token. Chapter 14.
+
+    Unlike the bytes, the FLOPs do not depend on how the tokens spread over the experts: each token computes
+    its k experts whichever they are. So the arithmetic intensity (FLOPs / bytes) of an MoE decode step grows
+    more slowly with the batch than a dense model's, and it reaches the roofline's ridge at a larger batch.
+    """
+    per_token_mlp = 3 * cfg.dim * cfg.hidden_dim
+    per_token_moe = cfg.dim * moe.n_experts + 3 * cfg.dim * moe.shared_hidden_dim + moe.top_k * moe.expert_params(
+        cfg.dim)
+    dense = decode_step_flops(cfg, cached_len=cached_len, batch_size=batch_size)
+    return dense + 2 * batch_size * moe.moe_layers(cfg) * (per_token_moe - per_token_mlp)
