@@ -214,6 +214,13 @@ class BlockManager:
         self.queried_tokens += num_prompt_tokens
         self.hit_tokens += num_hit_tokens
 
+    def discard(self, seq: Sequence) -> None:
+        """seq's step failed: the blocks only it holds may hold half-written K/V, so their prefixes leave the
+        cache and are never reused; the blocks themselves come back with free(seq)."""
+        for block_id in seq.block_table:
+            if self.blocks[block_id].ref_count == 1:
+                self._evict(self.blocks[block_id])
+
     def free(self, seq: Sequence) -> None:
         """Returns seq's blocks: each loses one reference; blocks nobody uses join the free queue's tail,
         last block first, keeping their hashes until they are taken again. Chapter 06."""

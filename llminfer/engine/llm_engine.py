@@ -37,6 +37,7 @@ from .attention_metadata import AttentionMetadata
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVCache
+from .radix_cache import RadixBlockManager
 from .requests import PromptIds, RequestTable, check_pool_fits
 from .sampling_params import SamplingParams
 from .scheduler import POLICIES, Scheduler
@@ -45,6 +46,7 @@ from .sequence import RequestOutput, Sequence, SequenceStatus, StepOutput
 __all__ = ["LLMEngine", "EngineStats", "StepRecord"]
 
 KV_MEMORY_FRACTION = 0.5    # with num_blocks=None the pool takes at most this share of free memory
+PREFIX_CACHES = ("hash", "radix")   # chapter 06's chained block hashes; chapter 13's radix tree
 BLOCK_BOOKKEEPING_BYTES = 512   # host memory per block: a Block object and its free-queue entry, in two managers
 
 log = logging.getLogger("llminfer.engine")
@@ -119,14 +121,19 @@ class LLMEngine:
     every scheduled sequence in one native call that reads K/V in place through the block tables.
 
     max_prefill_tokens caps the prompt tokens of a step that runs anything else (`Scheduler`; None: no cap
-    beside max_num_batched_tokens), so prompts that arrive together start one after another."""
+    beside max_num_batched_tokens), so prompts that arrive together start one after another.
+
+    prefix_cache picks how cached prefixes are found when enable_prefix_caching is on: "hash" (chapter 06's
+    chained block hashes) or "radix" (chapter 13's radix tree, `radix_cache.RadixBlockManager`), over the
+    same pool."""
 
     def __init__(self, model, block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, policy: str = "continuous", enable_prefix_caching: bool = True,
                  chunked_prefill: bool = True, max_model_len: int | None = None,
                  kv_memory_fraction: float = KV_MEMORY_FRACTION, kernel: str | None = None,
                  clock=time.perf_counter, trace_limit: int = 100_000, optimize: bool = False,
-                 kv_cache_memory: int | None = None, max_prefill_tokens: int | None = None):
+                 kv_cache_memory: int | None = None, max_prefill_tokens: int | None = None,
+                 prefix_cache: str = "hash"):
         cfg = model.config
         if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a positive power of two (1, 2, 4, 8, 16, ...), got {block_size!r}; "
@@ -139,6 +146,9 @@ class LLMEngine:
         if max_prefill_tokens is not None and (not _is_int(max_prefill_tokens) or max_prefill_tokens < 1):
             raise ValueError(f"max_prefill_tokens must be a positive integer or None (no cap beside "
                              f"max_num_batched_tokens), got {max_prefill_tokens!r}")
+        if prefix_cache not in PREFIX_CACHES:
+            raise ValueError(f"prefix_cache must be one of {', '.join(PREFIX_CACHES)} (chapter 06's block hashes or "
+                             f"chapter 13's radix tree; enable_prefix_caching=False for none), got {prefix_cache!r}")
         if max_model_len is None:
             max_model_len = cfg.max_seq_len
         if not _is_int(max_model_len) or not 1 <= max_model_len <= cfg.max_seq_len:
@@ -215,7 +225,9 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.chunked_prefill = chunked_prefill
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.prefix_cache = prefix_cache if enable_prefix_caching else None
+        self.block_manager = RadixBlockManager(num_blocks, block_size) if self.prefix_cache == "radix" \
+            else BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size, kernel=kernel)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, policy, chunked_prefill,
                                    max_prefill_tokens)
@@ -251,7 +263,7 @@ class LLMEngine:
     def __repr__(self) -> str:
         return (f"LLMEngine(policy={self.policy!r}, max_num_seqs={self.max_num_seqs}, "
                 f"max_num_batched_tokens={self.max_num_batched_tokens}, chunked_prefill={self.chunked_prefill}, "
-                f"prefix_caching={self.enable_prefix_caching}, pool={self.num_blocks} blocks × {self.block_size} "
+                f"prefix_cache={self.prefix_cache!r}, pool={self.num_blocks} blocks × {self.block_size} "
                 f"= {self.cache.nbytes / 2**20:.1f} MiB, kernel={self.cache.kernel_name!r})")
 
     # --- requests ----------------------------------------------------------------------------------
@@ -400,10 +412,7 @@ class LLMEngine:
         """Finishes seq with finish_reason "error" and frees its blocks; the other requests go on."""
         log.warning("request %d failed in step %d: %s: %s", seq.request_id, self._steps + 1, type(exc).__name__,
                     exc, exc_info=exc)
-        bm = self.block_manager
-        for block_id in seq.block_table:    # K/V its failed step may have half-written: never reused from the cache
-            if bm.blocks[block_id].ref_count == 1:
-                bm._evict(bm.blocks[block_id])
+        self.block_manager.discard(seq)     # K/V its failed step may have half-written: never reused from the cache
         self.scheduler.remove(seq)
         self.requests.fail(seq, f"{type(exc).__name__}: {exc}")
 
