@@ -9,19 +9,44 @@ body within `body_timeout_s`. A connection that misses either is closed.
 
 h11 checks the header size only while the headers are incomplete in its buffer, so 100 KB of headers that
 arrive in one read pass. The protocol counts a request's header bytes itself, however they arrive, and answers
-more than MAX_HEADER_BYTES with a 431 before h11 parses them. uvicorn counts the connection it is deciding on
+more than MAX_HEADER_BYTES with a 431 before h11 parses them. A request whose Content-Length passes the body
+limit is answered 413 from its headers alone: its body never reaches h11 or the app, and what the client sends
+of it anyway is dropped as it arrives (a length compared per read, no parsing), so that the client reads the
+413 rather than a reset, until it is all in, DISCARD_BYTES have passed or the body's deadline, and the
+connection closes. Four clients each sending bodies of the limit's size cost the event loop next to nothing. uvicorn counts the connection it is deciding on
 among the open ones, so its limit is set one above max_connections: max_connections connections are served.
 
     uvicorn.run(app, **uvicorn_options(config))     # the limits of a ServeConfig, as uvicorn options
 """
 from __future__ import annotations
 
+import json
+import logging
+import re
+
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["timed_protocol", "uvicorn_options", "MAX_HEADER_BYTES"]
+__all__ = ["timed_protocol", "uvicorn_options", "body_too_large", "MAX_HEADER_BYTES", "DISCARD_BYTES"]
 
 MAX_HEADER_BYTES = 64 * 1024     # the request line and headers together; more closes the connection (431)
+DISCARD_BYTES = 64 * 2**20       # of a refused body, at most this much is read and dropped before closing
+_CONTENT_LENGTH = re.compile(rb"\r\ncontent-length[ \t]*:[ \t]*(\d{1,30})[ \t]*(?=\r\n)", re.IGNORECASE)
+log = logging.getLogger("llminfer.serve")
+
+
+def body_too_large(limit: int) -> tuple[str, str]:
+    """The 413's message and code, for a body over limit bytes: the one wording the protocol and the app use."""
+    return (f"the request body is larger than this server's limit of {limit} bytes (--max-request-bytes); "
+            "send a smaller request", "request_too_large")
+
+
+def _response(status: bytes, message: str, code: str) -> bytes:
+    """A complete HTTP/1.1 response carrying an OpenAI-style error, closing the connection."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    return (b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+            % (status, len(body), body))
 
 
 class _TimedH11Protocol(H11Protocol):
@@ -29,11 +54,13 @@ class _TimedH11Protocol(H11Protocol):
 
     header_timeout_s = 10.0
     body_timeout_s = 30.0
+    max_body_bytes: int | None = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._deadline = None
         self._waiting_for = None
-        self._head_bytes, self._head_tail = 0, b""     # the waiting request's header bytes so far, its last 3
+        self._head = b""                 # the waiting request's bytes so far, up to the end of its headers
+        self._discard = 0                # > 0: a refused body's bytes still to drop before closing
         super().connection_made(transport)
         self._arm("headers", self.header_timeout_s)
 
@@ -52,21 +79,42 @@ class _TimedH11Protocol(H11Protocol):
             self.transport.close()           # the client took too long: its connection goes
 
     def _headers_fit(self, data: bytes) -> bool:
-        """False (after answering 431 and closing) once the waiting request's headers pass MAX_HEADER_BYTES."""
-        seen = self._head_tail + data
-        end = seen.find(b"\r\n\r\n")
-        size = self._head_bytes - len(self._head_tail) + (end + 4 if end >= 0 else len(seen))
+        """False (after answering and closing) once the waiting request's headers pass MAX_HEADER_BYTES (431),
+        or once they are complete and declare a body over max_body_bytes (413, its body then dropped)."""
+        start = max(len(self._head) - 3, 0)
+        self._head += data
+        end = self._head.find(b"\r\n\r\n", start)
+        size = end + 4 if end >= 0 else len(self._head)
         if size > MAX_HEADER_BYTES:
-            body = (b'{"error":{"message":"the request headers are larger than this server\'s limit of %d bytes",'
-                    b'"type":"invalid_request_error","param":null,"code":"headers_too_large"}}' % MAX_HEADER_BYTES)
-            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: application/json\r\n"
-                                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
-            self.transport.close()
+            self._refuse(b"431 Request Header Fields Too Large", f"the request headers are larger than this "
+                         f"server's limit of {MAX_HEADER_BYTES} bytes", "headers_too_large")
             return False
-        self._head_bytes, self._head_tail = (0, b"") if end >= 0 else (size, seen[-3:])
+        if end < 0:
+            return True
+        body_so_far, head, self._head = len(self._head) - size, self._head[:size], b""
+        declared = _CONTENT_LENGTH.search(head)
+        if self.max_body_bytes is not None and declared and int(declared[1]) > self.max_body_bytes:
+            self._discard = min(int(declared[1]), DISCARD_BYTES) - body_so_far
+            self._refuse(b"413 Content Too Large", *body_too_large(self.max_body_bytes), keep_reading=True)
+            return False
         return True
 
+    def _refuse(self, status: bytes, message: str, code: str, keep_reading: bool = False) -> None:
+        """Answers status with an error body and closes; with keep_reading, only once the body is dropped."""
+        log.info("refused a request from its headers: %s %s", status.decode(), message[:200])
+        self.transport.write(_response(status, message, code))
+        if keep_reading and self._discard > 0:
+            self._arm("discard", self.body_timeout_s)
+        else:
+            self.transport.close()
+
     def data_received(self, data: bytes) -> None:
+        if self._discard > 0:            # a refused body: counted and dropped, never parsed
+            self._discard -= len(data)
+            if self._discard <= 0:
+                self._disarm()
+                self.transport.close()
+            return
         if self.conn.their_state is h11.IDLE and not self._headers_fit(data):
             return
         super().data_received(data)
@@ -78,7 +126,7 @@ class _TimedH11Protocol(H11Protocol):
             self._disarm()
 
     def on_response_complete(self) -> None:
-        self._head_bytes, self._head_tail = 0, b""
+        self._head = b""
         super().on_response_complete()
         if not self.transport.is_closing():  # keep-alive: the next request's headers are on the clock again
             self._arm("headers", self.header_timeout_s)
@@ -88,14 +136,16 @@ class _TimedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
 
-def timed_protocol(header_timeout_s: float, body_timeout_s: float) -> type:
-    """uvicorn's h11 protocol, closing connections whose headers or body take longer than these. Chapter 11."""
+def timed_protocol(header_timeout_s: float, body_timeout_s: float, max_body_bytes: int | None = None) -> type:
+    """uvicorn's h11 protocol, closing connections whose headers or body take longer than these, and answering
+    413 from the headers to a declared body over max_body_bytes. Chapter 11."""
     return type("TimedH11Protocol", (_TimedH11Protocol,),
-                {"header_timeout_s": float(header_timeout_s), "body_timeout_s": float(body_timeout_s)})
+                {"header_timeout_s": float(header_timeout_s), "body_timeout_s": float(body_timeout_s),
+                 "max_body_bytes": max_body_bytes})
 
 
 def uvicorn_options(config) -> dict:
     """uvicorn.Config keyword arguments for a ServeConfig's connection limits. Chapter 11."""
-    return dict(http=timed_protocol(config.header_timeout_s, config.body_timeout_s),
+    return dict(http=timed_protocol(config.header_timeout_s, config.body_timeout_s, config.max_request_bytes),
                 timeout_keep_alive=max(1, int(round(config.keep_alive_timeout_s))),
                 limit_concurrency=config.max_connections + 1, h11_max_incomplete_event_size=MAX_HEADER_BYTES)

@@ -49,7 +49,7 @@ from ..checks import check_flag, check_int, check_sampling
 from ..engine import Engine, LLMEngine, PromptIds, SamplingParams
 from .async_engine import EngineLoop, EngineUnavailable, QueueFull, RequestHandle, Update
 from .chat import ChatTemplate, chat_prompt_ids, load_chat_template
-from .limits import uvicorn_options
+from .limits import body_too_large, uvicorn_options
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_sampling_fields, error_body,
                        new_id, now_s)
@@ -553,13 +553,13 @@ DRAIN_BYTES = 16 * 2**20     # a body over the limit is read and dropped up to t
 async def read_limited(request: Request, limit: int) -> bytes:
     """The request body, or APIError 413 if it exceeds limit bytes. Chapter 11.
 
-    The excess is read and dropped (never kept) up to DRAIN_BYTES more, so that the client, still sending, reads
-    the 413 instead of a reset connection; a larger body (by Content-Length, or as it arrives) is answered at once
-    and its connection closed."""
+    A declared Content-Length over the limit never gets here: the HTTP protocol answers it from the headers
+    (`limits`). For a body sent in chunks, or longer than it said, the excess is read and dropped (never kept) up
+    to DRAIN_BYTES more, so that the client, still sending, reads the 413 instead of a reset connection; a larger
+    body is answered at once and its connection closed."""
     def too_large(close: bool = False) -> APIError:
-        return APIError(f"the request body is larger than this server's limit of {limit} bytes "
-                        "(--max-request-bytes); send a smaller request", status_code=413, code="request_too_large",
-                        headers={"Connection": "close"} if close else None)
+        message, code = body_too_large(limit)
+        return APIError(message, status_code=413, code=code, headers={"Connection": "close"} if close else None)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit + DRAIN_BYTES:
         raise too_large(close=True)

@@ -368,6 +368,29 @@ def test_a_body_over_the_limit_gets_413(tight):
     assert httpx.get(thread.url + "/health").status_code == 200
 
 
+def test_a_declared_body_over_the_limit_is_refused_from_its_headers(tight):
+    """Content-Length above the limit: the 413 comes from the headers alone, before one byte of the body is sent
+    (the app never reads it), and the body the client then sends is dropped unparsed until the connection closes."""
+    thread, _ = tight
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n")
+    for declared in (8193, 10_000_000, 10**15):                 # just over, over the old drain, absurd
+        with socket.create_connection((thread.host, thread.port)) as sock:
+            sock.sendall(head % (thread.port, declared))
+            sock.settimeout(5.0)
+            answer = sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+            error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+            assert error["code"] == "request_too_large" and "8192" in error["message"], error
+            assert b"connection: close" in answer.lower()
+            try:
+                sock.sendall(b"x" * min(declared, 200_000))     # the body arrives anyway: dropped, not parsed
+            except OSError:
+                pass
+            assert closed_within(sock, 5.0)
+    assert httpx.get(thread.url + "/health").status_code == 200
+
+
 def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(server, monkeypatch):
     thread, state = server
     calls = []
