@@ -253,8 +253,9 @@ class MoEShape:
 
     n_experts routed experts, each a SwiGLU MLP of width expert_hidden_dim; every token is sent to top_k of them
     by a router (a dim × n_experts matrix). shared_hidden_dim is the width of the shared expert(s) every token
-    also goes through (0: none; DeepSeek-V3 and Qwen2-MoE have one). The first n_dense_layers layers keep the
-    config's dense MLP of width cfg.hidden_dim (DeepSeek-V3: 3); the others are MoE layers.
+    also goes through (0: none; DeepSeek-V3 and Qwen2-MoE have one). n_dense_layers of the config's layers keep
+    its dense MLP of width cfg.hidden_dim (DeepSeek-V3: the first 3); the others are MoE layers.
+    `MoEShape.from_config(cfg)` reads it from a ModelConfig of an MoE family.
     """
 
     n_experts: int
@@ -272,6 +273,16 @@ class MoEShape:
         if self.top_k > self.n_experts:
             raise ValueError(f"MoEShape.top_k={self.top_k} is more than n_experts={self.n_experts}: a token picks "
                              "top_k distinct experts; lower top_k or add experts")
+
+    @classmethod
+    def from_config(cls, cfg) -> "MoEShape":
+        """The MoE shape of a ModelConfig with experts: n_experts, n_experts_per_tok, moe_hidden_dim,
+        shared_expert_dim, and its layers outside cfg.moe_layers as the dense ones."""
+        if not getattr(cfg, "n_experts", 0):
+            raise ValueError("this config has no experts (n_experts=0): it is a dense model; pass an MoE config "
+                             "or an MoEShape")
+        return cls(cfg.n_experts, cfg.n_experts_per_tok, cfg.moe_hidden_dim, cfg.shared_expert_dim,
+                   cfg.n_layers - len(cfg.moe_layers))
 
     def moe_layers(self, cfg) -> int:
         """The number of MoE layers of cfg: its layers less the leading dense ones."""
@@ -330,6 +341,10 @@ class MoEStepBytes:
         return self.dense_bytes / self.batch_size
 
 
+def _moe_of(cfg, moe: MoEShape | None) -> MoEShape:
+    return MoEShape.from_config(cfg) if moe is None else moe
+
+
 def _moe_always_params(cfg, moe: MoEShape) -> int:
     """Weights read whatever the routing, less the routed experts: attention, norms, head, the dense layers'
     MLPs, and each MoE layer's router and shared expert (an untied embedding is gathered, not read)."""
@@ -339,15 +354,17 @@ def _moe_always_params(cfg, moe: MoEShape) -> int:
     return weight_bytes_read(cfg, 1) - moe_layers * dense_mlp + moe_layers * per_moe_layer
 
 
-def moe_weight_bytes(cfg, moe: MoEShape, dtype_bytes: int) -> int:
+def moe_weight_bytes(cfg, moe: MoEShape | None = None, dtype_bytes: int = 2) -> int:
     """Returns the bytes of every weight an MoE model holds: all n_experts routed experts of every MoE layer,
-    routers, shared experts, and everything `weight_bytes` counts outside the MLPs. Chapter 14."""
+    routers, shared experts, and everything `weight_bytes` counts outside the MLPs (moe None: read from cfg).
+    Chapter 14."""
+    moe = _moe_of(cfg, moe)
     embedding = 0 if getattr(cfg, "tie_embeddings", False) else cfg.vocab_size * cfg.dim
     routed = moe.moe_layers(cfg) * moe.n_experts * moe.expert_params(cfg.dim)
     return (_moe_always_params(cfg, moe) + embedding + routed) * dtype_bytes
 
 
-def moe_decode_step_bytes(cfg, moe: MoEShape, batch_size: int = 1, *, cached_len: int = 0, dtype_bytes: int = 2,
+def moe_decode_step_bytes(cfg, moe: MoEShape | None = None, batch_size: int = 1, *, cached_len: int = 0, dtype_bytes: int = 2,
                           distinct_experts: float | None = None) -> MoEStepBytes:
     """Returns the bytes one decode step of batch_size sequences after cached_len positions reads. Chapter 14.
 
@@ -356,7 +373,9 @@ def moe_decode_step_bytes(cfg, moe: MoEShape, batch_size: int = 1, *, cached_len
     routing; pass a count measured on a real router instead). At batch 1 that is k experts, the active size; as
     the batch grows it tends to all n_experts. The dense model of the same active size reads, at every batch,
     what the MoE reads at batch 1 (dense_bytes): its bytes per token fall as 1/B, the MoE's much more slowly.
+    moe None: the shape is read from cfg (`MoEShape.from_config`).
     """
+    moe = _moe_of(cfg, moe)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if distinct_experts is None:
@@ -372,7 +391,7 @@ def moe_decode_step_bytes(cfg, moe: MoEShape, batch_size: int = 1, *, cached_len
                         always + moe.top_k * expert + kv)
 
 
-def moe_decode_step_flops(cfg, moe: MoEShape, batch_size: int = 1, *, cached_len: int = 0) -> int:
+def moe_decode_step_flops(cfg, moe: MoEShape | None = None, batch_size: int = 1, *, cached_len: int = 0) -> int:
     """Returns the FLOPs of one MoE decode step: as `decode_step_flops`, with each MoE layer's dense MLP replaced
     by its router, its shared expert and the top_k chosen experts, for every token. Chapter 14.
 
@@ -380,6 +399,7 @@ def moe_decode_step_flops(cfg, moe: MoEShape, batch_size: int = 1, *, cached_len
     its k experts whichever they are. So the arithmetic intensity (FLOPs / bytes) of an MoE decode step grows
     more slowly with the batch than a dense model's, and it reaches the roofline's ridge at a larger batch.
     """
+    moe = _moe_of(cfg, moe)
     per_token_mlp = 3 * cfg.dim * cfg.hidden_dim
     per_token_moe = cfg.dim * moe.n_experts + 3 * cfg.dim * moe.shared_hidden_dim + moe.top_k * moe.expert_params(
         cfg.dim)

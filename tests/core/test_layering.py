@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "llminfer"
 CORE = ["device", "checks", "config", "costs", "attention", "kv_cache", "model", "tokenizer", "gguf_reader",
         "checkpoint", "generate", "instrument", "timing", "static_cache", "cuda_graphs"]
 # Built on the core (may import it; the core never imports them).
-ON_TOP = ["engine", "flash", "cpu", "quant", "fast", "speculative", "parallel", "serve"]
+ON_TOP = ["engine", "flash", "cpu", "quant", "fast", "speculative", "parallel", "serve", "moe_balance"]
 # Around everything: tooling and teaching aids, imported by nothing in the package but themselves.
 AROUND = ["bench", "widgets", "notebooks", "claims"]
 

@@ -123,3 +123,14 @@ def test_bad_counts_are_refused():
         costs.moe_decode_step_bytes(TINY, MOE, 0)
     with pytest.raises(ValueError, match="batch_size must be an integer >= 0"):
         costs.expected_distinct_experts(8, 2, -1)
+
+
+def test_the_shape_is_read_from_a_config_with_experts():
+    # a config's expert fields as ModelConfig names them; layer 0 keeps its dense MLP
+    cfg = SimpleNamespace(**vars(TINY), n_experts=4, n_experts_per_tok=2, moe_hidden_dim=3, shared_expert_dim=2,
+                          moe_layers=(1,))
+    assert MoEShape.from_config(cfg) == MoEShape(4, 2, 3, shared_hidden_dim=2, n_dense_layers=1)
+    assert costs.moe_decode_step_bytes(cfg, batch_size=2) == costs.moe_decode_step_bytes(
+        cfg, MoEShape(4, 2, 3, 2, 1), 2)
+    with pytest.raises(ValueError, match="no experts"):
+        MoEShape.from_config(TINY)
