@@ -1,0 +1,97 @@
+"""The exercises: each solution notebook's answers pass their checkers, and a plausible wrong answer to each is
+refused with a reason.
+
+The solutions are the notebooks in chapters/solutions/, which `make test-notebooks` also runs under nbval. Here
+each notebook's code cells run in this process, in order, as a kernel would run them, and every `check(...)` a cell
+ends on is collected (a kernel would display it). Its `Verdict` carries the answer and the measurements it was
+judged with, so each wrong answer below is judged on the same machine's numbers. The solution code is written
+once, in the notebook the reader opens, and tested from there.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from llminfer.exercises import CHAPTERS, Verdict, check, exercises
+
+ROOT = Path(__file__).resolve().parents[2]
+SOLUTIONS = ROOT / "chapters" / "solutions"
+
+
+def chapter_notebook(chapter: str) -> Path:
+    (path,) = (ROOT / "chapters").glob(f"{chapter}_*.ipynb")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def solution_verdicts(chapter: str) -> dict[str, Verdict]:
+    """Runs chapter's solution notebook here and returns {exercise id: the verdict a cell ended on}."""
+    path = SOLUTIONS / f"{chapter_notebook(chapter).stem}_solutions.ipynb"
+    namespace: dict = {"__name__": "__solutions__"}
+    verdicts = {}
+    for cell in nbformat.read(path, 4).cells:
+        if cell.cell_type != "code":
+            continue
+        tree = ast.parse(cell.source)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        exec(compile(tree, f"{path.name}", "exec"), namespace)
+        if last is not None:
+            value = eval(compile(ast.Expression(last.value), path.name, "eval"), namespace)
+            if isinstance(value, Verdict):
+                verdicts[value.exercise] = value
+    return verdicts
+
+
+def _loop_past_eos(model, prompt_ids, max_new_tokens, eos_token_id):
+    """01.3 wrong: the greedy loop that forgets to stop at end-of-sequence."""
+    context, new = list(prompt_ids), []
+    for _ in range(max_new_tokens):
+        new.append(int(model(torch.tensor([context]))[0, -1].argmax()))
+        context.append(new[-1])
+    return new
+
+
+# A plausible wrong answer to each exercise, made from the right one and the context it was judged with.
+WRONG = {
+    "01.1": lambda answer, ctx: (answer[0], answer[1] + answer[0]),            # one gap too many
+    "01.2": lambda answer, ctx: (answer[0] - 1, answer[1]),                    # the EOS step not counted
+    "01.3": lambda answer, ctx: _loop_past_eos,
+    "01.4": lambda answer, ctx: ctx["ttft_ms"] + 48 * ctx["tpot_ms"],          # one gap too many
+}
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_exercise_is_in_its_chapter_and_solved(chapter):
+    ids = set(exercises(chapter))
+    assert len(ids) >= 3, f"chapter {chapter} has {len(ids)} exercises; the standard is 3 to 6"
+    cells = nbformat.read(chapter_notebook(chapter), 4).cells
+    heading = [i for i, c in enumerate(cells) if c.cell_type == "markdown" and c.source.startswith("## Exercises")]
+    assert len(heading) == 1, f"chapter {chapter} needs one '## Exercises' cell"
+    references = max(i for i, c in enumerate(cells) if "## References" in c.source)
+    assert heading[0] < references, "the exercises come before the references"
+    text = "".join(c.source for c in cells[heading[0]:references])
+    assert set(re.findall(rf'check\("({chapter}\.\d+)"', text)) == ids, "the chapter shows each checker's call"
+    assert set(solution_verdicts(chapter)) == ids, "the solution notebook answers every exercise"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_checkers_accept_the_solutions_and_explain_a_wrong_answer(chapter):
+    for exercise_id, verdict in solution_verdicts(chapter).items():
+        assert verdict, verdict
+        wrong = check(exercise_id, WRONG[exercise_id](verdict.answer, verdict.context), **verdict.context)
+        assert not wrong and len(wrong.text) > 20, wrong
+        junk = check(exercise_id, "forty-two", **verdict.context)
+        assert not junk and "expected" in junk.text, junk
+
+
+def test_an_unknown_exercise_is_refused_by_name():
+    with pytest.raises(ValueError, match="'99.1'"):
+        check("99.1", 0)
+    with pytest.raises(ValueError, match="01.9"):
+        check("01.9", 0)
