@@ -63,6 +63,12 @@ WRONG = {
     "01.2": lambda answer, ctx: (answer[0] - 1, answer[1]),                    # the EOS step not counted
     "01.3": lambda answer, ctx: _loop_past_eos,
     "01.4": lambda answer, ctx: ctx["ttft_ms"] + 48 * ctx["tpot_ms"],          # one gap too many
+    "02.1": lambda answer, ctx: [0.0, 1.0, 1.0],                                # the scores, not their softmax
+    "02.2": lambda answer, ctx: lambda x, n_groups: x.repeat(1, n_groups, 1, 1),  # heads interleaved
+    "02.3": lambda answer, ctx: answer * 3,                                     # every query head counted
+    "03.1": lambda answer, ctx: 20 * 19 // 2,                                   # the prompt's re-runs forgotten
+    "03.2": lambda answer, ctx: 50,                                             # N / 2
+    "03.3": lambda answer, ctx: answer // 2,                                    # one FLOP per weight
 }
 
 
