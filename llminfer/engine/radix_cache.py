@@ -35,6 +35,7 @@ as they call chapter 06's `BlockManager` (`LLMEngine(..., prefix_cache="radix")`
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple
 
@@ -133,10 +134,10 @@ class RadixCache:
                 node.children[self._block(tokens, done)] = leaf
                 self.num_blocks += len(leaf.blocks)
                 return leaf, done
-            child.last_access = self.clock
             shared = self._shared_blocks(child, tokens, done)
             if shared < len(child.blocks):
-                child = self._split(child, shared)
+                child = self._split(child, shared)   # the lower part is not on this path: it keeps its time
+            child.last_access = self.clock
             node, done = child, done + shared
         return node, done
 
@@ -187,7 +188,8 @@ class RadixCache:
         A leaf gives up its last (most specific) blocks first; a leaf left empty is removed, and its parent,
         if now a leaf and unlocked, joins the candidates in its own LRU place.
         """
-        heap = [(n.last_access, id(n), n) for n in self.nodes() if n.is_leaf and n.lock_ref == 0]
+        order = itertools.count()                # ties (none in practice) in a fixed order
+        heap = [(n.last_access, next(order), n) for n in self.nodes() if n.is_leaf and n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_blocks and heap:
@@ -199,7 +201,7 @@ class RadixCache:
             if not leaf.blocks:
                 parent = self._detach(leaf)
                 if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
-                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                    heapq.heappush(heap, (parent.last_access, next(order), parent))
         self.num_blocks -= len(freed)
         return freed
 
