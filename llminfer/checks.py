@@ -6,6 +6,7 @@ value, the limit and the fix. Chapter 01.
     check_int(name, value, minimum, maximum) an integer within bounds
     check_float32(name, value, fix)          a finite number that float32 holds as a normal number (or 0)
     check_sampling(...)                      the sampling and stopping settings of a request
+    check_processors(...)                    min-p and the repetition, presence and frequency penalties
     check_token_ids(ids, vocab_size)         every id inside the vocabulary
     check_json_values(document, max_depth)  a parsed JSON body: nesting depth, valid Unicode, integers in range
     parse_json_int(text)                     json.loads's parse_int: an integer too long to convert stays a TooLongInt
@@ -25,7 +26,8 @@ import numbers
 import torch
 
 __all__ = ["is_int", "check_flag", "check_int", "FLOAT32_TINY", "FLOAT32_MAX", "float32_edge", "check_float32",
-           "MIN_TEMPERATURE", "SEED_RANGE", "check_sampling", "check_token_ids", "InvalidValue", "check_json_values",
+           "MIN_TEMPERATURE", "SEED_RANGE", "PENALTY_RANGE", "check_sampling", "check_processors",
+           "check_token_ids", "InvalidValue", "check_json_values",
            "INT64_MAX", "JSON_INT_RANGE", "TooLongInt", "parse_json_int",
            "KEYWORD_EQUIVALENTS",
            "refuse_keywords", "HelpFormatter"]
@@ -38,6 +40,7 @@ FLOAT32_MAX = torch.finfo(torch.float32).max            # 3.40e38
 # becomes 0 there and every logit turns into inf or nan.
 MIN_TEMPERATURE = FLOAT32_TINY
 SEED_RANGE = (-2**63, 2**64 - 1)          # what torch.Generator.manual_seed takes
+PENALTY_RANGE = (-2.0, 2.0)               # presence and frequency penalties, as the OpenAI API bounds them
 INT64_MAX = 2**63 - 1                     # the bound of every integer request field without a smaller one
 JSON_INT_RANGE = SEED_RANGE               # no integer in a request body may lie outside this (the seed's range)
 
@@ -108,12 +111,14 @@ def check_float32(name: str, value, fix: str) -> float:
 
 def check_sampling(max_new_tokens: int = 1, temperature: float = 0.0, top_k: int | None = None,
                    top_p: float | None = None, seed: int | None = None, eos_token_id: int | None = None,
-                   vocab_size: int | None = None) -> None:
+                   vocab_size: int | None = None, *, min_p: float | None = None, repetition_penalty: float = 1.0,
+                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> None:
     """Raise ValueError naming the first sampling or stopping setting that cannot work. Chapter 01.
 
-    temperature and top_p must survive float32, where sampling computes: a subnormal or a value that becomes 0 or
-    inf there is refused. The EOS id is checked against vocab_size where it is known (an engine's SamplingParams
-    are made before they meet a model)."""
+    temperature, top_p, min_p and the penalties must survive float32, where sampling computes: a subnormal or a
+    value that becomes 0 or inf there is refused. min_p lies in 0..1 (0: off), repetition_penalty is > 0 (1: off),
+    presence_penalty and frequency_penalty lie in PENALTY_RANGE, -2..2 as in the OpenAI API (0: off). The EOS id is
+    checked against vocab_size where it is known (an engine's SamplingParams are made before they meet a model)."""
     if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or \
@@ -135,6 +140,7 @@ def check_sampling(max_new_tokens: int = 1, temperature: float = 0.0, top_k: int
     if top_p is not None:
         check_float32("top_p", top_p, f"pass top_p >= {FLOAT32_TINY:.3g} (any top_p that small keeps only the most "
                                       "likely token, as top_k=1 does)")
+    check_processors(min_p, repetition_penalty, presence_penalty, frequency_penalty)
     if seed is not None and not is_int(seed):
         raise ValueError(f"seed must be an integer or None, got {seed!r}")
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
@@ -150,6 +156,27 @@ def check_sampling(max_new_tokens: int = 1, temperature: float = 0.0, top_k: int
         raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary of {vocab_size} ids "
                          f"(0..{vocab_size - 1}), so generation would never stop on it; pass the tokenizer's "
                          "eos_token_id")
+
+
+def check_processors(min_p: float | None = None, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                     frequency_penalty: float = 0.0) -> None:
+    """Raise ValueError naming the first of min-p and the three penalties that cannot work (check_sampling's part
+    for the processors beside temperature, top-k and top-p). Chapter 13."""
+    if min_p is not None:
+        check_float32("min_p", min_p, "pass min_p from 1.18e-38 to 1, or 0 (or None) for no min-p cut")
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must lie in 0..1 (a fraction of the top token's probability; 0: no cut), "
+                             f"got {_shown(min_p)}")
+    check_float32("repetition_penalty", repetition_penalty, "pass a penalty > 0, where 1 means none (1.1-1.3 is "
+                                                            "typical)")
+    if repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1: none, above 1 discourages repeats, below 1 encourages "
+                         f"them), got {_shown(repetition_penalty)}")
+    low, high = PENALTY_RANGE
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        check_float32(name, value, f"pass {name} from {low} to {high} (0: none)")
+        if not low <= value <= high:
+            raise ValueError(f"{name} must lie in {low}..{high}, as in the OpenAI API (0: none), got {_shown(value)}")
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
@@ -219,8 +246,6 @@ KEYWORD_EQUIVALENTS = {
     "max_tokens": "pass max_new_tokens=...",
     "max_length": "it counts the prompt's tokens too; pass max_new_tokens=..., the new tokens alone",
     "num_beams": "beam search is not implemented; drop it (decoding is greedy or sampled)",
-    "repetition_penalty": "penalties are not implemented; drop it",
-    "min_p": "min-p filtering is not implemented; use top_p=... or top_k=...",
 }
 
 

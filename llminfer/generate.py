@@ -4,8 +4,9 @@ With the cache: one forward over the prompt (prefill), then one single-token for
 (decode). Without it: a forward over *all* tokens so far at every step, recomputing every earlier
 token's K and V — the waste that chapter 03 counts and chapter 04 removes.
 
-`token_loop` is the one loop that turns logits into tokens: it seeds the sampler, samples, stops rows at
-EOS and times every token into a `GenerationResult`. How a step runs is a strategy it is handed, an
+`token_loop` is the one loop that turns logits into tokens: it seeds the sampler, samples (through the one
+logits-processor pipeline of `llminfer.sampling`, chapter 13), stops rows at EOS and times every token into a
+`GenerationResult`. How a step runs is a strategy it is handed, an
 object with `prepare(ids, max_new_tokens)`, `prefill(ids)` and `decode(token)`: `EagerSteps` (the model's
 forward, with or without a cache) by default, or `cuda_graphs.StaticDecoder` (the same forward over a
 static cache, run eagerly, compiled by torch.compile or replayed from a CUDA graph), which the caller
@@ -30,6 +31,7 @@ from .checks import (MIN_TEMPERATURE, SEED_RANGE, check_flag, check_int, check_s
 from .device import check_fits, dtype_bytes, synchronize
 from .kv_cache import Cache
 from .model import Transformer
+from .sampling import History, SamplerSettings, is_penalised, probabilities, sample
 
 __all__ = ["GenerationResult", "TokenTimer", "is_int", "check_flag", "check_int", "check_sampling", "check_capacity",
            "check_request", "as_token_batch", "prefill", "decode_step", "probabilities", "sample_next", "new_generator",
@@ -136,15 +138,20 @@ def check_capacity(prompt_len: int, max_new_tokens: int, capacity: int) -> None:
 
 def check_request(config, input_ids, max_new_tokens: int = 16, eos_token_id: int | None = None,
                   temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                  seed: int | None = None, capacity: int | None = None, single: bool = False) -> torch.Tensor:
+                  seed: int | None = None, capacity: int | None = None, single: bool = False, *,
+                  min_p: float | None = None, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                  frequency_penalty: float = 0.0) -> torch.Tensor:
     """The one request check: returns the prompt as (B, T) long ids once ids, lengths, EOS and sampling
-    settings are valid, else raises ValueError naming the value, the limit and the fix. Chapter 01.
+    settings (min-p and the penalties of chapter 13 too) are valid, else raises ValueError naming the value, the
+    limit and the fix. Chapter 01.
 
     The prompt and its max_new_tokens must fit the model's context (config.max_seq_len), or, for a decoder
     with a fixed cache, `capacity` positions (the last token is sampled, never written). single=True refuses
     a batch (an engine request is one sequence).
     """
-    check_sampling(max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, config.vocab_size)
+    check_sampling(max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, config.vocab_size, min_p=min_p,
+                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                   frequency_penalty=frequency_penalty)
     if isinstance(input_ids, torch.Tensor) and single and input_ids.dim() > 1 and input_ids.shape[0] != 1:
         raise ValueError(f"a request is one sequence, a 1-D list of token ids, got a tensor of shape "
                          f"{tuple(input_ids.shape)}; pass one prompt per request (loop over the prompts)")
@@ -196,41 +203,18 @@ def decode_step(model: Transformer, token_ids: torch.Tensor, cache: Cache, check
 
 # --- the loop's pieces: sampling, seeding, EOS ------------------------------------------------------------
 
-def probabilities(logits: torch.Tensor, temperature: float, top_k: int | None = None,
-                  top_p: float | None = None) -> torch.Tensor:
-    """softmax(logits / temperature) over the last dimension, in float32, after the top-k and top-p filters;
-    same shape as logits (..., vocab). Chapter 01.
-
-    The largest logit is subtracted before dividing, so any temperature down to MIN_TEMPERATURE gives
-    finite numbers (the others become -inf, probability 0) instead of inf / inf = nan.
-    """
-    logits = logits.float()
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature     # <= 0, the largest exactly 0
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = sorted_logits.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs          # probability mass ranked above each token
-        drop_sorted = before >= top_p                  # keep the smallest prefix that reaches top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(dim=-1)
-
-
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token ids (B,) from logits (B, vocab): argmax when temperature is 0, else a filtered sample. Chapter 01."""
-    check_sampling(1, temperature, top_k, top_p)
-    if temperature == 0:
-        if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
-            # float32 holds every bfloat16 and float16 value exactly, so the argmax (the first index of the largest,
-            # a NaN before all) is the same; torch's CPU argmax over a 49,152-entry vocabulary takes 176 µs in
-            # bfloat16 against 65 with the widening (about 1.5 % of a bfloat16 SmolLM2 decode step)
-            logits = logits.float()
-        return logits.argmax(dim=-1)
-    return torch.multinomial(probabilities(logits, temperature, top_k, top_p), 1, generator=generator)[:, 0]
+                generator: torch.Generator | None = None, *, min_p: float | None = None,
+                repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                history: History | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Next token ids (B,) from logits (B, vocab): argmax when temperature is 0, else a filtered sample, through
+    chapter 13's pipeline (`llminfer.sampling.sample`) with one setting for every row. Chapter 01.
+
+    history (a `sampling.History` of the rows' tokens) is needed with a penalty; allowed is an optional bool mask
+    (B, vocab) of the tokens each row may take (constrained decoding)."""
+    settings = SamplerSettings(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+                               frequency_penalty)
+    return sample(logits, settings, generator, history, allowed)
 
 
 def new_generator(device, temperature: float, seed: int | None) -> torch.Generator | None:
@@ -297,17 +281,20 @@ class EagerSteps:
 @torch.inference_mode()
 def token_loop(steps, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-               seed: int | None = None, return_logits: bool = False) -> GenerationResult:
+               seed: int | None = None, return_logits: bool = False, **processors) -> GenerationResult:
     """The one token loop: up to max_new_tokens after the checked prompt ids (B, T), each step run by
     `steps` (prepare, prefill, decode); returns the tokens and their timings. Chapter 01.
 
-    Rows stop at their first EOS (a finished row keeps emitting EOS until every row is done).
+    Rows stop at their first EOS (a finished row keeps emitting EOS until every row is done). processors: min_p,
+    repetition_penalty, presence_penalty, frequency_penalty (chapter 13), checked already, as the rest.
     """
     steps.prepare(ids, max_new_tokens)
     device = steps.model.device
     ids = ids.to(device)
     batch, prompt_len = ids.shape
     generator = new_generator(device, temperature, seed)
+    penalised = is_penalised(SamplerSettings(**processors))
+    history = History.of(ids, vocab_size=steps.model.config.vocab_size) if penalised else None   # what penalties see
     new_tokens = torch.empty(batch, max_new_tokens, dtype=torch.long, device=device)  # (B, N)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     all_logits: list[torch.Tensor] = []
@@ -316,7 +303,9 @@ def token_loop(steps, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int 
     timer.start()
     for step in range(max_new_tokens):
         logits = steps.prefill(ids) if step == 0 else steps.decode(new_tokens[:, step - 1])           # (B, vocab)
-        token = sample_next(logits, temperature, top_k, top_p, generator)                              # (B,)
+        token = sample_next(logits, temperature, top_k, top_p, generator, history=history, **processors)  # (B,)
+        if history is not None:
+            history.append(token)
         if eos_token_id is not None:
             token = torch.where(finished, torch.full_like(token, eos_token_id), token)
             finished |= token == eos_token_id
@@ -341,7 +330,8 @@ def model_eos_token_id(model: Transformer) -> int | None:
 def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache: bool = True,
              eos_token_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, return_logits: bool = False,
-             step=None, ignore_eos: bool = False, **unsupported) -> GenerationResult:
+             step=None, ignore_eos: bool = False, min_p: float | None = None, repetition_penalty: float = 1.0,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, **unsupported) -> GenerationResult:
     """Generate up to max_new_tokens after the prompt, stopping at the end-of-sequence token; returns the tokens
     (the EOS included) and their timings. Chapter 01.
 
@@ -352,6 +342,9 @@ def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache:
     loop that does not stop).
     step: how each step runs; None is the model's eager forward (`EagerSteps`), or pass a decoder made for
     this model, e.g. `llminfer.fast.compile_decode(model)`'s compiled step.
+    min_p, repetition_penalty, presence_penalty, frequency_penalty: chapter 13's processors (`llminfer.sampling`):
+    a min-p cut, the multiplicative repetition penalty over the prompt and the output, and the OpenAI API's
+    presence and frequency penalties over the output; they act on greedy rows too.
     A keyword this function does not take (do_sample=, max_tokens=, ...) raises TypeError naming its equivalent.
     """
     refuse_keywords(generate, unsupported)
@@ -360,7 +353,9 @@ def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache:
         raise ValueError(f"ignore_eos=True runs past every end-of-sequence token, so eos_token_id={eos_token_id!r} "
                          "would never be used; pass one of them")
     eos = None if ignore_eos else eos_token_id if eos_token_id is not None else model_eos_token_id(model)
-    ids = check_request(model.config, input_ids, max_new_tokens, eos, temperature, top_k, top_p, seed)
+    processors = dict(min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                      frequency_penalty=frequency_penalty)
+    ids = check_request(model.config, input_ids, max_new_tokens, eos, temperature, top_k, top_p, seed, **processors)
     if step is None:
         step = EagerSteps(model, use_cache)
     elif getattr(step, "model", None) is not model:
@@ -370,4 +365,4 @@ def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache:
     elif not use_cache:
         raise ValueError("a step strategy decodes over its own cache, so use_cache=False cannot apply; drop step= "
                          "to recompute without a cache")
-    return token_loop(step, ids, max_new_tokens, eos, temperature, top_k, top_p, seed, return_logits)
+    return token_loop(step, ids, max_new_tokens, eos, temperature, top_k, top_p, seed, return_logits, **processors)
