@@ -25,7 +25,8 @@ from ..device import huge_page_empty, last_level_cache_bytes
 from ..timing import interleave, medians, round_order
 
 __all__ = ["interleave", "medians", "round_order", "threads", "shape_config", "BandwidthCeiling", "matmul_probes",
-           "layer_probe", "native_read_probes", "QUANT_WEIGHTS"]
+           "layer_probe", "layer_products", "LAYER_SHAPES", "native_read_probes",
+           "QUANT_WEIGHTS"]
 
 
 @contextmanager
@@ -53,7 +54,7 @@ def shape_config(shape: str) -> ModelConfig:
 def matmul_probes(dtype: torch.dtype, rows: int) -> list[timing.CeilingProbe]:
     """Returns the matmul probes of dtype that bound a prefill's rate: torch's 1536 x 1536 square matmul and, with
     the native kernels, the blocked kernel on the same square and on a layer's products (SmolLM2-135M's shapes,
-    `cpu.layer_products`) with `rows` rows. The best of them is the MFU's yardstick: on a CPU where the
+    `layer_products`) with `rows` rows. The best of them is the MFU's yardstick: on a CPU where the
     blocked kernel outruns torch's sgemm (a Zen 5), torch's rate alone is no ceiling. Chapter 08."""
     probes = [timing.matmul_probe("cpu", dtype)]
     if native_cpu.available():
@@ -69,18 +70,45 @@ def matmul_probes(dtype: torch.dtype, rows: int) -> list[timing.CeilingProbe]:
 QUANT_WEIGHTS = {"int8": torch.int8, "int4": torch.uint8}
 
 
+# A layer's products, (N, K) each: SmolLM2-135M's fused qkv, o, gate_up and down
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
+def layer_products(dtype: torch.dtype, rows: int) -> tuple[list, int]:
+    """Returns ([(x, gemv's weight arguments)], FLOPs): `rows` rows of x and a random (N, K) weight of dtype (float32,
+    bfloat16, int8 codes with a scale a row, or uint8: int4 tiles in groups of 32) for each of LAYER_SHAPES; x
+    bfloat16 for bfloat16 weights."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.int8, torch.uint8):
+        raise ValueError(f"no native product for {dtype} weights; float32, bfloat16, int8 and uint8 (int4) have one")
+    products = []
+    for seed, (n, k) in enumerate(LAYER_SHAPES):
+        g = torch.Generator().manual_seed(seed)
+        if dtype == torch.int8:
+            parts = [torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g)]
+        elif dtype == torch.uint8:
+            nibbles = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+            parts = [*native_cpu.tile_int4(nibbles, torch.rand(n, k // 32, generator=g),
+                                           torch.rand(n, k // 32, generator=g)), 32]
+        else:
+            parts = [torch.randn(n, k, generator=g).to(dtype)]
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(100 + seed))
+        products.append((x.bfloat16() if dtype == torch.bfloat16 else x, parts))
+    return products, sum(2 * rows * n * k for n, k in LAYER_SHAPES)
+
+
 def layer_probe(weight_dtype: torch.dtype, rows: int) -> timing.CeilingProbe:
-    """Returns the probe of `rows` rows by a layer's products (SmolLM2-135M's shapes, `cpu.layer_products`)
+    """Returns the probe of `rows` rows by a layer's products (SmolLM2-135M's shapes, `layer_products`)
     with weights of weight_dtype (torch.int8: int8 codes, torch.uint8: int4 nibbles) by the native blocked kernel.
     A quantized format's prefill multiplies in float32, its weights widened a block at a time: it reads fewer bytes
     than float32's, so its own products bound it too (on a Zen 5 an int8 prefill ran 305 GFLOP/s against 302 for
     float32's products). Chapter 08."""
     name = {dtype: fmt for fmt, dtype in QUANT_WEIGHTS.items()}.get(weight_dtype,
                                                                      str(weight_dtype).removeprefix("torch."))
-    run, flops = native_cpu.layer_products(weight_dtype, rows)
-    shapes = ", ".join(f"{k}x{n}" for n, k in native_cpu.PREFILL_PROBE_SHAPES)
-    return timing.CeilingProbe(run["blocked"], flops, f"{rows} rows by a layer's products ({shapes}) by the native "
-                               f"blocked kernel, {name}", "cpu")
+    products, flops = layer_products(weight_dtype, rows)
+    shapes = ", ".join(f"{k}x{n}" for n, k in LAYER_SHAPES)
+    return timing.CeilingProbe(lambda: [native_cpu.gemv(x, *parts) for x, parts in products], flops,
+                               f"{rows} rows by a layer's products ({shapes}) by the native blocked kernel, {name}",
+                               "cpu")
 
 
 def native_read_probes(nbytes: int) -> dict[str, timing.CeilingProbe]:

@@ -1,21 +1,14 @@
-"""The native CPU backend: decode and prefill products, attention and whole layers in C++. Chapter 08, Appendix A1.
+"""The native CPU backend: products, attention and whole layers in C++ (beside this file). Chapter 08, Appendix A1.
 
-A decode step multiplies one activation row by every weight, so its speed is how fast the weights stream from
-memory; a prefill multiplies many rows, so its speed is how fast the core multiplies. The C++ beside this file does
-both for float32, bfloat16, int8 and int4 weights (int4 also with int8 activations, W4A8), each read once in its
-stored layout: `gemv` (the matrix-vector loops up to MAX_TOKENS rows, the blocked kernel past them),
-`decode_attention` (the attention backend 'native'), `paged_attention`, the layer stack (`cpu.stack`,
-`llminfer.fast`) and `stream_read` (the benchmark's bandwidth probe). The ops have fake implementations, so
-`torch.compile` traces through them.
-
-Which loops run is chosen once, when the kernels load, from the CPU's flags (`choose_isa`): the highest level of
-KERNEL_LEVELS the CPU has, each format's decode loops from the static table DECODE_LOOPS, and the blocked kernel for
-a prefill. Nothing is timed and nothing is kept. LLMINFER_ISA (portable, avx2, avx512, avx512_vnni, avx512_bf16,
-amx) forces a level and its own loops; LLMINFER_PREFILL (blocked, torch) or `force_prefill` a prefill's path.
-
-The source compiles on first use (about 15 s; torch's extension builder) into LLMINFER_KERNEL_CACHE (default
-~/.cache/llminfer/kernels). Without a compiler `available()` is False, `why_unavailable()` says why, and callers keep
-torch's kernels; LLMINFER_NATIVE_KERNELS=0 turns them off.
+A decode step reads every weight once for a few rows of x (memory-bound); a prefill multiplies many rows (compute-
+bound). `gemv` multiplies float32, bfloat16, int8 or int4 weights (int4 also with int8 activations, W4A8) in their
+stored layouts: the multi-row matrix-vector loops up to MAX_TOKENS rows, the blocked kernel past them. Beside it
+`decode_attention` (the attention backend 'native'), `paged_attention`, the layer stack (`cpu.stack`) and
+`stream_read`. The loops are chosen once, at load, from the CPU's flags (`choose_isa`, the static table
+DECODE_LOOPS): nothing is timed or kept. LLMINFER_ISA forces a level, LLMINFER_PREFILL a prefill's path. The source
+compiles on first use (about 15 s) into LLMINFER_KERNEL_CACHE (default ~/.cache/llminfer/kernels); without a
+compiler `available()` is False, `why_unavailable()` says why and callers keep torch's kernels;
+LLMINFER_NATIVE_KERNELS=0 turns them off.
 """
 from __future__ import annotations
 
@@ -32,34 +25,30 @@ import torch
 
 from llminfer.attention import fast_attention, register_backend
 
-__all__ = ["available", "why_unavailable", "load", "loaded", "isa", "isa_features", "choose_isa",
-           "IsaChoice", "ISA_ENV", "KERNEL_LEVELS", "DECODE_FORMATS", "DECODE_LOOPS", "decode_loops", "gemv",
-           "decode_attention", "paged_attention", "attention_backend", "prefill_path", "force_prefill",
-           "blocked_prefill", "layer_products", "stream_read", "PREFILL_PATHS", "PREFILL_ENV",
-           "PREFILL_PROBE_SHAPES", "MAX_TOKENS", "SPLIT_KEYS", "tile_int4", "untile_int4", "SOURCES", "HEADERS", "cache_dir"]
+__all__ = ["available", "why_unavailable", "load", "isa", "isa_features", "choose_isa", "IsaChoice", "ISA_ENV",
+           "KERNEL_LEVELS", "DECODE_FORMATS", "DECODE_LOOPS", "decode_loops", "gemv", "decode_attention",
+           "paged_attention", "attention_backend", "prefill_path", "force_prefill", "blocked_prefill", "stream_read",
+           "PREFILL_PATHS", "PREFILL_ENV", "MAX_TOKENS", "SPLIT_KEYS", "tile_int4", "untile_int4", "SOURCES",
+           "HEADERS"]
 
 _HERE = Path(__file__).parent
-# the units of the one extension (the build's hash covers all of them): the portable reference loops, the vector
-# matrix-vector loops, the blocked kernel, attention, the layers and the ops' schemas (cpu_kernels.h lists them)
+# the units of one extension (cpu_kernels.h says what each holds; the build's hash covers them all)
 SOURCES = tuple(_HERE / name for name in ("cpu_ref.cpp", "cpu_matvec.cpp", "cpu_gemm.cpp", "cpu_attention.cpp",
                                           "cpu_layers.cpp", "cpu_ops.cpp"))
 HEADERS = (_HERE / "cpu_kernels.h",)
-# Products of up to this many rows of x take the matrix-vector loops; past it (a prefill, a large engine batch) the
-# blocked kernel reuses each weight many times. Compiled in (-DLLMINFER_MATVEC_MAX_ROWS), so Python and the kernels
-# cannot disagree; torch.ops.llminfer.matvec_max_rows() reads it back.
+# Products of up to this many rows of x take the multi-row matrix-vector loops (each weight read once for all the
+# rows), more rows the blocked kernel. Compiled in (-DLLMINFER_MATVEC_MAX_ROWS; torch.ops.llminfer.matvec_max_rows()).
 MAX_TOKENS = 8
-# A decode step's attention is shared among its threads by K/V heads, and from this many cached positions on by
-# blocks of keys, merged in order, so the numbers do not depend on the thread count. Compiled in
-# (-DLLMINFER_SPLIT_KEYS); torch.ops.llminfer.split_keys() reads it back. Appendix A1.
+# A decode step's threads share attention by K/V heads, and from this many cached positions on by blocks of keys,
+# merged in order (the numbers do not depend on the thread count). Compiled in (-DLLMINFER_SPLIT_KEYS). Appendix A1.
 SPLIT_KEYS = 1024
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "error": None}
 
 ISA_ENV = "LLMINFER_ISA"
-# The levels the kernels have loops for, lowest first (names of llminfer.device.ISA_LEVELS), each with the
-# instruction set it adds (a bit of `Feature` in cpu_kernels.h) and any flags its loops need beyond the level's
-# own. The amx level's tiles run a prefill's bfloat16 products only; decode keeps the vector loops below it.
+# The levels the kernels have loops for, lowest first (llminfer.device.ISA_LEVELS' names): the bit of `Feature`
+# (cpu_kernels.h) each adds and the flags its loops need beyond the level's own. amx runs bfloat16 prefills only.
 KERNEL_LEVELS: dict[str, tuple[int, frozenset[str]]] = {
     "portable": (0, frozenset()),
     "avx2": (1, frozenset({"f16c"})),                                   # 8-lane float loops, maddubs W4A8
@@ -70,29 +59,20 @@ KERNEL_LEVELS: dict[str, tuple[int, frozenset[str]]] = {
 }
 # The weight formats with their own decode loops, in the C++'s order (MatvecKind in cpu_kernels.h).
 DECODE_FORMATS = ("float32", "bfloat16", "int8", "int4", "int4a8")
-# Each format's decode loops by CPU class: the first row whose vendor and flags the CPU has applies. Each entry is
-# the level whose loops ran that format's decode steps fastest in the class's record (data/benchmarks/
-# decode-cpu-<class>.json, "kernels" > "matvec": each level's loops timed on SmolLM2-135M's decode steps in that
-# format, medians in seconds, docs/performance/); the widest is not the fastest everywhere (a Zen 4 runs 512-bit
-# operations as two halves). A class without a record takes the nearest row that has one. (AVX-VNNI's W4A8 loop won
-# on no record, Zen 5's nor the Xeon's, and is not kept: those CPUs take the avx2 or avx512_vnni ones.)
+# Each format's decode loops by CPU class (the first row whose vendor and flags the CPU has): the level that ran
+# its decode steps fastest in the class's record (data/benchmarks/decode-cpu-<class>.json, "kernels" > "matvec",
+# medians in seconds; docs/performance/). The widest is not the fastest everywhere (a Zen 4 halves 512-bit work).
 DECODE_LOOPS: tuple[tuple[str, str, frozenset[str], dict[str, str]], ...] = (
-    # decode-cpu-intel-xeon-avx512-amx.json: float32 avx512 1.475 < avx2 1.515; bfloat16 avx512_bf16 0.871 <
-    # avx2 0.921 < avx512 0.946; int8 avx512 0.544 < 0.551; int4 avx512_vnni 0.315 < avx512 0.331 < avx2 0.358;
-    # W4A8 avx512_vnni 0.240 < avx_vnni 0.253 < avx2 0.258. Intel's other AVX-512 Xeons take it too.
+    # decode-cpu-intel-xeon-avx512-amx.json (Intel's other AVX-512 Xeons take it too)
     ("Intel Xeon, AVX-512", "GenuineIntel", frozenset({"avx512f"}),
      {"float32": "avx512", "bfloat16": "avx512_bf16", "int8": "avx512", "int4": "avx512_vnni", "int4a8": "avx512_vnni"}),
-    # decode-cpu-amd-epyc-zen5-avx512.json: float32 avx2 0.841 < avx512 0.931; bfloat16 avx512 0.402 < avx512_bf16
-    # 0.405 < avx2 0.409; int8 avx2 0.225 < avx512 0.238; int4 avx512 0.205 < avx512_vnni 0.208 < avx2 0.246; W4A8
-    # avx2 0.174 < avx_vnni 0.175 < avx512_vnni 0.181. (A Zen 5 has AVX-VNNI, a Zen 4 does not.)
+    # decode-cpu-amd-epyc-zen5-avx512.json (a Zen 5 has AVX-VNNI, a Zen 4 does not)
     ("AMD Zen 5, AVX-512", "AuthenticAMD", frozenset({"avx512f", "avx_vnni"}),
      {"float32": "avx2", "bfloat16": "avx512", "int8": "avx2", "int4": "avx512", "int4a8": "avx2"}),
-    # decode-cpu-amd-epyc-zen4-avx512.json: float32 avx2 1.262 < avx512 1.392; bfloat16 avx2 0.669 < avx512 0.704 <
-    # avx512_bf16 0.756; int8 avx512 0.363 < avx2 0.383; int4 avx512 0.313 < avx512_vnni 0.316 < avx2 0.376; W4A8
-    # avx2 0.227 < avx512_vnni 0.253.
+    # decode-cpu-amd-epyc-zen4-avx512.json
     ("AMD Zen 4, AVX-512", "", frozenset({"avx512f"}),
      {"float32": "avx2", "bfloat16": "avx2", "int8": "avx512", "int4": "avx512", "int4a8": "avx2"}),
-    # decode-cpu-amd-epyc.json (AVX2 only): the one vector level.
+    # decode-cpu-amd-epyc.json: the one vector level
     ("AVX2", "", frozenset({"avx2"}), {name: "avx2" for name in DECODE_FORMATS}),
 )
 
@@ -109,11 +89,11 @@ class IsaChoice:
 
     @property
     def bits(self) -> int:
-        """Returns the feature bits the C++ takes (set_cpu_features)."""
+        """The feature bits of the level (set_cpu_features)."""
         return self.level_bits(self.level)
 
     def level_bits(self, level: str) -> int:
-        """Returns the feature bits of `level` and every lower level this choice runs."""
+        """Returns the feature bits (set_cpu_features) of `level` and every lower level this choice runs."""
         order = list(KERNEL_LEVELS)
         return sum(KERNEL_LEVELS[name][0] for name in self.features if order.index(name) <= order.index(level))
 
@@ -132,33 +112,28 @@ def choose_isa(capabilities=None, requested: str | None = None) -> IsaChoice:
 
     capabilities = capabilities or cpu_capabilities()
     flags = capabilities.flags
-    if requested is None:
-        requested = os.environ.get(ISA_ENV) or None
+    requested = os.environ.get(ISA_ENV) or None if requested is None else requested
     order = list(KERNEL_LEVELS)
     runnable = [name for name in order if _level_runs(name, flags)]
-    if requested is None:
-        level = runnable[-1]
-    else:
-        requested = requested.strip().lower()
-        if requested not in order:
-            raise ValueError(f"{ISA_ENV}={requested!r} is not a level the kernels have (known levels are "
+    level = runnable[-1]
+    if requested is not None:
+        level = requested.strip().lower()
+        if level not in order:
+            raise ValueError(f"{ISA_ENV}={level!r} is not a level the kernels have (known levels are "
                              f"{', '.join(order)}); set it to one of {', '.join(runnable)} (what this CPU runs) or "
                              "unset it")
-        if requested not in runnable:
-            needed = dict(ISA_LEVELS)[requested] | KERNEL_LEVELS[requested][1]
-            raise ValueError(f"{ISA_ENV}={requested} needs the CPU flags {', '.join(sorted(needed - flags))}, which "
+        if level not in runnable:
+            needed = dict(ISA_LEVELS)[level] | KERNEL_LEVELS[level][1]
+            raise ValueError(f"{ISA_ENV}={level} needs the CPU flags {', '.join(sorted(needed - flags))}, which "
                              f"this CPU ({capabilities.model}) lacks; the highest it runs is {runnable[-1]}: set "
                              f"{ISA_ENV} to one of {', '.join(runnable)} or unset it")
-        level = requested
     features = tuple(name for name in order[1:order.index(level) + 1] if name in runnable)
-    widest = features[-1] if features else "portable"
-    decode, cpu_class = {name: widest for name in DECODE_FORMATS}, ""
-    if requested is None:
-        for name, vendor, needed, loops in DECODE_LOOPS:
-            if needed <= flags and vendor in ("", capabilities.vendor):
-                cpu_class = name
-                decode.update({fmt: loop for fmt, loop in loops.items() if loop in features})
-                break
+    decode, cpu_class = {name: features[-1] if features else "portable" for name in DECODE_FORMATS}, ""
+    for name, vendor, needed, loops in DECODE_LOOPS if requested is None else ():
+        if needed <= flags and vendor in ("", capabilities.vendor):
+            cpu_class = name
+            decode.update({fmt: loop for fmt, loop in loops.items() if loop in features})
+            break
     return IsaChoice(level=level, features=features, forced=requested is not None,
                      decode=tuple(decode.items()), cpu_class=cpu_class)
 
@@ -168,22 +143,15 @@ def decode_loops() -> dict[str, str]:
     return dict(_state["isa"].decode) if load() else {}
 
 
-def cache_dir() -> Path:
-    """Where the compiled kernels are kept: $LLMINFER_KERNEL_CACHE, else ~/.cache/llminfer/kernels."""
-    return Path(os.environ.get("LLMINFER_KERNEL_CACHE", Path.home() / ".cache" / "llminfer" / "kernels"))
-
-
 def _ninja_on_path() -> None:
-    """torch's builder runs `ninja` from PATH; a venv's own (the `ninja` package) is not on it unless the venv
-    is activated, so it is put there."""
+    """Puts a venv's own `ninja` (not on PATH unless the venv is activated) on PATH for torch's builder."""
     if shutil.which("ninja"):
         return
-    places = [str(Path(sys.executable).parent)]
     try:
         import ninja
-        places.insert(0, str(ninja.BIN_DIR))
+        places = [str(ninja.BIN_DIR), str(Path(sys.executable).parent)]
     except ImportError:
-        pass
+        places = [str(Path(sys.executable).parent)]
     os.environ["PATH"] = os.pathsep.join(places + [os.environ.get("PATH", "")])
 
 
@@ -197,31 +165,24 @@ def _build() -> None:
                        f"-DLLMINFER_SPLIT_KEYS={SPLIT_KEYS}"], ["-fopenmp"]
     digest = hashlib.sha256(source + torch.__version__.encode() + " ".join(cflags + ldflags).encode()).hexdigest()[:12]
     name = f"llminfer_cpu_kernels_{digest}"
-    build = cache_dir() / name
+    build = Path(os.environ.get("LLMINFER_KERNEL_CACHE", Path.home() / ".cache" / "llminfer" / "kernels")) / name
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         print(f"llminfer: compiling the CPU decode kernels once into {build} (about 15 s)", file=sys.stderr)
     _state["build"] = str(build)
     cpp_extension.load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=cflags, extra_ldflags=ldflags,
                        build_directory=str(build), is_python_module=False, verbose=False)
-    _register_fakes()
-
-
-def _register_fakes() -> None:
-    def dense(x, w, *rest):
-        return x.new_empty((x.shape[0], w.shape[0] * (8 if w.dim() == 3 else 1)))    # int4 tiles: 8 rows each
-
-    for op in ("gemv_f32", "gemv_bf16", "gemv_int8", "gemv_int4", "gemv_int4_a8"):
-        torch.library.register_fake(f"llminfer::{op}", dense)
-    torch.library.register_fake("llminfer::decode_attention",
-                                lambda q, k, v, mask, scale: q.new_empty(q.shape))
+    for op in ("gemv_f32", "gemv_bf16", "gemv_int8", "gemv_int4", "gemv_int4_a8"):   # int4 tiles: 8 rows each
+        torch.library.register_fake(f"llminfer::{op}", lambda x, w, *rest: x.new_empty(
+            (x.shape[0], w.shape[0] * (8 if w.dim() == 3 else 1))))
+    for op in ("decode_attention", "paged_attention"):
+        torch.library.register_fake(f"llminfer::{op}", lambda q, *rest: q.new_empty(q.shape))
     torch.library.register_fake("llminfer::run_stack", lambda stack, x, *rest: x.new_empty(x.shape))
-    torch.library.register_fake("llminfer::paged_attention", lambda q, *rest: q.new_empty(q.shape))
 
 
 def load() -> bool:
-    """Builds (once) and loads the kernels; True when `torch.ops.llminfer.gemv_*` can be called. ValueError
-    for an LLMINFER_ISA this CPU cannot run (before anything is built)."""
+    """Builds (once) and loads the kernels; True when they can be called. ValueError for an LLMINFER_ISA this CPU
+    cannot run (before anything is built)."""
     with _lock:
         if _state["loaded"] or _state["error"] is not None:
             return _state["loaded"]
@@ -232,7 +193,8 @@ def load() -> bool:
         try:
             _build()
         except Exception as error:            # no compiler, no ninja, a failed build: torch's kernels remain
-            _state["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+            lines = str(error).strip().splitlines()
+            _state["error"] = f"{type(error).__name__}: {lines[-1] if lines else ''}"
             print(f"llminfer: the native CPU decode kernels did not build ({_state['error']}); torch's kernels run "
                   "instead. A C++ compiler (g++ or clang) and ninja build them.", file=sys.stderr)
             return False
@@ -251,15 +213,12 @@ def loaded() -> bool:
     return _state["loaded"]
 
 
-def available() -> bool:
-    """Whether the native CPU kernels are built and loaded (building them now if need be)."""
-    return load()
+available = load                               # whether the kernels are built and loaded (building them if need be)
 
 
 def why_unavailable() -> str | None:
     """None when the kernels load; otherwise the reason (no compiler, turned off, ...)."""
-    load()
-    return _state["error"]
+    return None if load() else _state["error"]
 
 
 def _require() -> None:
@@ -269,8 +228,7 @@ def _require() -> None:
 
 
 def isa() -> str:
-    """Returns the level of KERNEL_LEVELS whose loops run in this process ('unavailable' without the kernels).
-    Appendix A1."""
+    """Returns the level of KERNEL_LEVELS whose loops run here ('unavailable' without the kernels). Appendix A1."""
     return _state["isa"].level if load() else "unavailable"
 
 
@@ -279,21 +237,17 @@ def isa_features() -> tuple[str, ...]:
     return _state["isa"].features if load() else ()
 
 
-# A prefill (more than MAX_TOKENS rows) runs its products by the blocked kernel or by torch's matmul (after
-# dequantizing, for int8/int4 weights: what the modules do). The blocked kernel ran every format's 128-token prefill
-# of SmolLM2-135M faster on every class recorded (data/benchmarks/decode-cpu-*.json, "prefill" > "by_precision",
-# blocked_s against torch_s: AVX2 EPYC 1.5-5.5x, Zen 4 1.5-2.8x, Zen 5 1.2-3.4x, Xeon with AMX 1.6-3.2x), so it is the
-# path wherever the vector loops run (AVX2 and above), and torch's matmul with the portable loops.
+# A prefill (more than MAX_TOKENS rows) runs by the blocked kernel wherever the vector loops run: it ran every format's
+# 128-token prefill of SmolLM2-135M faster than torch's matmul on every class recorded (data/benchmarks/
+# decode-cpu-*.json, "prefill" > "by_precision": 1.2-5.5x). The portable loops keep torch's (dequantized) matmul.
 PREFILL_PATHS = ("blocked", "torch")
 PREFILL_ENV = "LLMINFER_PREFILL"           # 'blocked' or 'torch' forces the path (for comparisons)
 _prefill: dict = {"forced": None}
-# A layer's products, (N, K) each: SmolLM2-135M's fused qkv, o, gate_up and down (the benchmark's matmul probe).
-PREFILL_PROBE_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
 
 def prefill_path(weight_dtype: torch.dtype = torch.float32, rows: int = 128) -> str:
-    """Returns 'blocked' or 'torch': the path a prefill of `rows` rows with weights of weight_dtype takes here (the
-    blocked kernel wherever the vector loops run); LLMINFER_PREFILL or `force_prefill` overrides it. Appendix A1."""
+    """Returns 'blocked' or 'torch', the path a prefill takes here (the same for every dtype and row count);
+    LLMINFER_PREFILL or `force_prefill` overrides it. Appendix A1."""
     forced = _prefill["forced"] or os.environ.get(PREFILL_ENV) or None
     if forced is not None and forced not in PREFILL_PATHS:
         raise ValueError(f"{PREFILL_ENV}={forced!r} must be one of {PREFILL_PATHS}, or unset for the blocked kernel")
@@ -304,8 +258,7 @@ def prefill_path(weight_dtype: torch.dtype = torch.float32, rows: int = 128) -> 
 
 @contextmanager
 def force_prefill(path: str | None):
-    """Context manager: every prefill takes `path` ('blocked' or 'torch'; None: the default) inside it, for a
-    benchmark's comparison. Appendix A1."""
+    """Context manager: every prefill inside takes `path` ('blocked', 'torch' or None: the default). Appendix A1."""
     if path is not None and path not in PREFILL_PATHS:
         raise ValueError(f"path={path!r} must be one of {PREFILL_PATHS} or None")
     before, _prefill["forced"] = _prefill["forced"], path
@@ -316,49 +269,17 @@ def force_prefill(path: str | None):
 
 
 def blocked_prefill(weight_dtype: torch.dtype | None = None, rows: int = 128) -> bool:
-    """Whether products of `rows` rows of x (a prefill) with weights of `weight_dtype` (float32 when None) run
-    the blocked kernel rather than torch's matmul (`prefill_path`). Chapter 08."""
+    """Whether a prefill's products run the blocked kernel rather than torch's matmul (`prefill_path`)."""
     return prefill_path(torch.float32 if weight_dtype is None else weight_dtype, rows) == "blocked"
-
-
-def layer_products(dtype: torch.dtype, rows: int, shapes=PREFILL_PROBE_SHAPES) -> tuple[dict, int]:
-    """Returns ({path: run}, FLOPs): `rows` rows of x times a random (N, K) weight of dtype (float32, bfloat16, int8
-    codes, or uint8: int4 tiles in groups of 32) for each of shapes, by the blocked kernel ('blocked') and by torch's
-    matmul on the dequantized weight ('torch'); x bfloat16 for bfloat16 weights. The benchmark's matmul probe."""
-    import torch.nn.functional as F
-
-    _require()
-    if dtype not in (torch.float32, torch.bfloat16, torch.int8, torch.uint8):
-        raise ValueError(f"no native product for {dtype} weights; float32, bfloat16, int8 and uint8 (int4) have one")
-    x_dtype, products = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32, []
-    for seed, (N, K) in enumerate(shapes):
-        g = torch.Generator().manual_seed(seed)
-        parts = [torch.randn(N, K, generator=g).to(dtype)] if dtype.is_floating_point else []
-        weight = parts[0] if parts else None
-        if dtype == torch.int8:
-            parts = [torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g), torch.rand(N, generator=g)]
-            weight = parts[0].float() * parts[1][:, None]
-        elif dtype == torch.uint8:
-            nibbles = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
-            scale, offset = torch.rand(N, K // 32, generator=g), torch.rand(N, K // 32, generator=g)
-            codes = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).reshape(N, K // 32, 32).float()
-            weight = (codes * scale[..., None] + offset[..., None]).reshape(N, K)
-            parts = [*tile_int4(nibbles, scale, offset), 32]
-        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(100 + seed)).to(x_dtype)
-        products.append((parts, weight.to(x_dtype), x))
-    run = {"blocked": lambda: [gemv(x, *parts) for parts, _, x in products],
-           "torch": lambda: [F.linear(x, weight) for _, weight, x in products]}
-    return run, sum(2 * rows * n * k for n, k in shapes)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
          offset: torch.Tensor | None = None, group: int | None = None, activations: str = "float") -> torch.Tensor:
     """x (tokens, K) times the weight's transpose, by the kernel for the weight's dtype. Chapter 08.
 
-    float32 and bfloat16 weights (N, K); int8 codes (N, K) with `scale` (N,) or (N, K/group) (GGUF's Q8_0: groups of
-    32); int4 in tiles of 8 rows (`tile_int4`: codes (N/8, K/8, 32), scale and offset (N/8, K/group, 8), float32 or
-    float16, w = q·scale + offset). activations="int8" (int4 only, W4A8) rounds x to int8 per block of 32 inputs
-    and multiplies in integers: faster, and it changes the numbers."""
+    float32 and bfloat16 weights (N, K); int8 codes (N, K) with `scale` (N,) or (N, K/group); int4 in tiles of 8 rows
+    (`tile_int4`) with scale and offset, w = q·scale + offset. activations="int8" (int4 only, W4A8) rounds x to int8
+    per block of 32 inputs and multiplies in integers: faster, and it changes the numbers."""
     _require()
     if activations not in ("float", "int8"):
         raise ValueError(f"activations={activations!r} must be 'float' or 'int8'")
@@ -406,9 +327,8 @@ def untile_int4(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
 
 
 def stream_read(data: torch.Tensor, width: int = 0) -> int:
-    """Reads every byte of a contiguous CPU tensor once, on every thread, with loads of `width` bytes (64 with
-    AVX-512, 32 with AVX2, 8; 0: the widest in use); returns a checksum. The decode benchmark's native bandwidth
-    probes. Chapter 08."""
+    """Reads every byte of a contiguous CPU tensor once, on every thread, with loads of `width` bytes (64, 32, 8; 0:
+    the widest in use); returns a checksum. The benchmark's bandwidth probes. Chapter 08."""
     _require()
     return int(torch.ops.llminfer.stream_read(data, width))
 
@@ -423,9 +343,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                     token_seq: torch.Tensor, positions: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Attention of the new tokens of several sequences, q (1, H, N, D), over K/V read in place from a block pool
-    (num_blocks, block_size, H_kv, D): token t sees positions 0..positions[t] of sequence token_seq[t], whose
-    blocks are row token_seq[t] of block_tables (S, max_blocks). The native kernel; float32 or bfloat16.
+    """Attention of several sequences' new tokens, q (1, H, N, D), over K/V in a block pool (num_blocks, block_size,
+    H_kv, D): token t sees positions 0..positions[t] of sequence token_seq[t] through its row of block_tables.
     Chapters 06 and 08."""
     _require()
     return torch.ops.llminfer.paged_attention(q, k_pool, v_pool, block_tables, token_seq, positions,
@@ -433,8 +352,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 
 def attention_backend(q, k, v, causal: bool = True, mask: torch.Tensor | None = None, scale: float | None = None):
-    """The 'native' attention backend: the decode_attention kernel for a few queries on a CPU (a decode
-    step), F.scaled_dot_product_attention for everything else (a prefill, a GPU, autograd)."""
+    """The 'native' attention backend: decode_attention for a few queries on a CPU, SDPA otherwise."""
     if (q.device.type == "cpu" and q.dim() == 4 and q.shape[-2] <= MAX_TOKENS and q.dtype == k.dtype == v.dtype
             and q.dtype in (torch.float32, torch.bfloat16) and (mask is not None or causal)
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))

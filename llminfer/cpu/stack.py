@@ -1,17 +1,11 @@
 """The native-call contract: a layer stack prepared once, then one op a step over contiguous or paged K/V. Chapter 08.
 
 A stack's weights cross into C++ once, as named fields: a `LayerWeights` a layer (both norms and their epsilons, the
-four products qkv, o, gate_up and down as `NativeWeight`s, the qkv bias), each product with its activations' format
-said outright (`Activations.FLOAT`, or `Activations.INT8` for W4A8). `layer_arguments` is the one function that lays
-them out for the op `prepare_stack`, in the one order LAYER_TENSORS names (cpu_layers.cpp reads them in the same
-order and gives its names back through `torch.ops.llminfer.layer_fields()`). The caches are handed over with them,
-of an explicit `CacheKind`: contiguous (B, H_kv, slots, D) buffers, or a paged pool (num_blocks, block_size, H_kv, D)
-read through block tables. A `PreparedStack` then runs a step with `run_stack(stack, x, cos, sin, positions)` (and,
-over a pool, each token's sequence and the block tables): a few tensors a step, not the hundreds of weights.
-
-The kernels check every tensor at the first step of each shape and then only refer to them. A weight changed after
-preparing (a transform, a rebound `.data`) is not picked up: the caller prepares again (`llminfer.fast`'s
-`NativeDecoderStack.load_weights()`), and a step over tensors that have moved is refused.
+products qkv, o, gate_up and down as `NativeWeight`s with their activations' format said outright, the qkv bias).
+`layer_arguments` lays them out for the op `prepare_stack` in the one order LAYER_TENSORS names (cpu_layers.cpp reads
+that order and names it back through `torch.ops.llminfer.layer_fields()`), with the caches of an explicit `CacheKind`.
+A `PreparedStack` then runs a step with a few tensors, not the hundreds of weights. A weight changed after preparing
+is not picked up: the owner prepares again, and a step over tensors that have moved is refused.
 """
 from __future__ import annotations
 
@@ -29,16 +23,15 @@ __all__ = ["Activations", "CacheKind", "NativeWeight", "LayerWeights", "PRODUCTS
 
 
 class Activations(IntEnum):
-    """The format x takes into a product: float (x's own dtype), or int8 per block of 32 inputs (int4 weights only:
-    W4A8). Chapter 08."""
+    """The format x takes into a product: float, or int8 per block of 32 inputs (int4 weights only: W4A8)."""
 
     FLOAT = 0
     INT8 = 1
 
 
 class CacheKind(IntEnum):
-    """The K/V a stack writes and reads: contiguous buffers (B, H_kv, slots, D) a layer, or a paged pool (num_blocks,
-    block_size, H_kv, D) a layer read through block tables. Chapters 06 and 08."""
+    """A stack's K/V: contiguous (B, H_kv, slots, D) buffers, or a paged pool (num_blocks, block_size, H_kv, D) read
+    through block tables, one a layer. Chapters 06 and 08."""
 
     CONTIGUOUS = 0
     PAGED = 1
@@ -46,9 +39,8 @@ class CacheKind(IntEnum):
 
 @dataclass(frozen=True)
 class NativeWeight:
-    """One product's weight as the kernels take it: float32 or bfloat16 (N, K); int8 codes (N, K) with a scale (N,)
-    or (N, K/group); int4 nibbles (uint8, (N, K/2) or tiles of 8 rows, `cpu.tile_int4`) with a scale and an offset.
-    Chapter 08."""
+    """One product's weight: float32 or bfloat16 (N, K); int8 codes (N, K) with a scale (N,) or (N, K/group); int4
+    nibbles (uint8, (N, K/2) or `cpu.tile_int4`'s tiles) with a scale and an offset."""
 
     weight: torch.Tensor
     scale: torch.Tensor | None = None
@@ -83,7 +75,7 @@ LAYER_TENSORS = ("input_norm", "post_norm", "qkv_bias",
 
 def layer_arguments(layers: Sequence[LayerWeights]) -> tuple[list[torch.Tensor | None], list[float], list[int]]:
     """Returns the layers as `prepare_stack` takes them: their tensors in LAYER_TENSORS' order layer after layer,
-    their epsilons (input, post) and their products' activation formats. Chapter 08."""
+    their epsilons (input, post) and their products' activation formats."""
     tensors: list[torch.Tensor | None] = []
     eps: list[float] = []
     activations: list[int] = []
@@ -97,8 +89,8 @@ def layer_arguments(layers: Sequence[LayerWeights]) -> tuple[list[torch.Tensor |
 
 
 class NativeKV(ABC):
-    """A cache that hands a native stack its K/V storage and the forward in flight's positions, beside the cache
-    protocol: the engine's paged cache (chapter 06). The contiguous KVCache is read by its type. Chapter 08."""
+    """A cache that hands a native stack its K/V storage and the forward in flight's positions (the engine's paged
+    cache, chapter 06; the contiguous KVCache is read by its type)."""
 
     @abstractmethod
     def native_storage(self) -> tuple[CacheKind, list[torch.Tensor], list[torch.Tensor]]:
@@ -111,11 +103,8 @@ class NativeKV(ABC):
 
 
 class PreparedStack:
-    """Layers and their caches kept by the kernels under a number, for one op a step (`step`). Chapter 08.
-
-    The caches are `keys` and `values`, one a layer, of `kind`; each step writes its K/V into them. The number is
-    released when this object goes.
-    """
+    """Layers and their caches (`keys`, `values`, one a layer, of `kind`) kept by the kernels under a number, released
+    when this object goes; `step` runs one step through them. Chapter 08."""
 
     def __init__(self, layers: Sequence[LayerWeights], n_heads: int, head_dim: int, kind: CacheKind,
                  keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]):
@@ -123,8 +112,7 @@ class PreparedStack:
             raise ValueError(f"{len(layers)} layers need as many K and V caches, got {len(keys)} and {len(values)}; "
                              "pass one K and one V cache a layer")
         _require()
-        self.kind = CacheKind(kind)
-        self.keys, self.values = tuple(keys), tuple(values)
+        self.kind, self.keys, self.values = CacheKind(kind), tuple(keys), tuple(values)
         tensors, eps, activations = layer_arguments(layers)
         self.id = int(torch.ops.llminfer.prepare_stack(tensors, eps, activations, n_heads, head_dim ** -0.5,
                                                        int(self.kind), list(self.keys), list(self.values)))
@@ -138,7 +126,7 @@ class PreparedStack:
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
              token_seq: torch.Tensor | None = None, block_tables: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, dim) through every layer at positions (T,), writing K/V into the caches; over a pool, x (1, N, dim)
-        with each token's sequence token_seq (N,) and the block tables (S, W). Returns x's new value. Chapter 08."""
+        with each token's sequence token_seq (N,) and the block tables (S, W). Returns x's new value."""
         return torch.ops.llminfer.run_stack(self.id, x, cos, sin, positions, token_seq, block_tables)
 
     def __del__(self):
