@@ -1,0 +1,129 @@
+"""Expert parallelism with real processes (2 gloo ranks): an MoE layer whose experts are split over two ranks
+computes what one process computes, moving exactly the bytes counted; the all-to-all is timed and fitted; the
+α–β projection against hand-worked numbers."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llminfer.costs import MoEShape
+from llminfer.moe import MoEFeedForward
+from llminfer.parallel import cost_model, expert
+
+
+def random_moe(seed: int = 0, **options) -> MoEFeedForward:
+    """8 experts of width 24 over dim 16, 2 per token, with random weights large enough to spread the routing."""
+    torch.manual_seed(seed)
+    moe = MoEFeedForward(16, 8, 2, 24, **{"softmax_before_topk": True, "normalize": True, **options})
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.normal_(0.0, 0.3)
+    return moe.eval()
+
+
+def _remote_pairs(moe, x, rank):
+    """Of rank's tokens' (token, expert) pairs, how many choose an expert the other rank holds."""
+    _, ids = moe.route(x)
+    return int(((ids // 4) != rank).sum())
+
+
+def test_ep2_layer_equals_one_process_and_moves_the_counted_bytes():
+    moe = random_moe(shared_expert_dim=8, shared_expert_gate=True)
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(7, 16, generator=generator), torch.randn(3, 16, generator=generator)]
+    ranks = expert.run_expert_parallel(moe, inputs)
+    full_expert_bytes = sum(p.numel() * 4 for p in (moe.w_gate, moe.w_up, moe.w_down))
+    with torch.no_grad():
+        references = [moe(x) for x in inputs]
+    for rank, x, reference in zip(ranks, inputs, references):
+        assert reference.abs().max() > 0.5                               # real outputs, not a vacuous comparison
+        # the same sums, added in the same order; the products run on other row counts, so float32 rounding
+        assert (rank["output"] - reference).abs().max() < 1e-5 * reference.abs().max()
+        assert rank["expert_bytes"] * 2 == full_expert_bytes
+    assert [r["experts"] for r in ranks] == [(0, 4), (4, 8)]
+    sent = [_remote_pairs(moe, x, r) for r, x in enumerate(inputs)]
+    assert sent[0] > 0 and sent[1] > 0
+    for r in (0, 1):
+        # dispatch: each pair of this rank's tokens bound for the other rank, a float32 row of 16
+        assert ranks[r]["rows"]["dispatch"] == sent[r]
+        assert ranks[r]["bytes"]["dispatch"] == sent[r] * 16 * 4
+        # combine: what this rank received comes back
+        assert ranks[r]["rows"]["combine"] == sent[1 - r]
+        assert ranks[r]["bytes"]["combine"] == sent[1 - r] * 16 * 4
+
+
+def test_ep2_layer_with_a_rank_without_tokens_and_softmax_after_topk():
+    moe = random_moe(seed=4, softmax_before_topk=False, normalize=False)
+    inputs = [torch.randn(6, 16, generator=torch.Generator().manual_seed(2)), torch.zeros(0, 16)]
+    ranks = expert.run_expert_parallel(moe, inputs)
+    with torch.no_grad():
+        reference = moe(inputs[0])
+    assert (ranks[0]["output"] - reference).abs().max() < 1e-5 * reference.abs().max()
+    assert ranks[1]["output"].shape == (0, 16)
+    assert ranks[1]["rows"]["dispatch"] == 0 and ranks[1]["rows"]["combine"] == _remote_pairs(moe, inputs[0], 0)
+
+
+def test_all_to_all_is_measured_and_fitted():
+    sizes = [64, 1 << 16, 1 << 22]
+    measured = expert.measure_all_to_all(sizes, repeats=2, budget_s=0.01)
+    assert measured["sizes"] == sizes and measured["sent_bytes"] == [n / 2 for n in sizes]
+    times = measured["seconds"]
+    assert len(times) == 3 and all(t > 0 for t in times)
+    # a physical floor, whatever the load: 2 MiB leave each rank, and no path between two processes moves that
+    # at 200 GB/s
+    assert times[2] > (1 << 21) / 200e9, times
+    assert measured["fit"].alpha_s >= 0 and measured["fit"].bytes_per_s > 0
+
+
+def test_bad_splits_are_refused_before_any_process():
+    with pytest.raises(ValueError, match="n_experts=8 is not divisible by world_size=3"):
+        expert.run_expert_parallel(random_moe(), [torch.zeros(1, 16)] * 3, world_size=3)
+    with pytest.raises(ValueError, match=r"one \(tokens, 16\) tensor per rank \(2\)"):
+        expert.run_expert_parallel(random_moe(), [torch.zeros(1, 8)] * 2)
+
+
+# --- the α–β projection, by hand --------------------------------------------------------------------------------
+
+DEEPSEEK_V3 = SimpleNamespace(dim=7168, n_layers=61)               # its MoE shape: 3 dense layers, then 58 MoE
+DEEPSEEK_V3_MOE = MoEShape(n_experts=256, top_k=8, expert_hidden_dim=2048, shared_hidden_dim=2048, n_dense_layers=3)
+
+
+def test_ep_bytes_per_token_by_hand():
+    # 8 ranks: 7 of a token's 8 copies leave its rank; FP8 dispatch, BF16 combine
+    per_token = expert.ep_bytes_per_token(DEEPSEEK_V3, DEEPSEEK_V3_MOE, world_size=8, dispatch_bytes=1,
+                                          combine_bytes=2)
+    assert per_token["remote_copies"] == 7
+    assert per_token["dispatch"] == 7 * 7168 and per_token["combine"] == 7 * 7168 * 2
+    assert per_token["per_step_all_layers"] == 58 * 3 * 7 * 7168
+
+
+def test_predict_ep_step_by_hand():
+    node = cost_model.Link("toy", alpha_s=1.0, bytes_per_s=4.0, scope="node", source="test")
+    cfg = SimpleNamespace(dim=4, n_layers=3)
+    moe = MoEShape(n_experts=4, top_k=2, expert_hidden_dim=1, n_dense_layers=1)     # 2 MoE layers
+    # 1 token, 2 copies, half of them to the other rank: 1 row of 4 values. Dispatch 1 byte each: 4 bytes over
+    # 4 B/s + 1 s; combine 2 bytes each: 8 bytes, 2 s + 1 s. Two layers: 2 * (2 + 3)
+    step = expert.predict_ep_step(cfg, 1, 2, node, moe=moe, dispatch_bytes=1, combine_bytes=2)
+    assert (step.dispatch_bytes, step.combine_bytes) == (4, 8)
+    assert (step.dispatch_seconds, step.combine_seconds, step.step_seconds) == (2.0, 3.0, 10.0)
+    # 16 ranks on nodes of 4: of 8 copies, 3/16 stay in the node and 12/16 cross; the two links work at once
+    cluster = cost_model.Link("toy cluster", alpha_s=2.0, bytes_per_s=1.0, scope="cluster", source="test")
+    step = expert.predict_ep_step(cfg, 4, 16, node, cluster, gpus_per_node=4, moe=moe, dispatch_bytes=1)
+    assert step.dispatch_bytes == 8 * 15 / 16 * 4
+    assert step.dispatch_seconds == 2.0 + max(8 * 3 / 16 * 4 / 4.0, 8 * 12 / 16 * 4 / 1.0)
+    with pytest.raises(ValueError, match="pass cluster_link"):
+        expert.predict_ep_step(cfg, 1, 16, node, gpus_per_node=4, moe=moe)
+
+
+def test_deepseek_v3_projection_on_h100_nodes():
+    # 64 GPUs (8 nodes of 8, NVLink inside, 400 Gb/s InfiniBand across), 128 tokens per GPU: the cross-node
+    # copies (7/8 of them) over 50 GB/s set the time
+    nvlink, ib = cost_model.LINKS["nvlink4"], cost_model.LINKS["ib-ndr"]
+    step = expert.predict_ep_step(DEEPSEEK_V3, 128, 64, nvlink, ib, moe=DEEPSEEK_V3_MOE, dispatch_bytes=1)
+    across = 128 * 8 * 56 / 64 * 7168
+    assert step.dispatch_seconds == pytest.approx(ib.alpha_s + across / ib.bytes_per_s)
+    assert step.combine_seconds == pytest.approx(ib.alpha_s + 2 * across / ib.bytes_per_s)
+    assert step.step_seconds == pytest.approx(58 * (step.dispatch_seconds + step.combine_seconds))
+    assert 0.01 < step.step_seconds < 0.05                              # tens of milliseconds a step
