@@ -12,6 +12,7 @@ chat traces (ShareGPT, BurstGPT). Everything comes from one seed.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,9 +20,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .latency import SLO, percentile, request_goodput
+from .llm_engine import LLMEngine
 from .sampling_params import SamplingParams
 
-__all__ = ["Request", "Workload", "WorkloadResult", "make_workload", "replay", "summarize", "percentile"]
+__all__ = ["Request", "Workload", "WorkloadResult", "make_workload", "replay", "summarize", "percentile",
+           "few_shot_workload", "ChatWorkload", "multi_turn_workload", "run_chat", "PrefixCacheRun",
+           "measure_prefix_cache"]
 
 
 @dataclass(frozen=True)
@@ -197,3 +201,179 @@ def summarize(result: WorkloadResult, slo_ttft_s: float = 1.0, slo_tpot_s: float
         for q in (50, 90, 99):
             summary[f"{name}_p{q}_s"] = percentile(values, q)
     return summary
+
+
+# --- workloads with shared prefixes: the prefix caches of chapters 06 and 13 compared -------------------------
+
+CAPITALS = (("France", "Paris"), ("Spain", "Madrid"), ("Italy", "Rome"), ("Japan", "Tokyo"), ("Peru", "Lima"),
+            ("Egypt", "Cairo"), ("Kenya", "Nairobi"), ("Chile", "Santiago"), ("Norway", "Oslo"), ("India", "New Delhi"),
+            ("Canada", "Ottawa"), ("Greece", "Athens"), ("Poland", "Warsaw"), ("Cuba", "Havana"), ("Iran", "Tehran"),
+            ("Ghana", "Accra"), ("Nepal", "Kathmandu"), ("Chad", "N'Djamena"), ("Fiji", "Suva"), ("Laos", "Vientiane"))
+TOPICS = ("the weather", "a good book", "cooking pasta", "learning to swim", "the moon", "trains", "gardening",
+          "chess", "the ocean", "music")
+
+
+def _random_ids(rng: np.random.Generator, n: int, vocab_size: int, first_token_id: int = 3) -> tuple[int, ...]:
+    return tuple(int(t) for t in rng.integers(first_token_id, vocab_size, size=n))
+
+
+def _chat_ids(tokenizer, messages: list[dict]) -> tuple[int, ...]:
+    """messages through the tokenizer's chat template (its plain text, one message a line, without one)."""
+    if tokenizer.chat_template is not None:
+        return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return tuple(tokenizer.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"))
+
+
+def few_shot_workload(n_requests: int = 12, tokenizer=None, shots: int = 8, max_new_tokens: int = 8,
+                      vocab_size: int = 1024, seed: int = 0) -> Workload:
+    """Requests that share a long few-shot prefix and differ in their question, all arriving at once. Chapter 13.
+
+    With a tokenizer: a system message with `shots` worked examples ("Q: What is the capital of Peru?
+    A: Lima"), then each request's own question about another country, laid out by the tokenizer's chat
+    template (SmolLM2's for `load_tokenizer("smollm2-135m-instruct")`). Without one: random ids, a prefix of
+    16 per shot and questions of 6 to 16.
+    """
+    if not isinstance(shots, int) or not 1 <= shots < len(CAPITALS):
+        raise ValueError(f"shots must lie in 1..{len(CAPITALS) - 1} (the examples come from {len(CAPITALS)} "
+                         f"countries and the questions from the rest), got {shots!r}")
+    if not isinstance(n_requests, int) or n_requests < 1:
+        raise ValueError(f"n_requests must be a positive integer, got {n_requests!r}")
+    rng = np.random.default_rng(seed)
+    if tokenizer is None:
+        prefix = _random_ids(rng, 16 * shots, vocab_size)
+        prompts = [prefix + _random_ids(rng, int(rng.integers(6, 17)), vocab_size) for _ in range(n_requests)]
+    else:
+        examples = "\n".join(f"Q: What is the capital of {country}?\nA: {city}" for country, city in CAPITALS[:shots])
+        system = f"Answer with the name of the city only, as in these examples.\n{examples}"
+        questions = [CAPITALS[shots + i % (len(CAPITALS) - shots)][0] for i in range(n_requests)]
+        prompts = [_chat_ids(tokenizer, [{"role": "system", "content": system},
+                                         {"role": "user", "content": f"Q: What is the capital of {q}?"}])
+                   for q in questions]
+    settings = dict(kind="few-shot", n_requests=n_requests, shots=shots, seed=seed, tokenizer=tokenizer is not None)
+    return Workload(tuple(Request(p, max_new_tokens, 0.0) for p in prompts), settings)
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    """Conversations of several user turns; each turn's prompt is the conversation so far, the model's own
+    answers included, and the new user message. Chapter 13.
+
+    With a tokenizer, messages are text and a prompt is the whole conversation laid out again by its chat
+    template, as a chat server does every turn; without one, messages are ids and a prompt is them and the
+    answers' ids end to end.
+    """
+    conversations: tuple[tuple, ...]          # per conversation, its user messages in order
+    max_new_tokens: int = 16
+    tokenizer: object = None
+
+    @property
+    def n_turns(self) -> int:
+        return max(len(c) for c in self.conversations)
+
+    def __len__(self) -> int:
+        return sum(len(c) for c in self.conversations)
+
+    def prompt(self, users, answers) -> list[int]:
+        """The prompt of the turn after `answers` (ids of the model's answers to users[:len(answers)])."""
+        if self.tokenizer is None:
+            ids: list[int] = []
+            for i, user in enumerate(users[:len(answers) + 1]):
+                ids += list(user) + (list(answers[i]) if i < len(answers) else [])
+            return ids
+        messages = []
+        for i, user in enumerate(users[:len(answers) + 1]):
+            messages.append({"role": "user", "content": user})
+            if i < len(answers):
+                messages.append({"role": "assistant", "content": self.tokenizer.decode(answers[i])})
+        return list(_chat_ids(self.tokenizer, messages))
+
+
+def multi_turn_workload(n_conversations: int = 4, n_turns: int = 4, tokenizer=None, max_new_tokens: int = 16,
+                        vocab_size: int = 1024, seed: int = 0) -> ChatWorkload:
+    """n_conversations chats of n_turns user messages each (small talk about a topic with a tokenizer, 8 to 24
+    random ids without one). Chapter 13."""
+    for name, value in (("n_conversations", n_conversations), ("n_turns", n_turns)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    rng = np.random.default_rng(seed)
+    conversations = []
+    for c in range(n_conversations):
+        if tokenizer is None:
+            conversations.append(tuple(_random_ids(rng, int(rng.integers(8, 25)), vocab_size) for _ in range(n_turns)))
+        else:
+            topic = TOPICS[c % len(TOPICS)]
+            asks = (f"Tell me something about {topic}.", "Why is that?", "Can you give an example?",
+                    "Say it in one sentence.", "What else should I know?")
+            conversations.append(tuple(asks[t % len(asks)] for t in range(n_turns)))
+    return ChatWorkload(tuple(conversations), max_new_tokens, tokenizer)
+
+
+def run_chat(engine, chat: ChatWorkload, params: SamplingParams | None = None) -> list:
+    """Runs the conversations turn by turn: every conversation's next turn is added at once, the engine runs
+    them to the end, and their answers go into the next turn's prompts. Returns the RequestOutputs, turn by
+    turn. Chapter 13."""
+    base = params or SamplingParams()
+    answers: list[list] = [[] for _ in chat.conversations]
+    outputs = []
+    for turn in range(chat.n_turns):
+        live = [c for c, users in enumerate(chat.conversations) if turn < len(users)]
+        prompts = [chat.prompt(chat.conversations[c], answers[c]) for c in live]
+        turn_params = dataclasses.replace(base, max_new_tokens=chat.max_new_tokens)
+        for c, out in zip(live, engine.generate(prompts, turn_params)):
+            answers[c].append(out.token_ids)
+            outputs.append(out)
+    return outputs
+
+
+@dataclass
+class PrefixCacheRun:
+    """One workload on one engine: what its prefix cache saved, and the engine (its tree, its pool). Chapter 13."""
+    prefix_cache: str | None
+    outputs: list                      # RequestOutput per request, in the order they ran
+    stats: object                      # the engine's EngineStats at the end
+    engine: object
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(o.num_prompt_tokens for o in self.outputs)
+
+    @property
+    def saved_tokens(self) -> int:
+        """Prompt positions whose K/V came from the cache at admission, not from the model."""
+        return sum(o.num_cached_tokens for o in self.outputs)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt positions the model ran (recomputation after a preemption not counted)."""
+        return self.prompt_tokens - self.saved_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.saved_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def summary(self) -> dict:
+        ttft = [o.ttft_s for o in self.outputs]
+        return {"prefix_cache": self.prefix_cache or "none", "requests": len(self.outputs),
+                "prompt_tokens": self.prompt_tokens, "saved_tokens": self.saved_tokens,
+                "computed_tokens": self.computed_tokens, "hit_rate": self.hit_rate,
+                "tokens_computed": self.stats.tokens_computed, "evictions": self.stats.evictions,
+                "preemptions": self.stats.preemptions, "ttft_p50_s": percentile(ttft, 50),
+                "ttft_mean_s": sum(ttft) / len(ttft)}
+
+
+def measure_prefix_cache(model, workload: Workload | ChatWorkload, prefix_cache: str | None = "radix",
+                         eos_token_id: int | None = None, **engine_settings) -> PrefixCacheRun:
+    """Runs a workload on a fresh LLMEngine with prefix_cache "radix", "hash" or None (no cache); returns what
+    it saved (`PrefixCacheRun.summary()`: hit rate, prefill tokens computed and saved, TTFT). Chapter 13.
+
+    A `Workload` arrives all at once (`replay`, realtime=False); a `ChatWorkload` runs turn by turn (`run_chat`).
+    Greedy decoding, so every cache setting makes the same tokens and sees the same prompts.
+    """
+    engine = LLMEngine(model, enable_prefix_caching=prefix_cache is not None, prefix_cache=prefix_cache or "hash",
+                       **engine_settings)
+    params = SamplingParams(eos_token_id=eos_token_id)
+    if isinstance(workload, ChatWorkload):
+        outputs = run_chat(engine, workload, params)
+    else:
+        outputs = replay(engine, workload, params, realtime=False).outputs
+    return PrefixCacheRun(prefix_cache, outputs, engine.stats, engine)
