@@ -57,6 +57,13 @@ def _loop_past_eos(model, prompt_ids, max_new_tokens, eos_token_id):
     return new
 
 
+def _update_without_rescaling_acc(m, l, acc, scores, v):
+    """07.2 wrong: l is rescaled to the new max, acc is not."""
+    m_new = torch.maximum(m, scores.amax(-1))
+    p = torch.exp(scores - m_new[:, None])
+    return m_new, l * torch.exp(m - m_new) + p.sum(-1), acc + p @ v
+
+
 # A plausible wrong answer to each exercise, made from the right one and the context it was judged with.
 WRONG = {
     "01.1": lambda answer, ctx: (answer[0], answer[1] + answer[0]),            # one gap too many
@@ -69,6 +76,13 @@ WRONG = {
     "03.1": lambda answer, ctx: 20 * 19 // 2,                                   # the prompt's re-runs forgotten
     "03.2": lambda answer, ctx: 50,                                             # N / 2
     "03.3": lambda answer, ctx: answer // 2,                                    # one FLOP per weight
+    "06.1": lambda answer, ctx: (5, answer[1]),                                 # the lengths pooled, not per sequence
+    "06.2": lambda answer, ctx: (answer[0], [0, 1]),                            # freed blocks reused first
+    "06.3": lambda answer, ctx: lambda pool, table, n: pool.reshape(-1, *pool.shape[2:])[:n].transpose(0, 1),
+    "06.4": lambda answer, ctx: answer + 1,                                     # the mixed third block counted
+    "07.1": lambda answer, ctx: (28, 36),                                       # the diagonal tiles left out
+    "07.2": lambda answer, ctx: _update_without_rescaling_acc,
+    "07.3": lambda answer, ctx: 4 * 1024 * 64 + 1024,                           # K and V read once only
 }
 
 
