@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 
 from ..fast import NativeDecoderStack, optimize_decode
-from ..generate import sample_next
 from ..model import Transformer
+from ..sampling import History, is_penalised, sample
 from .attention_metadata import AttentionMetadata
 from .paged_cache import PagedKVCache
 
@@ -93,14 +93,17 @@ class ModelRunner:
         metadata.prepare(self.device)
         logits = self.logits(metadata)                                   # (n_sampled, vocab)
         sampled = [i for i, flag in enumerate(metadata.sample or [True] * metadata.num_seqs) if flag]
-        chosen = logits.argmax(dim=-1)                                   # (n_sampled,) on the device
-        for row, i in enumerate(sampled):
-            params = metadata.seqs[i].params
-            if not params.greedy:                                        # each request has its own generator
-                chosen[row:row + 1] = sample_next(logits[row:row + 1], params.temperature, params.top_k,
-                                                  params.top_p, metadata.seqs[i].generator)
+        if not sampled:                                                  # every prompt still unfinished
+            return [None] * metadata.num_seqs
+        seqs = [metadata.seqs[i] for i in sampled]
+        params = [seq.params for seq in seqs]
+        history = History.of([seq.prompt_token_ids for seq in seqs], [seq.output_token_ids for seq in seqs],
+                             logits.shape[-1], logits.device) if any(is_penalised(p) for p in params) else None
+        # the one pipeline, each row with its request's settings and its own generator (draws alone = in a batch)
+        chosen = sample(logits, params, [seq.generator for seq in seqs], history,
+                        names=[f"request {seq.request_id}" for seq in seqs])   # (n_sampled,) on the device
         # the step's one host sync, inherent: the scheduler needs the tokens (EOS, lengths) to plan the next step
-        tokens = chosen.tolist() if sampled else []
+        tokens = chosen.tolist()
         out: list[int | None] = [None] * metadata.num_seqs
         for row, i in enumerate(sampled):
             out[i] = tokens[row]

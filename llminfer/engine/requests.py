@@ -121,11 +121,11 @@ class RequestTable:
         if isinstance(prompt_ids, PromptIds) and prompt_ids.checked_for(cfg):
             prompt = prompt_ids
             check_sampling(params.max_new_tokens, params.temperature, params.top_k, params.top_p, params.seed,
-                           params.eos_token_id, cfg.vocab_size)
+                           params.eos_token_id, cfg.vocab_size, **params.processors)
         else:                                          # the one request check: ids, sampling, the model's context
             prompt = PromptIds._from_checked(cfg, check_request(
                 cfg, prompt_ids, params.max_new_tokens, params.eos_token_id, params.temperature, params.top_k,
-                params.top_p, params.seed, single=True))
+                params.top_p, params.seed, single=True, **params.processors))
         if limits is not None:
             limits(prompt, params)
         total = len(prompt) + params.max_new_tokens

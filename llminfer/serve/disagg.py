@@ -185,7 +185,7 @@ def _prefill_worker(port: int, spec: ModelSpec, inbox, outbox, threads: int | No
     """Prompts in; each layer's K/V out to the decode worker as it is computed; the first token back."""
     import torch.distributed as dist
 
-    from ..generate import sample_next
+    from ..sampling import History, is_penalised, sample
     try:
         torch.set_grad_enabled(False)
         model = spec.build()
@@ -206,8 +206,9 @@ def _prefill_worker(port: int, spec: ModelSpec, inbox, outbox, threads: int | No
             generator = torch.Generator()
             if not params.greedy:
                 generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-            token = int(sample_next(logits, params.temperature, params.top_k, params.top_p,
-                                    generator if not params.greedy else None)[0])
+            history = History.of([prompt], None, logits.shape[-1]) if is_penalised(params) else None
+            token = int(sample(logits, [params], [generator if not params.greedy else None], history,
+                               names=[f"request {request_id}"])[0])
             first_time = time.perf_counter()
             finished = (params.eos_token_id is not None and token == params.eos_token_id) or params.max_new_tokens == 1
             trailer = torch.tensor([token, int(finished)], dtype=torch.long)

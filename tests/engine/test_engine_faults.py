@@ -139,18 +139,19 @@ FAULTY_TOP_K = 13                  # the fault hook fails a request's sampling w
 
 
 def sampling_fault(monkeypatch, fail_at: int) -> list[int]:
-    """Sampling at top_k=FAULTY_TOP_K raises from its fail_at-th call on (after the rows before it drew);
-    returns the list of calls it saw."""
-    real, calls = model_runner_module.sample_next, []
+    """Sampling a batch that holds a row at top_k=FAULTY_TOP_K raises from its fail_at-th call on, after every row
+    of the batch drew; returns the list of calls it saw."""
+    real, calls = model_runner_module.sample, []
 
-    def sample_next(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
-        if top_k == FAULTY_TOP_K:
+    def sample(logits, params, *args, **kwargs):
+        tokens = real(logits, params, *args, **kwargs)
+        if any(p.top_k == FAULTY_TOP_K for p in params):
             calls.append(1)
             if len(calls) >= fail_at:
                 raise FloatingPointError("injected sampling fault")
-        return real(logits, temperature, top_k, top_p, generator)
+        return tokens
 
-    monkeypatch.setattr(model_runner_module, "sample_next", sample_next)
+    monkeypatch.setattr(model_runner_module, "sample", sample)
     return calls
 
 

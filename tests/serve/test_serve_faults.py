@@ -79,7 +79,7 @@ class poisoned:
 
     def __enter__(self):
         original, poison = self.runner.execute, self.prompt_ids
-        real_sample = model_runner_module.sample_next
+        real_sample = model_runner_module.sample
 
         def execute(metadata):
             time.sleep(0.01)
@@ -87,19 +87,19 @@ class poisoned:
                 raise RuntimeError("injected fault in /some/secret/path.py")
             return original(metadata)
 
-        def sample_next(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
-            if top_k == 13:
+        def sample(logits, params, *args, **kwargs):
+            if any(p.top_k == 13 for p in params):
                 raise FloatingPointError("injected sampling fault in /some/secret/path.py")
-            return real_sample(logits, temperature, top_k, top_p, generator)
+            return real_sample(logits, params, *args, **kwargs)
 
         self.runner.execute = execute
-        model_runner_module.sample_next = sample_next
+        model_runner_module.sample = sample
         self._real_sample = real_sample
         return self
 
     def __exit__(self, *exc):
         del self.runner.execute
-        model_runner_module.sample_next = self._real_sample
+        model_runner_module.sample = self._real_sample
 
 
 def test_a_fault_in_one_requests_step_fails_it_alone_while_others_stream(bundled, server):
