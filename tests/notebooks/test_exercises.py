@@ -64,6 +64,14 @@ def _update_without_rescaling_acc(m, l, acc, scores, v):
     return m_new, l * torch.exp(m - m_new) + p.sum(-1), acc + p @ v
 
 
+def _mlp_shard_summing_before_silu(x, w_gate, w_up, w_down, rank, world_size):
+    """10.4 wrong: the hidden units split across the input dimension instead, so SiLU sees partial sums."""
+    dim = x.shape[1]
+    cols = slice(rank * dim // world_size, (rank + 1) * dim // world_size)
+    h = torch.nn.functional.silu(x[:, cols] @ w_gate[:, cols].T) * (x[:, cols] @ w_up[:, cols].T)
+    return h @ w_down.T
+
+
 # A plausible wrong answer to each exercise, made from the right one and the context it was judged with.
 WRONG = {
     "01.1": lambda answer, ctx: (answer[0], answer[1] + answer[0]),            # one gap too many
@@ -83,6 +91,10 @@ WRONG = {
     "07.1": lambda answer, ctx: (28, 36),                                       # the diagonal tiles left out
     "07.2": lambda answer, ctx: _update_without_rescaling_acc,
     "07.3": lambda answer, ctx: 4 * 1024 * 64 + 1024,                           # K and V read once only
+    "10.1": lambda answer, ctx: answer // 8,                                    # divided by the TP degree
+    "10.2": lambda answer, ctx: 15 + 2**20 / 450e9 * 1e6,                       # no 2(p - 1)/p
+    "10.3": lambda answer, ctx: 3 / 8,                                          # (p - 1) / m
+    "10.4": lambda answer, ctx: _mlp_shard_summing_before_silu,
 }
 
 
