@@ -118,7 +118,8 @@ class RadixCache:
         already held the first `cached` blocks' worth of tokens. The tree takes blocks[cached:]; the caller's
         blocks[:cached] stay the caller's (the same ids where they came from a match, or duplicates).
 
-        Where the new tokens part ways with an edge inside it, the edge is split at that block boundary.
+        Where the new tokens part ways with an edge inside it, the edge is split at that block boundary; where
+        they go on past a leaf, the leaf's edge grows (a request decoding adds its blocks to its own leaf).
         """
         tokens = tuple(tokens)
         blocks = list(blocks)
@@ -129,10 +130,14 @@ class RadixCache:
         node, done = self.root, 0
         while done < len(blocks):
             child = node.children.get(self._block(tokens, done))
-            if child is None:                        # nothing here yet: the rest is a new leaf
+            if child is None:
+                self.num_blocks += len(blocks) - done
+                if node.is_leaf and node is not self.root:   # the path ends in a leaf: its edge grows
+                    node.tokens += tokens[done * self.block_size:]
+                    node.blocks += blocks[done:]
+                    return node, done
                 leaf = RadixNode(tokens[done * self.block_size:], blocks[done:], node, last_access=self.clock)
-                node.children[self._block(tokens, done)] = leaf
-                self.num_blocks += len(leaf.blocks)
+                node.children[self._block(tokens, done)] = leaf   # nothing here yet: the rest is a new leaf
                 return leaf, done
             shared = self._shared_blocks(child, tokens, done)
             if shared < len(child.blocks):
