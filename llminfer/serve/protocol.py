@@ -2,11 +2,12 @@
 
 Requests are pydantic models with `extra="forbid"`: a field the OpenAI API does not define is refused
 with HTTP 400, as the OpenAI API refuses it ("Unrecognized request argument supplied: ..."). Fields the
-API defines but this server does not implement (n > 1, logprobs, tools, penalties, ...) are accepted at
+API defines but this server does not implement (n > 1, logprobs, tools, logit_bias, ...) are accepted at
 their neutral value and refused with a 400 that names them otherwise, so a client never gets silently
-different behaviour. Three extensions, spelled as vLLM spells them, ride in the same body
-(`extra_body=` in the openai client): `top_k`, `ignore_eos`, and `return_timings` (the server's and the
-engine's view of the request's timings, chapter 11's serving-overhead measurement).
+different behaviour. presence_penalty, frequency_penalty and seed are the OpenAI fields of chapter 13's sampling
+pipeline. Extensions, spelled as vLLM spells them, ride in the same body (`extra_body=` in the openai client):
+`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, and `return_timings` (the server's and the engine's view of
+the request's timings, chapter 11's serving-overhead measurement).
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..checks import FLOAT32_MAX, FLOAT32_TINY, INT64_MAX, SEED_RANGE, float32_edge
+from ..checks import FLOAT32_MAX, FLOAT32_TINY, INT64_MAX, SEED_RANGE, check_processors, float32_edge
 
 __all__ = ["APIError", "error_body", "CompletionRequest", "ChatCompletionRequest", "ChatMessage",
-           "StreamOptions", "ResponseFormat", "check_float_fields", "check_sampling_fields", "new_id", "now_s"]
+           "StreamOptions", "ResponseFormat", "check_float_fields", "check_processor_fields", "check_sampling_fields",
+           "new_id", "now_s"]
 
 
 class APIError(Exception):
@@ -92,6 +94,8 @@ class _Sampling(BaseModel):
     user: str | None = None
     # extensions (vLLM's names)
     top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     return_timings: bool = False
 
@@ -147,8 +151,6 @@ _UNSUPPORTED_IF_SET = {
     "logprobs": ((None, False, 0), "log-probabilities are not returned by this server; leave logprobs unset"),
     "top_logprobs": ((None, 0), "log-probabilities are not returned by this server; leave top_logprobs unset"),
     "suffix": ((None, ""), "suffix (insertion) is not supported; leave it unset"),
-    "frequency_penalty": ((None, 0, 0.0), "penalties are not supported; pass frequency_penalty=0"),
-    "presence_penalty": ((None, 0, 0.0), "penalties are not supported; pass presence_penalty=0"),
     "logit_bias": ((None,), "logit_bias is not supported; leave it unset"),
     "tools": ((None,), "tool calling is not supported by this server; leave tools unset"),
     "functions": ((None,), "function calling is not supported by this server; leave functions unset"),
@@ -187,7 +189,23 @@ def check_float_fields(request: BaseModel) -> None:
 _FLOAT_FIXES = {
     "temperature": "pass temperature=0 for greedy decoding, or a temperature from 1.18e-38 to 2",
     "top_p": "pass top_p from 1.18e-38 to 1 (any top_p that small keeps only the most likely token)",
+    "min_p": "pass min_p from 1.18e-38 to 1, or 0 for no min-p cut",
+    "repetition_penalty": "pass a repetition_penalty > 0 (1: none)",
+    "presence_penalty": "pass presence_penalty from -2 to 2 (0: none)",
+    "frequency_penalty": "pass frequency_penalty from -2 to 2 (0: none)",
 }
+
+
+def check_processor_fields(request: _Sampling) -> None:
+    """APIError (400) naming min_p, repetition_penalty, presence_penalty or frequency_penalty out of its range
+    (`checks.check_processors`' ranges, its message). Chapter 13."""
+    for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = getattr(request, name)
+        if value is not None:
+            try:
+                check_processors(**{name: value})
+            except ValueError as exc:
+                raise APIError(str(exc), param=name) from None
 
 
 def check_sampling_fields(request: _Sampling) -> None:
@@ -224,8 +242,9 @@ def check_sampling_fields(request: _Sampling) -> None:
     if p is not None and (not math.isfinite(p) or not 0 < p <= 1):
         raise APIError(f"top_p={p!r} is invalid: it must lie in (0, 1] (1: no nucleus cut)", param="top_p")
     k = request.top_k
-    if k is not None and k != -1 and k < 1:
-        raise APIError(f"top_k={k!r} is invalid: it must be >= 1, or -1 / unset for no cut", param="top_k")
+    if k is not None and k < -1:
+        raise APIError(f"top_k={k!r} is invalid: it must be >= 1, or -1, 0 or unset for no cut", param="top_k")
+    check_processor_fields(request)
     stops = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
     if len(stops) > 4:
         raise APIError(f"stop holds {len(stops)} sequences; at most 4 are allowed", param="stop")

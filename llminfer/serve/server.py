@@ -355,12 +355,14 @@ class OpenAIServer:
                            f"in the completion); pass {name} <= {room} or shorten the prompt",
                            param=name, code="context_length_exceeded")
         temperature = self.config.default_temperature if request.temperature is None else request.temperature
-        top_k = None if request.top_k in (None, -1) else request.top_k
+        top_k = None if request.top_k in (None, -1, 0) else request.top_k        # vLLM's: -1 and 0 are no cut
         top_p = None if request.top_p in (None, 1.0) else request.top_p
         eos = None if request.ignore_eos else self.tokenizer.eos_token_id
+        penalties = {name: value for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
+                     if (value := getattr(request, name)) is not None}          # unset: the neutral default
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  eos_token_id=eos, seed=request.seed)
+                                  eos_token_id=eos, seed=request.seed, min_p=request.min_p, **penalties)
         except ValueError as exc:
             raise APIError(str(exc)) from None
 
