@@ -29,13 +29,17 @@ rather than once per expert; the bytes here are the plain version, counted exact
 from __future__ import annotations
 
 import statistics
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import llminfer
 from llminfer import costs
+from llminfer.checks import check_int
 from llminfer.costs import MoEShape
 from llminfer.device import synchronize
 from llminfer.moe import MoEFeedForward, experts_grouped, route
@@ -46,7 +50,7 @@ from .launch import DEFAULT_TIMEOUT_S, WorkerContext, launch
 from .plan import check_backend, check_world_size
 from .workers import _agree, _agree_max, _timed_loop, default_message_sizes
 
-__all__ = ["expert_range", "all_to_all_rows", "ExpertParallelMoE", "expert_parallel", "ep_layer_worker",
+__all__ = ["expert_range", "all_to_all_rows", "A2AStats", "ExpertParallelMoE", "expert_parallel", "ep_layer_worker",
            "run_expert_parallel", "ep_generate_worker", "run_expert_parallel_generate", "a2a_worker",
            "measure_all_to_all", "ep_bytes_per_token", "EPStepPrediction", "predict_ep_step"]
 
@@ -85,12 +89,28 @@ def all_to_all_rows(rows: torch.Tensor, send_counts: list[int], group=None) -> t
 @dataclass
 class A2AStats:
     """What this rank's all-to-alls moved while `enabled`: bytes sent to other ranks (its own share stays in
-    memory), by phase. Chapter 14."""
+    memory) by phase, and the seconds of each phase's collectives (the counts' and the rows'). Chapter 14.
+
+    The clock waits for the device before and after each phase, so on a GPU it stalls the queue: time with it
+    to measure, not while serving."""
 
     enabled: bool = True
     calls: int = 0
     bytes_by_phase: dict = field(default_factory=dict)     # phase -> bytes sent to other ranks
     rows_by_phase: dict = field(default_factory=dict)      # phase -> rows sent to other ranks
+    seconds_by_phase: dict = field(default_factory=dict)   # phase -> [seconds of each call]
+
+    @contextmanager
+    def timed(self, phase: str, device: torch.device):
+        """Times the block (a phase's collectives) when enabled."""
+        if not self.enabled:
+            yield
+            return
+        synchronize(device)
+        start = time.perf_counter()
+        yield
+        synchronize(device)
+        self.seconds_by_phase.setdefault(phase, []).append(time.perf_counter() - start)
 
     def add(self, phase: str, rows: torch.Tensor, send_counts: list[int], rank: int) -> None:
         if not self.enabled:
@@ -108,7 +128,8 @@ class A2AStats:
 
 class ExpertParallelMoE(nn.Module):
     """An MoE feed-forward of which this rank holds only experts [start, stop); the others are reached by
-    all-to-all. forward(x) equals the full MoEFeedForward(x) on this rank's tokens. Chapter 14.
+    all-to-all. forward(x) is the full MoEFeedForward(x) on this rank's tokens: the same sums added in the same
+    order, the experts' products differing only by float rounding (they run on other numbers of rows). Chapter 14.
 
     Every rank must call forward the same number of times (each call is collective), with any number of tokens,
     zero included."""
@@ -140,8 +161,9 @@ class ExpertParallelMoE(nn.Module):
         # dispatch: each pair's hidden state and its expert go to the expert's rank
         rows = x[token]                                                    # (T·k, D)
         self.stats.add("dispatch", rows, send_counts, self.rank)
-        received, recv_counts = all_to_all_rows(rows, send_counts, self.group)
-        expert_ids, _ = all_to_all_rows(flat[order], send_counts, self.group)
+        with self.stats.timed("dispatch", x.device):
+            received, recv_counts = all_to_all_rows(rows, send_counts, self.group)
+            expert_ids, _ = all_to_all_rows(flat[order], send_counts, self.group)
         # the local experts, each row through its one expert with weight 1 (exact: x · 1.0 = x)
         local_ids = (expert_ids - self.start).unsqueeze(1)                 # (N, 1)
         ones = torch.ones(local_ids.shape, dtype=torch.float32, device=x.device)
@@ -149,14 +171,13 @@ class ExpertParallelMoE(nn.Module):
         # combine: the results go back the way they came, then the weighted sum over each token's k experts,
         # added in the order one process adds them (by expert)
         self.stats.add("combine", outputs, recv_counts, self.rank)
-        back, _ = all_to_all_rows(outputs, recv_counts, self.group)
+        with self.stats.timed("combine", x.device):
+            back, _ = all_to_all_rows(outputs, recv_counts, self.group)
         back *= weights.reshape(-1)[order, None].to(back.dtype)
         y = torch.zeros_like(x).index_add_(0, token, back)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            y = y + shared
+        if self.shared_expert is not None:                                 # on every rank, as MoEFeedForward
+            gate = torch.sigmoid(self.shared_expert_gate(x)) if self.shared_expert_gate is not None else 1.0
+            y = y + gate * self.shared_expert(x)
         return y.reshape(shape)
 
 
@@ -177,36 +198,46 @@ def expert_parallel(model: nn.Module, rank: int, world_size: int, group=None) ->
 
 # --- one layer over processes ---------------------------------------------------------------------------------
 
-def ep_layer_worker(ctx: WorkerContext, moe: MoEFeedForward, inputs: list) -> dict:
-    """One rank of an expert-parallel MoE layer: its experts, its tokens inputs[rank], its output and bytes."""
+def ep_layer_worker(ctx: WorkerContext, moe: MoEFeedForward, inputs: list, repeats: int = 0) -> dict:
+    """One rank of an expert-parallel MoE layer: its experts, its tokens inputs[rank], its output and bytes; with
+    repeats, the median seconds of each phase's collectives over that many more calls."""
     part = ExpertParallelMoE(moe.to(ctx.device), ctx.rank, ctx.world_size)
+    x = inputs[ctx.rank].to(ctx.device)
     with torch.inference_mode():
-        out = part(inputs[ctx.rank].to(ctx.device))
+        out = part(x)
+        sent_bytes, sent_rows = dict(part.stats.bytes_by_phase), dict(part.stats.rows_by_phase)   # of one call
+        part.stats.seconds_by_phase = {}                                   # the first call set up buffers
+        for _ in range(repeats):
+            dist.barrier()
+            part(x)
     return {"rank": ctx.rank, "experts": (part.start, part.stop), "output": out.cpu(),
-            "bytes": dict(part.stats.bytes_by_phase), "rows": dict(part.stats.rows_by_phase),
+            "bytes": sent_bytes, "rows": sent_rows,
+            "seconds": {phase: statistics.median(t) for phase, t in part.stats.seconds_by_phase.items()},
             "expert_bytes": sum(p.numel() * p.element_size() for p in (part.w_gate, part.w_up, part.w_down))}
 
 
-def run_expert_parallel(moe: MoEFeedForward, inputs: list, world_size: int = 2, backend: str | None = None,
-                        port: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict]:
+def run_expert_parallel(moe: MoEFeedForward, inputs: list, world_size: int = 2, repeats: int = 0,
+                        backend: str | None = None, port: int | None = None,
+                        timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict]:
     """Runs moe over world_size processes, rank r holding E / world_size experts and the tokens inputs[r]
-    (T_r, D); one dict per rank: its output (T_r, D), the experts it held, the bytes it sent. Chapter 14."""
+    (T_r, D); one dict per rank: its output (T_r, D), the experts it held, the rows and bytes it sent to other
+    ranks in the dispatch and the combine, and (repeats > 0) the median seconds of each. Chapter 14."""
     check_world_size(world_size)
+    check_int("repeats", repeats, 0)
     if not isinstance(moe, MoEFeedForward):
         raise ValueError(f"moe must be an llminfer.moe.MoEFeedForward, got {type(moe).__name__}")
     expert_range(moe.n_experts, world_size, 0)
     if len(inputs) != world_size or any(x.dim() != 2 or x.shape[1] != moe.router.in_features for x in inputs):
         raise ValueError(f"inputs must hold one (tokens, {moe.router.in_features}) tensor per rank ({world_size})")
     check_backend(backend, world_size)
-    return launch(ep_layer_worker, (moe.cpu(), [x.cpu() for x in inputs]), world_size=world_size, backend=backend,
-                  port=port, timeout_s=timeout_s)
+    return launch(ep_layer_worker, (moe.cpu(), [x.cpu() for x in inputs], repeats), world_size=world_size,
+                  backend=backend, port=port, timeout_s=timeout_s)
 
 
 # --- a decoder over processes ---------------------------------------------------------------------------------
 
 def ep_generate_worker(ctx: WorkerContext, model, prompts: list, max_new_tokens: int) -> dict:
     """One rank of expert-parallel greedy decoding: the model's MoE layers split, its own prompts decoded."""
-    import llminfer                                                    # the package, once the process has started
     model = model.to(ctx.device)
     parts = expert_parallel(model, ctx.rank, ctx.world_size)
     prompt = torch.tensor(prompts[ctx.rank], dtype=torch.long, device=ctx.device)

@@ -33,7 +33,7 @@ def test_ep2_layer_equals_one_process_and_moves_the_counted_bytes():
     moe = random_moe(shared_expert_dim=8, shared_expert_gate=True)
     generator = torch.Generator().manual_seed(1)
     inputs = [torch.randn(7, 16, generator=generator), torch.randn(3, 16, generator=generator)]
-    ranks = expert.run_expert_parallel(moe, inputs)
+    ranks = expert.run_expert_parallel(moe, inputs, repeats=2)
     full_expert_bytes = sum(p.numel() * 4 for p in (moe.w_gate, moe.w_up, moe.w_down))
     with torch.no_grad():
         references = [moe(x) for x in inputs]
@@ -52,12 +52,14 @@ def test_ep2_layer_equals_one_process_and_moves_the_counted_bytes():
         # combine: what this rank received comes back
         assert ranks[r]["rows"]["combine"] == sent[1 - r]
         assert ranks[r]["bytes"]["combine"] == sent[1 - r] * 16 * 4
+        assert ranks[r]["seconds"]["dispatch"] > 0 and ranks[r]["seconds"]["combine"] > 0
 
 
 def test_ep2_layer_with_a_rank_without_tokens_and_softmax_after_topk():
     moe = random_moe(seed=4, softmax_before_topk=False, normalize=False)
     inputs = [torch.randn(6, 16, generator=torch.Generator().manual_seed(2)), torch.zeros(0, 16)]
     ranks = expert.run_expert_parallel(moe, inputs)
+    assert ranks[0]["seconds"] == {}                                      # timed only when asked
     with torch.no_grad():
         reference = moe(inputs[0])
     assert (ranks[0]["output"] - reference).abs().max() < 1e-5 * reference.abs().max()
@@ -127,3 +129,4 @@ def test_deepseek_v3_projection_on_h100_nodes():
     assert step.combine_seconds == pytest.approx(ib.alpha_s + 2 * across / ib.bytes_per_s)
     assert step.step_seconds == pytest.approx(58 * (step.dispatch_seconds + step.combine_seconds))
     assert 0.01 < step.step_seconds < 0.05                              # tens of milliseconds a step
+
