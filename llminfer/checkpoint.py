@@ -32,6 +32,7 @@ from .device import check_fits, dtype_bytes, resolve_device
 from .gguf_reader import (INSTALLED, gguf_config, gguf_tensor_names, gguf_tokenizer, installed_gguf,
                           read_gguf_tensor, read_header, rope_heads)
 from .model import Transformer
+from .moe import HF_EXPERT_NAMES, HF_EXPERT_WIDTH, STACKED
 from .tokenizer import Tokenizer
 
 __all__ = ["load_pretrained", "save_pretrained", "load_random", "resolve_device", "bundled_models", "model_folder",
@@ -204,17 +205,31 @@ class StoredTensor:
     stored: str                  # 'F32', 'BF16', 'I8', 'U8' (safetensors) or a GGUF type ('Q4_1', 'Q8_0', ...)
     gguf: object = None          # the GGUF tensor entry, for a tensor of a GGUF file
     rope_heads: int | None = None  # GGUF q/k: the heads whose rows llama.cpp's converter reordered
+    parts: tuple = ()            # an MoE layer's experts, one StoredTensor each, read stacked (E, rows, cols)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the tensor's data in the file."""
+        if self.parts:
+            return sum(part.nbytes for part in self.parts)
         if self.gguf is not None:
             return self.gguf.nbytes
         return _STORED_BYTES.get(self.stored, 4) * math.prod(self.shape)
 
     def read(self, dtype: torch.dtype | None, device, shard=None) -> torch.Tensor:
         """The tensor (rows or columns [start, stop) of it for a shard) as a new tensor of dtype on device; dtype
-        None keeps the stored integer or float type (safetensors). GGUF blocks are dequantized."""
+        None keeps the stored integer or float type (safetensors). GGUF blocks are dequantized; experts are read one
+        at a time into their stacked tensor."""
+        if self.parts:
+            if shard is not None:
+                raise ValueError(f"{self.name} stacks {len(self.parts)} experts' tensors and is read whole; "
+                                 "a model of experts is not split by rows or columns")
+            first = self.parts[0].read(dtype, device)
+            stacked = torch.empty((len(self.parts), *first.shape), dtype=first.dtype, device=first.device)
+            stacked[0] = first
+            for i, part in enumerate(self.parts[1:], start=1):
+                stacked[i] = part.read(dtype, device)
+            return stacked
         if self.gguf is not None:
             return read_gguf_tensor(self.path, self.gguf, dtype or torch.float32, device, self.rope_heads, shard)
         if shard is None and dtype is not None:
@@ -317,12 +332,57 @@ def open_checkpoint(path_or_name: str | Path) -> Checkpoint:
     files = _weight_files(source)
     tensors = {_llminfer_name(name): StoredTensor(name, path, shape, stored)
                for name, (path, shape, stored) in _tensor_layout(files).items()}
+    _stack_experts(tensors, config)
     checkpoint = Checkpoint(source, config, tensors, "safetensors", extra)
     check_header_shapes(checkpoint)
     return checkpoint
 
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def _expert_names(config: ModelConfig, layer: int) -> tuple[str, str, dict[str, str]]:
+    """The checkpoint's names (without 'model.') of an MoE layer: its router, and for each stacked parameter the
+    pattern of its experts' tensors ('layers.0.mlp.experts.{}.gate_proj.weight'). Chapter 14."""
+    block, router, leaves = HF_EXPERT_NAMES[config.model_type]
+    prefix = f"layers.{layer}.{block}"
+    return (f"{prefix}.{router}.weight",
+            {param: f"{prefix}.experts.{{}}.{leaf}.weight" for param, leaf in zip(STACKED, leaves)})
+
+
+def _stack_experts(tensors: dict[str, StoredTensor], config: ModelConfig) -> None:
+    """Renames each MoE layer's router to 'layers.i.mlp.router.weight' and replaces its experts' per-expert tensors
+    by one stacked entry each ('layers.i.mlp.w_gate', (E, I, D)), in place, from the headers alone. Raises
+    ValueError, before any tensor is read, naming the config.json field the experts disagree with. Chapter 14."""
+    if config.model_type not in HF_EXPERT_NAMES:
+        return
+    width = HF_EXPERT_WIDTH[config.model_type]
+    for layer in config.moe_layers:
+        router, patterns = _expert_names(config, layer)
+        if router in tensors:
+            tensors[f"layers.{layer}.mlp.router.weight"] = tensors.pop(router)
+        for param, pattern in patterns.items():
+            found = re.compile(re.escape(pattern).replace(r"\{\}", r"(\d+)"))
+            experts = {int(m.group(1)): name for name in tensors if (m := found.fullmatch(name))}
+            if not experts:
+                continue                                 # check_layout names the missing stacked tensor
+            label = "model." + pattern.format("{0.." + str(max(experts)) + "}")
+            if sorted(experts) != list(range(config.n_experts)):
+                raise ValueError(
+                    f"layer {layer} of the checkpoint holds {len(experts)} experts ({label}) but config.json gives "
+                    f"num_experts={config.n_experts} (ModelConfig.n_experts); the weights and config.json do not "
+                    f"belong together: set num_experts to {len(experts)} if the checkpoint is right")
+            parts = tuple(tensors.pop(experts[e]) for e in range(config.n_experts))
+            wide = (config.moe_hidden_dim, config.dim) if param != "w_down" else (config.dim, config.moe_hidden_dim)
+            for part in parts:
+                if tuple(part.shape) != wide:
+                    raise ValueError(
+                        f"expert tensor {part.name!r} has shape {tuple(part.shape)} but config.json implies {wide} "
+                        f"from hidden_size={config.dim} and {width}={config.moe_hidden_dim} (ModelConfig."
+                        f"moe_hidden_dim); the weights and config.json do not belong together: set {width} to the "
+                        f"checkpoint's expert width")
+            tensors[f"layers.{layer}.mlp.{param}"] = StoredTensor(label, parts[0].path, (len(parts), *wide),
+                                                                   parts[0].stored, parts=parts)
 
 
 def check_header_shapes(checkpoint: Checkpoint) -> None:
@@ -746,7 +806,7 @@ def save_pretrained(model: Transformer, folder: str | Path, tokenizer: Tokenizer
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     tensors = {}
     for name, param in model.named_parameters():  # a tied head is stored once, as the embedding
-        tensors[_hf_name(name)] = param.detach().to("cpu").contiguous()
+        tensors.update(_hf_tensors(config, name, param.detach().to("cpu")))
     total = sum(t.nbytes for t in tensors.values())
     if limit is None or total <= limit:
         save_file(tensors, str(folder / _SINGLE), metadata={"format": "pt"})
@@ -777,6 +837,18 @@ def save_pretrained(model: Transformer, folder: str | Path, tokenizer: Tokenizer
         tokenizer.save(folder / "tokenizer.json")
         (folder / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tokenizer, config), indent=2) + "\n")
     return folder
+
+
+def _hf_tensors(config: ModelConfig, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A parameter under its Hugging Face name(s): stacked experts as one tensor per expert, the router under the
+    family's name. Chapter 14."""
+    layer, _, leaf = name.partition(".mlp.")
+    if config.model_type in HF_EXPERT_NAMES and leaf in ("router.weight", *STACKED):
+        router, patterns = _expert_names(config, int(layer.removeprefix("layers.")))
+        if leaf == "router.weight":
+            return {_hf_name(router): tensor.contiguous()}
+        return {_hf_name(patterns[leaf].format(e)): tensor[e].clone() for e in range(tensor.shape[0])}
+    return {_hf_name(name): tensor.contiguous()}
 
 
 def _tokenizer_config(tokenizer: Tokenizer, config: ModelConfig) -> dict:

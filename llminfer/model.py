@@ -1,7 +1,9 @@
 """The Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU. Chapter 01.
 
 Parameter names follow Hugging Face's Llama/Qwen2 checkpoints (without the leading "model."), so a
-checkpoint maps onto this module name for name.
+checkpoint maps onto this module name for name. The mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE,
+chapter 14) replace the feed-forward of their MoE layers by `llminfer.moe.MoEFeedForward`, whose experts are
+stacked (the checkpoint reader maps their per-expert tensors), and Qwen3-MoE and OLMoE normalise q and k.
 """
 from __future__ import annotations
 
@@ -9,14 +11,14 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .attention import get_backend
 from .checks import check_token_ids
-from .config import ModelConfig
+from .config import SHAPE_ONLY_MODEL_TYPES, ModelConfig
 from .kv_cache import Cache, KVCache
+from .moe import MoEFeedForward, SwiGLU
 
-__all__ = ["Transformer", "DecoderStack", "RMSNorm", "rope_frequencies", "apply_rope", "check_token_ids"]
+__all__ = ["Transformer", "DecoderStack", "RMSNorm", "rope_frequencies", "apply_rope", "norm_qk", "check_token_ids"]
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -64,6 +66,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def norm_qk(q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module | None, k_norm: nn.Module | None,
+            head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, T, H·D) and k (B, T, H_kv·D) RMS-normalised before RoPE, where the family does (Qwen3: each head
+    over its D, the norms' width; OLMoE: all of q, all of k); unchanged without norms. Chapter 14."""
+    if q_norm is None:
+        return q, k
+    if q_norm.weight.shape[0] != head_dim:                        # over all heads at once
+        return q_norm(q), k_norm(k)
+    return (q_norm(q.unflatten(-1, (-1, head_dim))).flatten(-2),
+            k_norm(k.unflatten(-1, (-1, head_dim))).flatten(-2))
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with rotary positions and an optional KV cache. Chapter 02."""
 
@@ -76,12 +90,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        # Qwen3-MoE and OLMoE normalise q and k (chapter 14): over each head, or over all heads
+        widths = {"head": (config.head_dim, config.head_dim),
+                  "full": (config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim)}.get(config.qk_norm)
+        self.q_norm = RMSNorm(widths[0], config.norm_eps) if widths else None
+        self.k_norm = RMSNorm(widths[1], config.norm_eps) if widths else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache | None,
                 backend) -> torch.Tensor:
         batch, seq_len, _ = x.shape
-        q = self.q_proj(x).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
-        k = self.k_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        q, k = norm_qk(self.q_proj(x), self.k_proj(x), self.q_norm, self.k_norm, self.head_dim)
+        q = q.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)                  # (B, H, T, D)
+        k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)               # (B, H_kv, T, D)
         v = self.v_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)   # the cache stores keys *after* RoPE
         if cache is not None:
@@ -91,28 +111,23 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.n_heads * self.head_dim))
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) · up(x)). Chapter 01."""
+class MLP(SwiGLU):
+    """SwiGLU: down(silu(gate(x)) · up(x)), of the config's hidden_dim. Chapter 01."""
 
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.dim, config.hidden_dim, bias=False)
-        self.up_proj = nn.Linear(config.dim, config.hidden_dim, bias=False)
-        self.down_proj = nn.Linear(config.hidden_dim, config.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(config.dim, config.hidden_dim)
 
 
 class DecoderLayer(nn.Module):
-    """x + attention(norm(x)), then + mlp(norm(x)). Chapter 01."""
+    """x + attention(norm(x)), then + mlp(norm(x)); mlp is a mixture of experts in the config's moe_layers.
+    Chapters 01, 14."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MoEFeedForward.from_config(config) if layer_idx in config.moe_layers else MLP(config)
 
     def forward(self, x, cos, sin, cache, backend):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, backend)
@@ -138,6 +153,10 @@ class Transformer(nn.Module):
 
     def __init__(self, config: ModelConfig, attn_backend: str | None = None):
         super().__init__()
+        if config.model_type in SHAPE_ONLY_MODEL_TYPES:
+            raise ValueError(f"model_type {config.model_type!r} is a published shape for the cost model only (its "
+                             "attention is not implemented); build an MoE model of a family llminfer runs, e.g. "
+                             "config.replace(model_type='qwen3_moe')")
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         self.layers = DecoderStack(DecoderLayer(config, i) for i in range(config.n_layers))
@@ -265,7 +284,7 @@ class Transformer(nn.Module):
         """Fill the weights with N(0, std²) (norms with ones), reproducibly from `seed`; returns self."""
         generator = torch.Generator(device="cpu").manual_seed(seed)
         for name, param in self.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if name.endswith("norm.weight"):                      # every RMSNorm's scale
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
