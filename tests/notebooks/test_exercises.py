@@ -95,6 +95,10 @@ WRONG = {
     "10.2": lambda answer, ctx: 15 + 2**20 / 450e9 * 1e6,                       # no 2(p - 1)/p
     "10.3": lambda answer, ctx: 3 / 8,                                          # (p - 1) / m
     "10.4": lambda answer, ctx: _mlp_shard_summing_before_silu,
+    "11.1": lambda answer, ctx: 8 / 4.0,                                        # throughput, not goodput
+    "11.2": lambda answer, ctx: (answer[0], 180 / 5),                           # the first token in the TPOT
+    "11.3": lambda answer, ctx: 3,                                              # stopped at the first dip
+    "11.4": lambda answer, ctx: 100,                                            # one value beyond the p99
 }
 
 
