@@ -7,6 +7,7 @@ auxiliary balance loss. Chapter 14.
     expert_capacity(n_tokens, n_experts, top_k, C)  ceil(C · T · k / E): the slots each expert has
     apply_capacity(weights, ids, n_experts, C)      which assignments overflow their expert and are dropped
     balance_loss(router_logits, top_k)              Switch Transformer's E · Σ f_i · P_i (1 at perfect balance)
+    record_routing(model, *inputs)                  the (weights, ids) every MoE layer chose in one forward
 
 Every function takes the router's choices as `llminfer.moe.route` returns them: ids (T, k) of the chosen experts
 and weights (T, k) of their gates, one row per token, in the order the tokens arrived. Nothing here trains.
@@ -18,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["tokens_per_expert", "distinct_experts", "mean_distinct_experts", "expert_capacity", "CapacityResult",
+from llminfer.moe import MoEFeedForward, route
+
+__all__ = ["record_routing", "tokens_per_expert", "distinct_experts", "mean_distinct_experts", "expert_capacity", "CapacityResult",
            "apply_capacity", "BalanceLoss", "balance_loss"]
 
 
@@ -161,3 +164,33 @@ def balance_loss(router_logits: torch.Tensor, top_k: int = 1) -> BalanceLoss:
     fraction = tokens_per_expert(ids, n_experts).float() / (n_tokens * top_k)
     mean_probability = probs.mean(0)
     return BalanceLoss(float(n_experts * (fraction * mean_probability).sum()), fraction, mean_probability)
+
+
+@torch.inference_mode()
+def record_routing(model: torch.nn.Module, *inputs, **kwargs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Runs model(*inputs, **kwargs) once and returns what each of its MoE layers chose, in layer order: a
+    (weights (T, k), ids (T, k)) pair per layer, one row per token the layer saw (a batch's rows flattened).
+    Chapter 14.
+
+    The router's logits are caught on their way out of its linear map and routed again by `llminfer.moe.route`
+    with the layer's own settings, so the choices are exactly those the layer used. `model` may be a decoder
+    or a single MoEFeedForward."""
+    layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no MoEFeedForward layer whose routing could be recorded; "
+                         "pass a mixture-of-experts model")
+    choices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def catch(index: int, layer: MoEFeedForward):
+        def hook(_router, _args, logits):
+            choices[index] = route(logits.reshape(-1, logits.shape[-1]), layer.top_k,
+                                   softmax_before_topk=layer.softmax_before_topk, normalize=layer.normalize)
+        return hook
+
+    handles = [layer.router.register_forward_hook(catch(i, layer)) for i, layer in enumerate(layers)]
+    try:
+        model(*inputs, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [choices[i] for i in range(len(layers))]

@@ -93,3 +93,19 @@ def test_bad_input_is_refused():
         moe_balance.apply_capacity(torch.ones(2, 1), torch.tensor([[0, 1]]), 2, 1.0)
     with pytest.raises(ValueError, match=r"top_k must be an integer in 1..2"):
         moe_balance.balance_loss(torch.zeros(3, 2), top_k=3)
+
+
+def test_routing_is_recorded_as_the_layer_chose_it():
+    from llminfer.moe import MoEFeedForward
+    torch.manual_seed(0)
+    moe = MoEFeedForward(8, 6, 2, 5, softmax_before_topk=True, normalize=False)
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.normal_(0.0, 0.5)
+    x = torch.randn(3, 4, 8)                                          # a batch of 3 sequences of 4 tokens
+    ((weights, ids),) = moe_balance.record_routing(moe, x)
+    expected_weights, expected_ids = moe.route(x.reshape(-1, 8))
+    assert torch.equal(ids, expected_ids) and torch.equal(weights, expected_weights)
+    assert ids.shape == (12, 2) and moe.router._forward_hooks == {}     # the hook is gone afterwards
+    with pytest.raises(ValueError, match="no MoEFeedForward layer"):
+        moe_balance.record_routing(torch.nn.Linear(8, 8), x)
