@@ -99,6 +99,9 @@ WRONG = {
     "11.2": lambda answer, ctx: (answer[0], 180 / 5),                           # the first token in the TPOT
     "11.3": lambda answer, ctx: 3,                                              # stopped at the first dip
     "11.4": lambda answer, ctx: 100,                                            # one value beyond the p99
+    "12.1": lambda answer, ctx: answer * 2,                                     # float32, not bfloat16
+    "12.2": lambda answer, ctx: (answer[0] / 8, answer[1]),                     # 100 GB/s, not 100 Gb/s
+    "12.3": lambda answer, ctx: answer * 4,                                     # the whole K/V over one link
 }
 
 
