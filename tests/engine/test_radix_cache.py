@@ -229,3 +229,56 @@ def test_an_unknown_prefix_cache_is_refused_before_anything_is_allocated():
     engine = LLMEngine(model, num_blocks=8, max_model_len=64, prefix_cache="radix")
     assert isinstance(engine.block_manager, RadixBlockManager) and "prefix_cache='radix'" in repr(engine)
     assert LLMEngine(model, num_blocks=8, max_model_len=64).prefix_cache == "hash"   # the default is unchanged
+
+
+# --- the two workloads of chapter 13 -------------------------------------------------------------------------------
+
+def common_prefix(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from llminfer.checkpoint import load_tokenizer
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.mark.parametrize("with_tokenizer", [True, False])
+def test_the_tree_saves_at_least_what_the_hashes_save_on_both_workloads(smollm2_tokenizer, with_tokenizer):
+    """Few-shot and multi-turn chat, through SmolLM2's chat template (a random model with its vocabulary) or as
+    random ids: the same tokens with either cache or none, and every whole cached block is found. Few-shot: each
+    request after the first reuses the shared prefix's whole blocks. Multi-turn: each later turn reuses the
+    whole blocks of the previous turn's prompt and answer that its own prompt repeats."""
+    from llminfer.engine.workload import few_shot_workload, measure_prefix_cache, multi_turn_workload
+    tokenizer = smollm2_tokenizer if with_tokenizer else None
+    vocab = 49152 if with_tokenizer else 512
+    model = random_model(llminfer.ModelConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                              hidden_dim=64, max_seq_len=1024, tie_embeddings=True))
+    eos = tokenizer.eos_token_id if tokenizer else None
+    size = 16
+    workloads = {"few-shot": few_shot_workload(5, tokenizer, shots=6, max_new_tokens=2, vocab_size=vocab),
+                 "chat": multi_turn_workload(3, 3, tokenizer, max_new_tokens=6, vocab_size=vocab)}
+    for name, workload in workloads.items():
+        runs = {kind: measure_prefix_cache(model, workload, kind, eos_token_id=eos, block_size=size, max_num_seqs=8)
+                for kind in ("hash", "radix", None)}
+        assert [o.token_ids for o in runs["radix"].outputs] == [o.token_ids for o in runs["hash"].outputs] \
+            == [o.token_ids for o in runs[None].outputs], name
+        radix, hashed = runs["radix"], runs["hash"]
+        assert radix.saved_tokens >= hashed.saved_tokens > 0 and runs[None].saved_tokens == 0, name
+        assert radix.computed_tokens + radix.saved_tokens == runs[None].computed_tokens
+        assert radix.hit_rate == pytest.approx(radix.stats.prefix_hit_rate)
+        prompts = [o.prompt_token_ids for o in radix.outputs]
+        cached = [o.num_cached_tokens for o in radix.outputs]
+        if name == "few-shot":
+            shared = min(common_prefix(prompts[0], p) for p in prompts[1:])
+            assert shared >= 6 * 10 and cached == [0] + [shared // size * size] * 4
+        else:                                       # turn by turn: conversation c's turn t is output t * 3 + c
+            for i in range(3, 9):
+                before = radix.outputs[i - 3]
+                repeated = common_prefix(prompts[i], before.prompt_token_ids + before.token_ids[:-1])
+                assert cached[i] >= repeated // size * size, i
+        tree = radix.engine.block_manager.tree
+        assert tree.num_blocks == radix.stats.blocks_cached_free > 0 and radix.stats.blocks_used == 0
