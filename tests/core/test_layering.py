@@ -15,7 +15,7 @@ CORE = ["device", "checks", "config", "costs", "attention", "kv_cache", "moe", "
 # Built on the core (may import it; the core never imports them).
 ON_TOP = ["engine", "flash", "cpu", "quant", "fast", "speculative", "parallel", "serve", "moe_balance"]
 # Around everything: tooling and teaching aids, imported by nothing in the package but themselves.
-AROUND = ["bench", "widgets", "notebooks", "claims"]
+AROUND = ["bench", "widgets", "notebooks", "claims", "exercises"]
 
 
 def module_files(root: Path = PACKAGE) -> dict[str, Path]:
