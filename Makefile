@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-NB     := $(sort $(wildcard chapters/[0-9][0-9]_*.ipynb)) $(sort $(wildcard chapters/A[0-9]_*.ipynb))
+NB     := $(sort $(wildcard chapters/[0-9][0-9]_*.ipynb)) $(sort $(wildcard chapters/A[0-9]_*.ipynb)) \
+          $(sort $(wildcard chapters/solutions/*.ipynb))
 export PYTHONHASHSEED := 0
 
 .PHONY: lab test test-unit test-notebooks test-e2e test-gpu test-soak notebooks bench bench-quick model model-smollm2 \
@@ -13,7 +14,7 @@ help:
 	@echo "make lab        create .venv if needed and open JupyterLab on chapters/"
 	@echo "make test       unit tests + every notebook under nbval (strict): test-unit, then test-notebooks"
 	@echo "make test-unit  the unit tests alone (pytest tests/)"
-	@echo "make test-notebooks  every chapter under nbval alone (strict)"
+	@echo "make test-notebooks  every chapter and exercise solution under nbval alone (strict)"
 	@echo "make test-e2e   the widgets in JupyterLab and the website (built first: make book), driven in headless"
 	@echo "                Chromium (installed with apt-get when missing and run as root)"
 	@echo "make test-gpu   on one NVIDIA GPU (< 10 min): pytest -m gpu, FlexAttention and CUDA-graph smoke tests,"
@@ -72,6 +73,7 @@ test: test-unit test-notebooks
 test-unit: $(STAMP) $(SMOLLM2_STAMP)
 	$(PY) -m pytest -q tests
 
+# (pytest collects chapters/ with its subfolders: the chapters and the exercises' solutions in chapters/solutions/)
 test-notebooks: $(STAMP) $(SMOLLM2_STAMP)
 	$(PY) -m pytest -q --nbval --nbval-sanitize-with chapters/sanitize.cfg -p no:cacheprovider chapters
 
