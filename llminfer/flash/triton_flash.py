@@ -5,6 +5,7 @@
     flash_tile_counts(q, k, v, causal=True, block_m=None, block_n=None)  K/V tiles each program computed
     flash_backend(q, k, v, causal=True, mask=None, scale=None)       the 'flash' attention backend
     default_blocks(head_dim, dtype), padded_head_dim(head_dim)       the tile sizes the kernel uses
+    launch_config(head_dim, dtype, block_m, block_n)                 its num_warps and num_stages
 
 One program handles one block of block_m query rows of one (batch, head) and walks the keys in
 tiles of block_n, keeping the running max and sum of the online softmax in registers. The kernel
@@ -36,8 +37,8 @@ import torch
 from llminfer.device import dtype_bytes
 
 __all__ = ["FlashOutput", "flash_attention", "flash_decode", "flash_tile_counts", "flash_backend",
-           "triton_available", "interpreted", "default_blocks", "padded_head_dim", "SUPPORTED_DTYPES",
-           "MAX_HEAD_DIM"]
+           "triton_available", "interpreted", "default_blocks", "padded_head_dim", "launch_config",
+           "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256          # the padded head must fit on chip next to a K and a V tile
@@ -97,6 +98,60 @@ def default_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
         if block_m * width + 2 * 2 * block_n * width <= SHARED_MEMORY_BUDGET:
             return block_m, block_n
     return MIN_BLOCK, MIN_BLOCK
+
+
+# (num_warps, num_stages) of each tile the kernel uses by itself: default_blocks' tiles and flash_decode's
+# (block_m 16), keyed by (float32?, padded head size, block_m, block_n). Chosen from ptxas's resource report for
+# sm_90 (Triton 3.7.1, the causal kernel compiled for each of 4, 8, 16 warps and 1, 2, 3 stages): the fewest warps,
+# then the most stages, at which no register spills to the stack. Float16 and bfloat16 run tl.dot on tensor
+# cores and their stages change nothing; float32 (IEEE, no TF32) runs it as FMAs, holding far more a thread.
+#   key                     chosen    at 4 warps, 2 stages: registers / spill stack (bytes a thread)
+LAUNCH_CONFIGS = {
+    (True, 16, 64, 64): (4, 2),       # 196 / 0
+    (True, 16, 16, 64): (4, 1),       # 80 / 8
+    (True, 32, 64, 64): (8, 1),       # 255 / 120; 8 warps, 2 stages: 255 / 208; 1 stage: 162 / 0
+    (True, 32, 16, 64): (4, 2),       # 128 / 0
+    (True, 64, 64, 64): (16, 2),      # 32 / 9296; 8 warps: 32 / 4792
+    (True, 64, 16, 64): (4, 2),       # 187 / 0
+    (True, 128, 64, 32): (8, 2),      # 32 / 8880 (the stack the fixed 4 warps spilled); 8 warps: 192 / 0
+    (True, 128, 16, 32): (4, 2),      # 234 / 0
+    (True, 256, 32, 16): (8, 2),      # 32 / 8088; 8 warps: 194 / 0
+    (True, 256, 16, 16): (8, 2),      # 255 / 16; 8 warps: 147 / 0
+    (False, 16, 64, 64): (4, 2),      # 160 / 0
+    (False, 16, 16, 64): (4, 2),      # 179 / 0
+    (False, 32, 64, 64): (4, 2),      # 233 / 0
+    (False, 32, 16, 64): (4, 2),      # 254 / 0
+    (False, 64, 64, 64): (4, 2),      # 255 / 0 (float16 too)
+    (False, 64, 16, 64): (4, 2),      # 255 / 0
+    (False, 128, 64, 64): (8, 2),     # 255 / 336 (float16 too); 8 warps: 255 / 8, the least (16: 200)
+    (False, 128, 16, 64): (8, 2),     # 255 / 304; 8 warps: 255 / 0
+    (False, 256, 64, 32): (8, 2),     # 255 / 712; 8 warps: 255 / 128, the least (16: 688)
+    (False, 256, 16, 32): (8, 2),     # 255 / 152; 8 warps: 252 / 0
+}
+
+
+def launch_config(head_dim: int, dtype: torch.dtype, block_m: int, block_n: int) -> tuple[int, int]:
+    """Returns (num_warps, num_stages) for a launch on tiles of block_m × block_n and this head size. Chapter 07.
+
+    The threads of a program share its tiles, so more warps mean fewer registers a thread; a thread that needs
+    more than its 255 registers spills them to local memory (correct, slow). The tiles the kernel picks itself
+    have their measured choice in LAUNCH_CONFIGS. Tiles a caller chooses get an estimate: the 32-bit registers
+    a thread holds through the key loop at 4 warps (the Q tile, the float32 accumulator and scores, and with
+    float32, whose dot is a loop of FMAs, the K and V tiles too) are kept within 128, half of what a thread has,
+    or 8 warps split them; 2 stages where a Q tile and two stages of K and V fit SHARED_MEMORY_BUDGET, else 1.
+    Under the interpreter both are ignored.
+    """
+    d = padded_head_dim(head_dim)
+    fp32 = dtype == torch.float32
+    if (fp32, d, block_m, block_n) in LAUNCH_CONFIGS:
+        return LAUNCH_CONFIGS[fp32, d, block_m, block_n]
+    elem = dtype_bytes(dtype)
+    resident = block_m * d * elem + block_m * d * 4 + block_m * block_n * 4      # Q, accumulator, scores
+    if fp32:
+        resident += 2 * block_n * d * elem                                        # K and V, for the FMA loop
+    num_warps = 4 if resident / 4 / (32 * 4) <= 128 else 8
+    num_stages = 2 if block_m * d * elem + 2 * 2 * block_n * d * elem <= SHARED_MEMORY_BUDGET else 1
+    return num_warps, num_stages
 
 
 # --- checks and launch ----------------------------------------------------------------------------------
@@ -185,13 +240,14 @@ def _launch(q, k, v, causal, mask, scale, block_m, block_n, num_splits, count_ti
     else:
         mask_arg, m_strides = q, (0, 0, 0, 0)
     counts = torch.zeros(grid[2] * grid[1] * grid[0], dtype=torch.int32, device=q.device) if count_tiles else lse
+    num_warps, num_stages = launch_config(head_dim, q.dtype, block_m, block_n)
     kernel[grid](
         q, k, v, out, lse, mask_arg, counts,
         *q.stride(), *k.stride(), *v.stride(), *o_strides, *l_strides, *m_strides,
         n_heads, n_heads // n_kv_heads, seq_q, seq_k, head_dim, split_len, scale * LOG2_E,
         CAUSAL=bool(causal), HAS_MASK=mask is not None, COUNT_TILES=count_tiles,
         IEEE_DOT=q.dtype == torch.float32 or widen, WIDEN=widen, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=padded_head_dim(head_dim),
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     tiles = counts.view(grid[2], grid[1], grid[0]) if count_tiles else None
     return out, lse, tiles
