@@ -28,6 +28,7 @@ rather than once per expert; the bytes here are the plain version, counted exact
 """
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from contextlib import contextmanager
@@ -88,8 +89,11 @@ def all_to_all_rows(rows: torch.Tensor, send_counts: list[int], group=None) -> t
 
 @dataclass
 class A2AStats:
-    """What this rank's all-to-alls moved while `enabled`: bytes sent to other ranks (its own share stays in
-    memory) by phase, and the seconds of each phase's collectives (the counts' and the rows'). Chapter 14.
+    """What this rank's all-to-alls moved while `enabled`: the hidden-state rows and their bytes sent to other
+    ranks (its own share stays in memory) by phase, and the seconds of each phase's collectives. Chapter 14.
+
+    The bytes are the rows' only: the dispatch also sends each row's expert id (8 bytes beside dim values) and
+    every all-to-all of rows is preceded by one of the counts (8 bytes per rank), which are timed but not counted.
 
     The clock waits for the device before and after each phase, so on a GPU it stalls the queue: time with it
     to measure, not while serving."""
@@ -185,7 +189,7 @@ def expert_parallel(model: nn.Module, rank: int, world_size: int, group=None) ->
     """Replaces, in place, every MoEFeedForward in model by this rank's ExpertParallelMoE (its experts only);
     returns them. Chapter 14."""
     swapped = []
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, MoEFeedForward):
                 part = ExpertParallelMoE(child, rank, world_size, group)
@@ -197,6 +201,14 @@ def expert_parallel(model: nn.Module, rank: int, world_size: int, group=None) ->
 
 
 # --- one layer over processes ---------------------------------------------------------------------------------
+
+def _on_cpu(module: nn.Module) -> nn.Module:
+    """module itself if its weights are in CPU memory, else a CPU copy (the caller's stays where it is): what
+    travels to the processes, which move it to their own device."""
+    if all(t.device.type == "cpu" for t in (*module.parameters(), *module.buffers())):
+        return module
+    return copy.deepcopy(module).cpu()
+
 
 def ep_layer_worker(ctx: WorkerContext, moe: MoEFeedForward, inputs: list, repeats: int = 0) -> dict:
     """One rank of an expert-parallel MoE layer: its experts, its tokens inputs[rank], its output and bytes; with
@@ -230,7 +242,7 @@ def run_expert_parallel(moe: MoEFeedForward, inputs: list, world_size: int = 2, 
     if len(inputs) != world_size or any(x.dim() != 2 or x.shape[1] != moe.router.in_features for x in inputs):
         raise ValueError(f"inputs must hold one (tokens, {moe.router.in_features}) tensor per rank ({world_size})")
     check_backend(backend, world_size)
-    return launch(ep_layer_worker, (moe.cpu(), [x.cpu() for x in inputs], repeats), world_size=world_size,
+    return launch(ep_layer_worker, (_on_cpu(moe), [x.cpu() for x in inputs], repeats), world_size=world_size,
                   backend=backend, port=port, timeout_s=timeout_s)
 
 
@@ -255,7 +267,7 @@ def run_expert_parallel_generate(model, prompts: list, max_new_tokens: int = 4, 
     if len(prompts) != world_size:
         raise ValueError(f"prompts must hold one batch of prompts per rank ({world_size}), got {len(prompts)}")
     check_backend(backend, world_size)
-    return launch(ep_generate_worker, (model.cpu(), prompts, max_new_tokens), world_size=world_size,
+    return launch(ep_generate_worker, (_on_cpu(model), prompts, max_new_tokens), world_size=world_size,
                   backend=backend, port=port, timeout_s=timeout_s)
 
 
@@ -282,7 +294,8 @@ def a2a_worker(ctx: WorkerContext, sizes: list[int], repeats: int = 5, budget_s:
 def measure_all_to_all(sizes=None, repeats: int = 5, world_size: int = 2, backend: str | None = None,
                        port: int | None = None, budget_s: float = 0.05, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
     """Seconds per all-to-all at each send-buffer size (bytes per rank), the bytes each rank sends to the others
-    ((W − 1) / W of its buffer), and the α–β fit of seconds against those bytes. Chapter 14."""
+    ((W − 1) / W of its buffer), and the α–β fit of seconds against those bytes (None, with fit_error saying
+    why, when the times do not grow with the bytes, as happens on a busy machine). Chapter 14."""
     sizes = default_message_sizes(64, 16 << 20) if sizes is None else list(sizes)
     if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
         raise ValueError(f"sizes must be a non-empty list of positive byte counts, got {sizes!r}")
@@ -294,7 +307,11 @@ def measure_all_to_all(sizes=None, repeats: int = 5, world_size: int = 2, backen
     measured = launch(a2a_worker, (sizes, repeats, budget_s), world_size=world_size, backend=backend, port=port,
                       timeout_s=timeout_s)[0]
     sent = [n * (world_size - 1) / world_size for n in measured["sizes"]]
-    return {**measured, "sent_bytes": sent, "fit": cost_model.fit_alpha_beta(sent, measured["seconds"])}
+    try:
+        fit, why = cost_model.fit_alpha_beta(sent, measured["seconds"]), None
+    except ValueError as error:             # a loaded machine can time a small message slower than a large one
+        fit, why = None, str(error)
+    return {**measured, "sent_bytes": sent, "fit": fit, "fit_error": why}
 
 
 # --- the α–β projection ---------------------------------------------------------------------------------------

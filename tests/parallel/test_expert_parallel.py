@@ -68,15 +68,17 @@ def test_ep2_layer_with_a_rank_without_tokens_and_softmax_after_topk():
 
 
 def test_all_to_all_is_measured_and_fitted():
-    sizes = [64, 1 << 16, 1 << 22]
+    sizes = [64, 1 << 16, 1 << 23]
     measured = expert.measure_all_to_all(sizes, repeats=2, budget_s=0.01)
     assert measured["sizes"] == sizes and measured["sent_bytes"] == [n / 2 for n in sizes]
     times = measured["seconds"]
     assert len(times) == 3 and all(t > 0 for t in times)
-    # a physical floor, whatever the load: 2 MiB leave each rank, and no path between two processes moves that
+    # a physical floor, whatever the load: 4 MiB leave each rank, and no path between two processes moves that
     # at 200 GB/s
-    assert times[2] > (1 << 21) / 200e9, times
-    assert measured["fit"].alpha_s >= 0 and measured["fit"].bytes_per_s > 0
+    assert times[2] > (1 << 22) / 200e9, times
+    # the fit is chapter 10's (tested on synthetic timings there); a busy machine may leave nothing to fit
+    fit = measured["fit"]
+    assert (fit.alpha_s >= 0 and fit.bytes_per_s > 0) if fit else "do not grow" in measured["fit_error"]
 
 
 def test_bad_splits_are_refused_before_any_process():
@@ -130,3 +132,19 @@ def test_deepseek_v3_projection_on_h100_nodes():
     assert step.step_seconds == pytest.approx(58 * (step.dispatch_seconds + step.combine_seconds))
     assert 0.01 < step.step_seconds < 0.05                              # tens of milliseconds a step
 
+
+def test_ep2_greedy_tokens_of_an_moe_decoder_equal_one_process():
+    import llminfer
+    config = llminfer.ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
+                                  max_seq_len=64, model_type="qwen3_moe", n_experts=4, n_experts_per_tok=2,
+                                  moe_hidden_dim=24, norm_topk_prob=True)
+    model = llminfer.Transformer(config).init_weights(seed=3, std=0.2).eval()
+    prompts = [[[5, 9, 13, 2], [7, 7, 1, 60]], [[3, 90, 4, 4]]]                 # rank 0 decodes two, rank 1 one
+    ranks = expert.run_expert_parallel_generate(model, prompts, max_new_tokens=6)
+    for rank, batch in zip(ranks, prompts):
+        alone = llminfer.generate(model, batch, max_new_tokens=6, return_logits=True, ignore_eos=True)
+        logits = torch.stack(alone.logits)
+        assert rank["token_ids"] == alone.token_ids
+        assert logits.std() > 0.1 and (rank["logits"] - logits).abs().max() < 1e-5
+        assert rank["calls"] == 2 * 2 * 6                   # dispatch and combine, 2 layers, prefill + 5 steps
+        assert rank["bytes"] > 0
