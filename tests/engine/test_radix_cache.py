@@ -199,10 +199,10 @@ def shared_prompts(rng, vocab, n, prefix_len, first=3):
 def test_greedy_tokens_are_the_same_with_either_cache_or_none(num_blocks):
     """A random GQA Llama; 24 blocks of 4 is pool pressure: eviction and preemption both happen."""
     model = random_model(SMALL_CONFIGS["llama-gqa-tied"])
-    prompts = shared_prompts(random.Random(2), model.config.vocab_size, 16, 30)
+    prompts = shared_prompts(random.Random(2), model.config.vocab_size, 10, 30)
     settings = dict(block_size=4, num_blocks=num_blocks, max_num_seqs=6, max_num_batched_tokens=64,
                     max_model_len=80)
-    tokens = {kind: run(model, prompts, kind, 10, **settings) for kind in ("hash", "radix", None)}
+    tokens = {kind: run(model, prompts, kind, 8, **settings) for kind in ("hash", "radix", None)}
     assert tokens["radix"][0] == tokens["hash"][0] == tokens[None][0]
     radix, hashed = tokens["radix"][1], tokens["hash"][1]
     assert radix.prefix_hit_tokens > 0 and hashed.prefix_hit_tokens > 0
