@@ -92,11 +92,17 @@ def is_penalised(params) -> bool:
     return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0
 
 
+def _to_device(values: list, dtype, device) -> torch.Tensor:
+    """Host values as a tensor on device, copied without waiting for the work queued there (on a GPU, a blocking
+    copy would first wait for the step's forward to finish)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _token_table(rows: list, vocab_size: int, device, dtype) -> torch.Tensor:
     """(len(rows), vocab_size) counts of each token id in each row's list of ids."""
     table = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
-    row_index = torch.tensor([i for i, ids in enumerate(rows) for _ in ids], dtype=torch.long, device=device)
-    ids = torch.tensor([int(t) for ids in rows for t in ids], dtype=torch.long, device=device)
+    row_index = _to_device([i for i, ids in enumerate(rows) for _ in ids], torch.long, device)
+    ids = _to_device([int(t) for ids in rows for t in ids], torch.long, device)
     table.index_put_((row_index, ids), torch.ones(len(ids), device=device), accumulate=True)
     return table.to(dtype)
 
@@ -141,8 +147,12 @@ class History:
 
 
 def _column(values: list, logits: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """Per-row values as a (rows, 1) tensor on the logits' device (a copy to it, no read back)."""
-    return torch.tensor(values, dtype=dtype, device=logits.device)[:, None]
+    """Per-row values as a (rows, 1) tensor on the logits' device: a fill where every row has the same value, else
+    a copy that waits for nothing. A row's value is the same float32 number either way, so a row computes the same
+    alone as in any batch."""
+    if all(v == values[0] for v in values):
+        return torch.full((len(values), 1), values[0], dtype=dtype, device=logits.device)
+    return _to_device(values, dtype, logits.device)[:, None]
 
 
 # --- the stages ---------------------------------------------------------------------------------------------
@@ -286,7 +296,8 @@ def sample(logits: torch.Tensor, params, generators=None, history: History | Non
     if not sampled:
         return chosen
     every = len(sampled) == rows
-    probs = distribution(logits if every else logits[sampled], [params[i] for i in sampled])
+    index = None if every else _to_device(sampled, torch.long, logits.device)
+    probs = distribution(logits if every else logits.index_select(0, index), [params[i] for i in sampled])
     if generators is None or isinstance(generators, torch.Generator):
         drawn = torch.multinomial(probs, 1, generator=generators)[:, 0]
     else:                                 # each row from its own generator: its draws do not depend on the batch
@@ -294,10 +305,7 @@ def sample(logits: torch.Tensor, params, generators=None, history: History | Non
             raise ValueError(f"{len(generators)} generators for {rows} rows; pass one per row (None for greedy rows)")
         drawn = torch.cat([torch.multinomial(probs[j:j + 1], 1, generator=generators[i])[:, 0]
                            for j, i in enumerate(sampled)])
-    if every:
-        return drawn
-    chosen[sampled] = drawn
-    return chosen
+    return drawn if every else chosen.index_copy_(0, index, drawn)
 
 
 # --- what each stage does, for a figure ------------------------------------------------------------------------
