@@ -105,6 +105,26 @@ def as_numbers(value, count: int) -> list[float] | None:
     return None if any(n is None for n in numbers) else numbers
 
 
+def as_whole(value) -> int | None:
+    """Returns value as an int if it is a whole number (5, 5.0, a tensor holding 5), else None."""
+    number = as_number(value)
+    return int(number) if number is not None and number == int(number) else None
+
+
+def as_wholes(value, count: int) -> list[int] | None:
+    """Returns value as a list of count ints, or None if it is not count whole numbers."""
+    numbers = as_numbers(value, count)
+    return None if numbers is None or any(n != int(n) for n in numbers) else [int(n) for n in numbers]
+
+
+def run_code(function: Callable, *args) -> tuple[Any, str | None]:
+    """Runs the reader's function: (its result, None), or (None, what it raised), never raising itself."""
+    try:
+        return function(*args), None
+    except Exception as error:
+        return None, f"your function raised {type(error).__name__}: {error}"
+
+
 def close(value: float, expected: float, rel: float = 1e-3, abs_: float = 1e-9) -> bool:
     """True when value is expected to within rel (relative) or abs_ (absolute)."""
     return math.isclose(value, expected, rel_tol=rel, abs_tol=abs_)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from . import as_number, as_numbers, close, exercise, not_a
+from . import as_numbers, as_whole, close, exercise, not_a, run_code
 
 # The chapter's three tokens "I", "love", "AI": one key and one value each; 02.1 asks with another query
 K = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
@@ -51,10 +51,9 @@ def head_repetition(answer):
     x = torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(0))   # (B, n_kv_heads, T, head_dim)
     for groups in (3, 1, 2):
         want = repeat_kv(x, groups)
-        try:
-            got = answer(x.clone(), groups)
-        except Exception as error:                      # the reader's code: report its error, do not raise it
-            return False, f"your function raised {type(error).__name__}: {error}"
+        got, error = run_code(answer, x.clone(), groups)
+        if error:
+            return False, error
         if not isinstance(got, torch.Tensor):
             return not_a("a tensor", got)
         if got.shape != want.shape:
@@ -73,8 +72,8 @@ def head_repetition(answer):
 def kv_bytes_per_token(answer):
     from ..costs import kv_bytes_per_token
     cfg = real_config()
-    nbytes = as_number(answer)
-    if nbytes is None or nbytes != int(nbytes):
+    nbytes = as_whole(answer)
+    if nbytes is None:
         return not_a("a whole number of bytes", answer)
     want = kv_bytes_per_token(cfg, 2)
     hints = {

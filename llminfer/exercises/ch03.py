@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 
-from . import as_number, close, exercise, not_a
+from . import as_number, as_whole, close, exercise, not_a
 
 PROMPT, NEW_TOKENS = "The capital of France is", 20       # 03.1
 RATIO_PROMPT, RATIO_NEW = 100, 100                         # 03.2
@@ -25,14 +25,9 @@ def instrumented_counts() -> tuple[int, int, int]:
     return len(prompt), totals[0], totals[1]
 
 
-def _whole(answer):
-    number = as_number(answer)
-    return int(number) if number is not None and number == int(number) else None
-
-
 @exercise("03.1", "positions recomputed by 20 tokens without a cache, by formula, against the hooks' count")
 def recomputed_positions(answer):
-    recomputed = _whole(answer)
+    recomputed = as_whole(answer)
     if recomputed is None:
         return not_a("a whole number of positions", answer)
     prompt_len, without, with_cache = instrumented_counts()
@@ -74,7 +69,7 @@ def flops_per_position(answer):
     from .. import costs
     from .ch02 import real_config
     cfg = real_config()
-    flops = _whole(answer)
+    flops = as_whole(answer)
     if flops is None:
         return not_a("a whole number of FLOPs", answer)
     want = 2 * cfg.n_layers * costs.layer_matmul_params(cfg)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import as_numbers, exercise, not_a
+from . import as_whole, as_wholes, exercise, not_a, run_code
 
 LENGTHS, BLOCK = (5, 16, 17, 33), 16                       # 06.1
 POOL_BLOCKS, POOL_BLOCK = 10, 4                             # 06.2: A of 6 tokens, B of 9, A freed, C of 7
@@ -13,10 +13,10 @@ SYSTEM_LEN, USER_LEN, PREFIX_BLOCK = 35, 5, 16              # 06.4
 @exercise("06.1", "blocks and wasted slots for sequences of 5, 16, 17 and 33 positions in blocks of 16")
 def blocks_and_waste(answer):
     from ..engine import BlockManager
-    numbers = as_numbers(answer, 2)
-    if numbers is None or any(n != int(n) for n in numbers):
+    numbers = as_wholes(answer, 2)
+    if numbers is None:
         return not_a("two whole numbers (blocks, wasted_slots)", answer)
-    blocks, wasted = (int(n) for n in numbers)
+    blocks, wasted = numbers
     manager = BlockManager(64, BLOCK)
     want = sum(manager.blocks_needed(n) for n in LENGTHS)
     want_wasted = want * BLOCK - sum(LENGTHS)
@@ -72,10 +72,9 @@ def paged_gather(answer):
     cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=torch.Generator().manual_seed(0)))
     for table, length in (([5, 2, 7], 10), ([3], 4), ([0, 6], 5)):
         want = cache.gather(0, table, length)[0][0]                         # (H_kv, length, D)
-        try:
-            got = answer(cache.k[0].clone(), list(table), length)
-        except Exception as error:                      # the reader's code: report its error, do not raise it
-            return False, f"your function raised {type(error).__name__}: {error}"
+        got, error = run_code(answer, cache.k[0].clone(), list(table), length)
+        if error:
+            return False, error
         if not isinstance(got, torch.Tensor):
             return not_a("a tensor", got)
         if got.shape != want.shape:
@@ -93,10 +92,9 @@ def paged_gather(answer):
 @exercise("06.4", "blocks of a second request served from the prefix cache")
 def prefix_hits(answer):
     from ..engine import BlockManager, SamplingParams, Sequence
-    numbers = as_numbers([answer], 1)
-    if numbers is None or numbers[0] != int(numbers[0]):
+    hits = as_whole(answer)
+    if hits is None:
         return not_a("a whole number of blocks", answer)
-    hits = int(numbers[0])
     manager = BlockManager(32, PREFIX_BLOCK)
     system = list(range(100, 100 + SYSTEM_LEN))
     first = Sequence(0, system + [1] * USER_LEN, SamplingParams(), 0.0)

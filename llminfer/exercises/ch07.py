@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import as_number, as_numbers, exercise, not_a
+from . import as_whole, as_wholes, exercise, not_a, run_code
 
 TILE_T, TILE_BLOCK = 256, 32                    # 07.1
 IO_N, IO_D, IO_BLOCK = 1024, 64, 64             # 07.3
@@ -12,10 +12,10 @@ IO_N, IO_D, IO_BLOCK = 1024, 64, 64             # 07.3
 @exercise("07.1", "tiles computed and skipped by a causal pass over 256 positions in blocks of 32")
 def causal_tiles(answer):
     from ..flash.tiled import tile_grid
-    numbers = as_numbers(answer, 2)
-    if numbers is None or any(n != int(n) for n in numbers):
+    numbers = as_wholes(answer, 2)
+    if numbers is None:
         return not_a("two whole numbers (computed, skipped)", answer)
-    computed, skipped = (int(n) for n in numbers)
+    computed, skipped = numbers
     kinds = [kind for row in tile_grid(TILE_T, TILE_T, TILE_BLOCK, TILE_BLOCK) for kind in row]
     want_skipped = kinds.count("skipped")
     want = len(kinds) - want_skipped
@@ -50,13 +50,13 @@ def tile_update(answer):
     m = torch.full((rows,), float("-inf"), dtype=torch.float64)
     l = torch.zeros(rows, dtype=torch.float64)
     acc = torch.zeros(rows, d, dtype=torch.float64)
-    try:
-        for t in range(tiles):
-            m, l, acc = answer(m, l, acc, scores[:, t * block:(t + 1) * block], v[t * block:(t + 1) * block])
-    except Exception as error:                                 # the reader's code: report its error, do not raise it
-        return False, f"your function raised {type(error).__name__}: {error}"
-    if not all(isinstance(x, torch.Tensor) for x in (m, l, acc)):
-        return not_a("three tensors (m, l, acc)", (m, l, acc))
+    for t in range(tiles):
+        state, error = run_code(answer, m, l, acc, scores[:, t * block:(t + 1) * block], v[t * block:(t + 1) * block])
+        if error:
+            return False, error
+        if not (isinstance(state, tuple) and len(state) == 3 and all(isinstance(x, torch.Tensor) for x in state)):
+            return not_a("three tensors (m, l, acc)", state)
+        m, l, acc = state
     want_m, want_l, want_acc = _reference_state(scores, v)
     if m.shape != want_m.shape or l.shape != want_l.shape or acc.shape != want_acc.shape:
         return False, (f"shapes m {tuple(m.shape)}, l {tuple(l.shape)}, acc {tuple(acc.shape)}; expected "
@@ -78,10 +78,9 @@ def tile_update(answer):
 @exercise("07.3", "elements the tiled loop moves for N = 1024, d = 64, tiles of 64")
 def tiled_traffic(answer):
     from ..flash.tiled import tiled_attention
-    elements = as_number(answer)
-    if elements is None or elements != int(elements):
+    elements = as_whole(answer)
+    if elements is None:
         return not_a("a whole number of elements", answer)
-    elements = int(elements)
     q, k, v = (torch.randn(1, 1, IO_N, IO_D) for _ in range(3))
     want = tiled_attention(q, k, v, causal=False, block_m=IO_BLOCK, block_n=IO_BLOCK).traffic.total_bytes // 4
     n, d, blocks = IO_N, IO_D, IO_N // IO_BLOCK

@@ -1,10 +1,10 @@
-"""Chapter 10's exercises: a TP step's all-reduce bytes, a ring all-reduce's time, the pipeline bubble, the MLP split."""
+"""Chapter 10's exercises: a TP step's all-reduce bytes, a ring all-reduce's time, the bubble, the split MLP."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from . import as_number, close, exercise, not_a
+from . import as_number, as_whole, close, exercise, not_a, run_code
 
 TP_MODEL, TP_BATCH, TP_BYTES = "llama-3-70b", 8, 2          # 10.1: bfloat16
 RING_BYTES, RING_RANKS, RING_LINK = 2**20, 8, "nvlink4"      # 10.2
@@ -15,10 +15,9 @@ STAGES, MICRO = 4, 8                                        # 10.3
 def allreduce_bytes(answer):
     from ..parallel import cost_model
     shape = cost_model.SHAPES[TP_MODEL]
-    nbytes = as_number(answer)
-    if nbytes is None or nbytes != int(nbytes):
+    nbytes = as_whole(answer)
+    if nbytes is None:
         return not_a("a whole number of bytes", answer)
-    nbytes = int(nbytes)
     want = cost_model.tp_bytes_per_token(shape, batch_size=TP_BATCH, dtype_bytes=TP_BYTES)
     if nbytes == want // 2:
         return False, "two all-reduces per layer: one after attention's o_proj, one after the MLP's down_proj"
@@ -87,10 +86,10 @@ def mlp_shard(answer):
     w_down = torch.randn(dim, hidden, generator=generator)
     want = (F.silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T                    # (tokens, dim)
     for world_size in (2, 3, 4):
-        try:
-            parts = [answer(x, w_gate, w_up, w_down, rank, world_size) for rank in range(world_size)]
-        except Exception as error:                      # the reader's code: report its error, do not raise it
-            return False, f"your function raised {type(error).__name__}: {error}"
+        parts, error = run_code(lambda: [answer(x, w_gate, w_up, w_down, rank, world_size)
+                                         for rank in range(world_size)])
+        if error:
+            return False, error
         if not all(isinstance(p, torch.Tensor) and p.shape == want.shape for p in parts):
             return False, f"each rank returns a partial output of the full shape {tuple(want.shape)}"
         if all(torch.allclose(p, want, atol=1e-5) for p in parts):

@@ -1,9 +1,8 @@
 """Chapter 11's exercises: goodput at an SLO, TTFT and TPOT from a stream, DistServe's goodput, samples for a p99."""
 from __future__ import annotations
 
-import math
 
-from . import as_number, as_numbers, close, exercise, not_a
+from . import as_number, as_numbers, as_whole, close, exercise, not_a
 
 # 11.1: eight requests of a 4-second run, (TTFT s, TPOT s, output tokens); TPOT is nan for a one-token request
 REQUESTS = ((0.20, 0.030, 40), (0.45, 0.048, 12), (0.60, 0.020, 30), (0.30, 0.070, 25),
@@ -79,14 +78,14 @@ def distserve_goodput(answer):
 @exercise("11.4", "requests a load level needs before its p99 is quoted")
 def samples_for_p99(answer):
     from ..engine.latency import MIN_TAIL_SAMPLES, samples_needed
-    value = as_number(answer)
-    if value is None or value != int(value):
+    value = as_whole(answer)
+    if value is None:
         return not_a("a whole number of requests", answer)
     want = samples_needed(99)
-    if int(value) == 100:
+    if value == 100:
         return False, (f"with 100 values only one lies beyond the p99; the chapter quotes a tail percentile only "
                        f"with at least {MIN_TAIL_SAMPLES} beyond it")
-    if int(value) != want:
-        return False, (f"{int(value)}: a p-th percentile needs {MIN_TAIL_SAMPLES} / (1 − p/100) values "
+    if value != want:
+        return False, (f"{value}: a p-th percentile needs {MIN_TAIL_SAMPLES} / (1 − p/100) values "
                        "(latency.samples_needed; the nan in section 3's table)")
     return True, f"{MIN_TAIL_SAMPLES} / (1 − 0.99) = {want} requests; a level of 10 to 32 shows nan for p99"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 
-from . import as_number, as_numbers, close, exercise, not_a
+from . import as_number, as_numbers, as_whole, close, exercise, not_a
 
 REAL_MODEL, QUESTION = "smollm2-135m-instruct", "What is the capital of France?"     # 12.1, bfloat16
 PROMPT = 4096                                          # 12.2 and 12.3, as section 3's model
@@ -25,10 +25,9 @@ def chat_prompt_tokens() -> tuple[int, int]:
 def transfer_bytes(answer):
     from .. import costs
     from .ch02 import real_config
-    nbytes = as_number(answer)
-    if nbytes is None or nbytes != int(nbytes):
+    nbytes = as_whole(answer)
+    if nbytes is None:
         return not_a("a whole number of bytes", answer)
-    nbytes = int(nbytes)
     cfg = real_config()
     templated, bare = chat_prompt_tokens()
     want = costs.kv_cache_bytes(cfg, templated, 2)
