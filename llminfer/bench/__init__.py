@@ -6,6 +6,7 @@
     engine           batching, chunked prefill, prefix caching, KV memory (chapters 05-06)
     serve            load-test a server, or llminfer's against vLLM's (chapter 11)
     gpu              make test-gpu: every CUDA path on one GPU (< 10 minutes)
+    llama-cpp        build the llama.cpp peer at its best for this CPU (make peer-llama-cpp), or print its options
 
 The layer they share, each part written once:
 

@@ -52,7 +52,7 @@ from ..cuda_graphs import COMPILE_OPTIONS
 from ..fast import compile_decode
 from ..generate import generate
 from .. import cpu as native_cpu
-from ..quant.gguf_export import llama_cpp_available, llama_cpp_generate, load_llama_cpp, write_gguf
+from ..quant.gguf_export import llama_cpp_available, write_gguf
 from ..quant.linear import quantize, quantized_weight_bytes
 from .measure import BandwidthCeiling  # noqa: F401 (chapter 08 imports it from here)
 from .measure import QUANT_WEIGHTS, interleave, layer_probe, matmul_probes, threads as torch_threads
@@ -119,10 +119,9 @@ def _choose_threads(llama_f32_path, ids, cfg, new_tokens) -> tuple[int, dict]:
     """The thread count where llama.cpp F32 decodes fastest (1 .. cores), and what each count gave."""
     found = {}
     for threads in range(1, (os.cpu_count() or 1) + 1):
-        llm = load_llama_cpp(llama_f32_path, len(ids) + new_tokens + 8, threads)
-        llama_cpp_generate(llm, ids, 8)
-        found[threads] = _tokens_per_s([llama_cpp_generate(llm, ids, min(new_tokens, 32)) for _ in range(2)])
-        del llm
+        with LlamaCppProcess(llama_f32_path, len(ids) + new_tokens + 8, threads) as peer:
+            peer.generate(ids, 8)
+            found[threads] = _tokens_per_s([peer.generate(ids, min(new_tokens, 32)) for _ in range(2)])
     return max(found, key=found.get), found
 
 
@@ -181,9 +180,9 @@ def _measure(args, cfg, base, ids, id_list, ggufs, threads, thread_sweep, starte
         info[label] = {"precision": name, "compile_s": decoder.compile_s, "weight_bytes": weight_bytes,
                        "kv_element_bytes": element, "decoder": decoder}
         if (use := ggufs.get(kind)) and f"llama.cpp {kind}" not in contenders:
-            llm = load_llama_cpp(use, n_ctx, threads)
+            peer = LlamaCppProcess(use, n_ctx, threads)           # a process of its own, alive for the run
             label = f"llama.cpp {kind}"
-            contenders[label] = lambda l=llm: llama_cpp_generate(l, id_list, args.new_tokens)
+            contenders[label] = lambda p=peer: p.generate(id_list, args.new_tokens)
             n_matrix = costs.matmul_params(cfg)
             norms = cfg.n_layers * 2 * cfg.dim + cfg.dim
             info[label] = {"precision": name, "weight_bytes": int(n_matrix * GGUF_BYTES_PER_WEIGHT[kind] + 4 * norms),

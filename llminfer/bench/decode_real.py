@@ -33,7 +33,8 @@ from ..checkpoint import load_pretrained
 from ..fast import compile_decode
 from ..gguf_reader import INSTALLED, installed_gguf, read_header
 from ..quant.checkpoint import keep_quantized
-from ..quant.gguf_export import llama_cpp_available, llama_cpp_generate, load_llama_cpp, write_gguf
+from ..quant.gguf_export import llama_cpp_available, write_gguf
+from .llama_peer import LlamaCppProcess
 from .measure import BandwidthCeiling, interleave, threads as torch_threads
 from .report import device_slug, llama_cpp_version, load_average, machine, publish
 
@@ -98,9 +99,10 @@ def llminfer_contender(model, ids: list[int], new_tokens: int, compile: bool = F
 
 
 def llama_cpp_contender(path, ids: list[int], new_tokens: int, threads: int):
-    """A runner () -> GenerationResult: llama.cpp on the GGUF file at `threads` threads, greedy. Chapter 08."""
-    llm = load_llama_cpp(path, len(ids) + new_tokens + 8, threads)
-    return lambda: llama_cpp_generate(llm, ids, new_tokens)
+    """A runner () -> GenerationResult: llama.cpp on the GGUF file at `threads` threads, greedy, in a process of
+    its own (`llama_peer.LlamaCppProcess`). Chapter 08."""
+    peer = LlamaCppProcess(path, len(ids) + new_tokens + 8, threads)
+    return lambda: peer.generate(ids, new_tokens)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

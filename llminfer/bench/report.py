@@ -67,15 +67,10 @@ def device_slug(device: torch.device | str = "cpu") -> str:
 
 
 def llama_cpp_version() -> str | None:
-    """Returns the llama.cpp peer's version and build note ('llama-cpp-python 0.3.16'), None where it is absent."""
-    try:
-        import llama_cpp
+    """The llama.cpp peer's version and build options (`llama_peer.build_note`), None where it is absent."""
+    from .llama_peer import build_note
 
-        from ..quant.gguf_export import llama_cpp_extra_buffers
-        return (f"llama-cpp-python {llama_cpp.__version__}" + ("" if llama_cpp_extra_buffers() else
-                " (extra buffer types off: its AMX buffers crash on this CPU; plain CPU loops)"))
-    except ImportError:
-        return None
+    return build_note()
 
 
 def finite(value):

@@ -7,8 +7,9 @@ half-split pairs to llama.cpp's interleaved pairs, as its own converter does), a
 vocabulary (token ids are fed directly; no text is tokenized). Q8_0 and Q4_0 quantize in blocks of 32
 with one scale each (Q4_0 symmetric), llama.cpp's own formats, computed by the `gguf` package.
 
-`llama_cpp_generate` times greedy decoding with llama-cpp-python (`pip install -e '.[peers]'` from a clone; it
-builds llama.cpp from source) and returns a GenerationResult like every other loop in the package.
+`llama_cpp_generate` times greedy decoding with llama-cpp-python (`make peer-llama-cpp` builds it from source
+at its best for this CPU) and returns a GenerationResult like every other loop in the package; the benchmarks
+call it in a process of its own (`bench.llama_peer`).
 """
 from __future__ import annotations
 
@@ -128,21 +129,11 @@ def llama_cpp_available() -> bool:
     return True
 
 
-def llama_cpp_extra_buffers() -> bool:
-    """Whether llama.cpp may keep weights in its extra CPU buffer types (its AMX tiles and its repacked Q4_0/Q8_0
-    layouts): not on a CPU with AMX tiles, where llama-cpp-python 0.3.36's AMX buffers crash the process
-    (a segmentation fault in its first Q8_0 or Q4_0 decode on an Intel Xeon with AMX under KVM; F32 and BF16 ran).
-    There llama.cpp runs its plain CPU loops (AVX-512, VNNI, AVX512-BF16), and the benchmark's report says so.
-    Chapter 08."""
-    from ..device import cpu_capabilities
-
-    return "amx_tile" not in cpu_capabilities().flags
-
-
-def load_llama_cpp(path: str | Path, n_ctx: int, threads: int, logits_all: bool = False):
-    """A llama_cpp.Llama on the GGUF file, batch size n_ctx, `threads` threads for prompt and decode; its extra
-    buffer types as `llama_cpp_extra_buffers` says (off on a CPU with AMX tiles, where 0.3.36's AMX buffers crash);
-    logits_all keeps every position's logits (`llm.scores`), not only the last."""
+def load_llama_cpp(path: str | Path, n_ctx: int, threads: int, logits_all: bool = False, extra_buffers: bool = True):
+    """A llama_cpp.Llama on the GGUF file, batch size n_ctx, `threads` threads for prompt and decode; extra_buffers
+    lets it keep weights in its extra buffer types (the repacked Q4_0/Q8_0 layouts; `bench.llama_peer` says when
+    they must stay off); logits_all keeps every position's logits (`llm.scores`), not only the last. The
+    benchmarks run it in a process of its own (`bench.llama_peer.LlamaCppProcess`)."""
     import llama_cpp
     import llama_cpp.llama as wrapper
 
@@ -150,7 +141,7 @@ def load_llama_cpp(path: str | Path, n_ctx: int, threads: int, logits_all: bool 
 
     def params():                   # the wrapper takes its model parameters from this function and has no switch
         found = defaults()
-        found.use_extra_bufts = llama_cpp_extra_buffers()
+        found.use_extra_bufts = extra_buffers
         return found
 
     wrapper.llama_cpp.llama_model_default_params = params
