@@ -179,3 +179,86 @@ def test_soak_good_bad_and_leaving_clients(capsys):
     assert after_rss <= out["baseline_rss"] + RSS_MARGIN, (out["baseline_rss"], after_rss)
     assert len(goods) >= 0.5 * out["rate"] * SOAK_S                     # the load was really offered
     json.dumps({"peak": out["peak"]})                                  # figures are plain numbers
+
+
+# --- the cost of bad requests to everyone else ---------------------------------------------------------------
+
+HAMMER = """
+import sys, time, httpx
+url, path, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+body = open(path, "rb").read()
+with httpx.Client(timeout=60) as client:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            status = client.post(url + "/v1/completions", content=body,
+                                 headers={"Content-Type": "application/json"}).status_code
+        except httpx.HTTPError:
+            status = 0
+        print(status, flush=True)
+"""
+BODY_LIMIT = 4 * 2**20              # the server's default --max-request-bytes
+
+
+def maximal_bad_bodies() -> dict[str, bytes]:
+    """Bodies a client may send to cost the server most while being refused: over the limit by Content-Length,
+    and just within it but holding too many values or a prompt longer than any context."""
+    def fill(make, n_lo=1, n_hi=BODY_LIMIT):         # the largest n whose body still fits the limit
+        while n_lo < n_hi:
+            mid = (n_lo + n_hi + 1) // 2
+            n_lo, n_hi = (mid, n_hi) if len(make(mid)) <= BODY_LIMIT else (n_lo, mid - 1)
+        return make(n_lo)
+    head = {"model": MODEL, "max_tokens": 8}
+    return {"over the limit": json.dumps({**head, "prompt": "x" * (BODY_LIMIT + 1)}).encode(),
+            "many values": fill(lambda n: json.dumps({**head, "prompt": [[5]] * n}).encode()),
+            "long prompt": fill(lambda n: json.dumps({**head, "prompt": "x" * n}).encode())}
+
+
+def test_four_maximal_bad_requests_in_flight_leave_good_latency_alone(tmp_path, capsys):
+    """With 4 clients sending maximal bad requests back to back (in processes of their own), a normal request's
+    median latency stays within 2x its quiet median, and /health answers within 100 ms."""
+    import subprocess
+    import sys
+    port = 8000 + os.getpid() % 1000
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "llminfer.serve", "--model", MODEL, "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    good = {"model": MODEL, "prompt": "The capital of France", "max_tokens": 8}
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        with httpx.Client(timeout=60) as client:
+            def timed(call) -> float:
+                start = time.perf_counter()
+                assert call().status_code == 200
+                return time.perf_counter() - start
+            normal = lambda: timed(lambda: client.post(url + "/v1/completions", json=good))     # noqa: E731
+            health = lambda: timed(lambda: client.get(url + "/health"))                        # noqa: E731
+            for _ in range(5):
+                normal()
+            quiet = statistics.median(normal() for _ in range(20))
+            report, failed = [], []
+            for kind, body in maximal_bad_bodies().items():
+                path = tmp_path / "body.json"
+                path.write_bytes(body)
+                hammers = [subprocess.Popen([sys.executable, "-c", HAMMER, url, str(path), "12"],
+                                            stdout=subprocess.PIPE, text=True) for _ in range(4)]
+                time.sleep(2.0)
+                loaded = statistics.median(normal() for _ in range(20))
+                slowest_health = max(health() for _ in range(20))
+                statuses = sorted({line.strip() for h in hammers for line in h.communicate()[0].split()})
+                report.append(f"{kind}: normal {1e3 * quiet:.0f} -> {1e3 * loaded:.0f} ms ({loaded / quiet:.2f}x), "
+                              f"/health at most {1e3 * slowest_health:.0f} ms, bad statuses {statuses}")
+                if loaded > 2 * quiet or slowest_health > 0.1 or statuses not in (["413"], ["400"]):
+                    failed.append(report[-1])
+        with capsys.disabled():
+            print("\n" + "\n".join(report))
+        assert not failed, failed
+    finally:
+        server.terminate()
+        server.wait(10)
