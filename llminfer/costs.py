@@ -76,7 +76,9 @@ def weight_bytes(cfg, dtype_bytes: int) -> int:
     counted once). The one byte count of a model, in every chapter. Chapter 04."""
     head_dim = head_dim_of(cfg)
     bias = (cfg.n_heads + 2 * cfg.n_kv_heads) * head_dim if getattr(cfg, "qkv_bias", False) else 0
-    norms = cfg.n_layers * 2 * cfg.dim + cfg.dim
+    qk_norms = {"head": 2 * head_dim, "full": (cfg.n_heads + cfg.n_kv_heads) * head_dim}.get(
+        getattr(cfg, "qk_norm", None), 0)                              # Qwen3-MoE, OLMoE (chapter 14)
+    norms = cfg.n_layers * (2 * cfg.dim + qk_norms) + cfg.dim
     embedding = 0 if getattr(cfg, "tie_embeddings", False) else cfg.vocab_size * cfg.dim
     params = matmul_params(cfg) + cfg.n_layers * bias + norms + embedding
     return params * dtype_bytes
@@ -254,7 +256,8 @@ class MoEShape:
     n_experts routed experts, each a SwiGLU MLP of width expert_hidden_dim; every token is sent to top_k of them
     by a router (a dim × n_experts matrix). shared_hidden_dim is the width of the shared expert(s) every token
     also goes through (0: none; DeepSeek-V3 and Qwen2-MoE have one). n_dense_layers of the config's layers keep
-    its dense MLP of width cfg.hidden_dim (DeepSeek-V3: the first 3); the others are MoE layers.
+    its dense MLP of width cfg.hidden_dim (DeepSeek-V3: the first 3); the others are MoE layers. shared_gate:
+    the shared expert's output is scaled by a sigmoid of x · w (Qwen2-MoE: dim more weights a layer).
     `MoEShape.from_config(cfg)` reads it from a ModelConfig of an MoE family.
     """
 
@@ -263,6 +266,7 @@ class MoEShape:
     expert_hidden_dim: int
     shared_hidden_dim: int = 0
     n_dense_layers: int = 0
+    shared_gate: bool = False
 
     def __post_init__(self) -> None:
         for name, least in (("n_experts", 1), ("top_k", 1), ("expert_hidden_dim", 1), ("shared_hidden_dim", 0),
@@ -270,6 +274,8 @@ class MoEShape:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"MoEShape.{name} must be an integer >= {least}, got {value!r}")
+        if not isinstance(self.shared_gate, bool):
+            raise ValueError(f"MoEShape.shared_gate must be True or False, got {self.shared_gate!r}")
         if self.top_k > self.n_experts:
             raise ValueError(f"MoEShape.top_k={self.top_k} is more than n_experts={self.n_experts}: a token picks "
                              "top_k distinct experts; lower top_k or add experts")
@@ -282,7 +288,7 @@ class MoEShape:
             raise ValueError("this config has no experts (n_experts=0): it is a dense model; pass an MoE config "
                              "or an MoEShape")
         return cls(cfg.n_experts, cfg.n_experts_per_tok, cfg.moe_hidden_dim, cfg.shared_expert_dim,
-                   cfg.n_layers - len(cfg.moe_layers))
+                   cfg.n_layers - len(cfg.moe_layers), bool(getattr(cfg, "shared_expert_gate", False)))
 
     def moe_layers(self, cfg) -> int:
         """The number of MoE layers of cfg: its layers less the leading dense ones."""
@@ -350,7 +356,7 @@ def _moe_always_params(cfg, moe: MoEShape) -> int:
     MLPs, and each MoE layer's router and shared expert (an untied embedding is gathered, not read)."""
     moe_layers = moe.moe_layers(cfg)
     dense_mlp = 3 * cfg.dim * cfg.hidden_dim
-    per_moe_layer = cfg.dim * moe.n_experts + 3 * cfg.dim * moe.shared_hidden_dim
+    per_moe_layer = cfg.dim * (moe.n_experts + 3 * moe.shared_hidden_dim + moe.shared_gate)
     return weight_bytes_read(cfg, 1) - moe_layers * dense_mlp + moe_layers * per_moe_layer
 
 
@@ -378,10 +384,10 @@ def moe_decode_step_bytes(cfg, moe: MoEShape | None = None, batch_size: int = 1,
     moe = _moe_of(cfg, moe)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    most = min(moe.n_experts, moe.top_k * batch_size)
     if distinct_experts is None:
         distinct_experts = expected_distinct_experts(moe.n_experts, moe.top_k, batch_size)
-    most = min(moe.n_experts, moe.top_k * batch_size)
-    if not moe.top_k <= distinct_experts <= most:
+    elif not moe.top_k <= distinct_experts <= most:
         raise ValueError(f"distinct_experts={distinct_experts} is impossible for {batch_size} tokens choosing "
                          f"top_k={moe.top_k} of {moe.n_experts} experts: it lies in {moe.top_k}..{most}")
     expert = moe.moe_layers(cfg) * moe.expert_params(cfg.dim) * dtype_bytes
@@ -401,7 +407,7 @@ def moe_decode_step_flops(cfg, moe: MoEShape | None = None, batch_size: int = 1,
     """
     moe = _moe_of(cfg, moe)
     per_token_mlp = 3 * cfg.dim * cfg.hidden_dim
-    per_token_moe = cfg.dim * moe.n_experts + 3 * cfg.dim * moe.shared_hidden_dim + moe.top_k * moe.expert_params(
-        cfg.dim)
+    per_token_moe = cfg.dim * (moe.n_experts + 3 * moe.shared_hidden_dim + moe.shared_gate) + moe.top_k * (
+        moe.expert_params(cfg.dim))
     dense = decode_step_flops(cfg, cached_len=cached_len, batch_size=batch_size)
     return dense + 2 * batch_size * moe.moe_layers(cfg) * (per_token_moe - per_token_mlp)

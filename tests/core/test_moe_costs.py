@@ -134,3 +134,23 @@ def test_the_shape_is_read_from_a_config_with_experts():
         cfg, MoEShape(4, 2, 3, 2, 1), 2)
     with pytest.raises(ValueError, match="no experts"):
         MoEShape.from_config(TINY)
+
+
+@pytest.mark.parametrize("family, changes", [
+    ("mixtral", dict()),
+    ("qwen3_moe", dict(norm_topk_prob=True, shared_expert_dim=40, shared_expert_gate=True, mlp_only_layers=(0,))),
+    ("olmoe", dict(tie_embeddings=True)),
+])
+def test_moe_counts_equal_the_real_models_parameters(family, changes):
+    import llminfer
+    config = llminfer.ModelConfig(vocab_size=97, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=48,
+                                  max_seq_len=64, model_type=family, n_experts=6, n_experts_per_tok=2,
+                                  moe_hidden_dim=24, **changes)
+    model = llminfer.Transformer(config)
+    held = sum(p.numel() for p in model.parameters())                   # a tied table is one parameter
+    assert costs.moe_weight_bytes(config, dtype_bytes=4) == 4 * held == 4 * config.n_params()
+    # the dense twin reads the active weights, all but the gathered embedding table; so does the MoE at batch 1
+    gathered = 0 if config.tie_embeddings else config.vocab_size * config.dim
+    step = costs.moe_decode_step_bytes(config, batch_size=1, dtype_bytes=4)
+    assert step.dense_bytes - step.kv_bytes == 4 * (config.n_params(active=True) - gathered)
+    assert step.total_bytes == pytest.approx(step.dense_bytes, rel=1e-12)
