@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from llminfer.config import PRESETS
 from llminfer.costs import MoEShape
 from llminfer.moe import MoEFeedForward
 from llminfer.parallel import cost_model, expert
@@ -90,8 +91,14 @@ def test_bad_splits_are_refused_before_any_process():
 
 # --- the α–β projection, by hand --------------------------------------------------------------------------------
 
-DEEPSEEK_V3 = SimpleNamespace(dim=7168, n_layers=61)               # its MoE shape: 3 dense layers, then 58 MoE
+DEEPSEEK_V3 = PRESETS["deepseek-v3"]                                # 61 layers: 3 dense, then 58 MoE
 DEEPSEEK_V3_MOE = MoEShape(n_experts=256, top_k=8, expert_hidden_dim=2048, shared_hidden_dim=2048, n_dense_layers=3)
+
+
+def test_the_preset_has_deepseek_v3s_moe_shape():
+    # https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json: n_routed_experts 256,
+    # num_experts_per_tok 8, moe_intermediate_size 2048, n_shared_experts 1, first_k_dense_replace 3
+    assert MoEShape.from_config(DEEPSEEK_V3) == DEEPSEEK_V3_MOE and DEEPSEEK_V3.dim == 7168
 
 
 def test_ep_bytes_per_token_by_hand():
@@ -125,7 +132,7 @@ def test_deepseek_v3_projection_on_h100_nodes():
     # 64 GPUs (8 nodes of 8, NVLink inside, 400 Gb/s InfiniBand across), 128 tokens per GPU: the cross-node
     # copies (7/8 of them) over 50 GB/s set the time
     nvlink, ib = cost_model.LINKS["nvlink4"], cost_model.LINKS["ib-ndr"]
-    step = expert.predict_ep_step(DEEPSEEK_V3, 128, 64, nvlink, ib, moe=DEEPSEEK_V3_MOE, dispatch_bytes=1)
+    step = expert.predict_ep_step(DEEPSEEK_V3, 128, 64, nvlink, ib, dispatch_bytes=1)
     across = 128 * 8 * 56 / 64 * 7168
     assert step.dispatch_seconds == pytest.approx(ib.alpha_s + across / ib.bytes_per_s)
     assert step.combine_seconds == pytest.approx(ib.alpha_s + 2 * across / ib.bytes_per_s)
