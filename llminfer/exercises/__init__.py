@@ -7,9 +7,8 @@ chapter to look. Where an answer depends on the reader's machine (a measured tim
 takes the chapter's own measurements as keyword arguments and judges the answer against them, never against a
 number recorded somewhere else.
 
-    >>> from llminfer.exercises import check
-    >>> check("01.1", (15.0, 585.0))
-    ✓ 01.1: ...
+    from llminfer.exercises import check
+    check("01.1", (15.0, 600.0))   # ✗ 01.1: E2E 600 ms counts one gap too many: 32 tokens have 31 gaps ...
 """
 from __future__ import annotations
 
