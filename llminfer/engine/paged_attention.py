@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import importlib.util
+import types
 from typing import Callable
 
 import torch
@@ -129,19 +130,51 @@ def flex_block_mask(metadata: AttentionMetadata, num_blocks: int, device):
     return mask
 
 
-_compiled_flex = None
+# The torch.compile backend FlexAttention is compiled with, per device type; elsewhere it runs eagerly (torch's
+# unfused reference). Inductor's CPU template refuses a mask over the pool's slots, so CPUs have none; a test names
+# "eager" for the CPU to count dynamo's compiles and guards without a GPU.
+FLEX_COMPILE_BACKENDS = {"cuda": "inductor"}
+# Dynamo compiles once per guard class: each size that is 1 in one step and more in another (tokens, sequences,
+# block-table width, query tiles, key tiles per query tile) is specialised apart, so one pool shape can meet up to
+# about 20 classes (the warm-up compiles 9 of them). Dynamo's default limit, 8 per function, would run the 9th
+# class eagerly: the unfused reference that materialises the scores of every token against the whole pool
+# (gigabytes), and warns in the middle of a notebook's output. So each pool shape (device, dtype, query and K/V
+# heads, head_dim) gets a compiled function of its own, and this limit while it compiles.
+FLEX_RECOMPILE_LIMIT = 64
+_compiled_flex: dict[tuple, Callable] = {}
 
 
-def _flex_function(device: torch.device):
-    """flex_attention, compiled on CUDA (one compiled function for every shape, dynamic); eager elsewhere."""
-    global _compiled_flex
+def _flex_call(q, keys, values, block_mask, enable_gqa):
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device.type != "cuda":
-        return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=True)
-    return _compiled_flex
+    return flex_attention(q, keys, values, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
+def _flex_function(q: torch.Tensor, keys: torch.Tensor) -> Callable:
+    """flex_attention, compiled once per pool shape where FLEX_COMPILE_BACKENDS names a backend for the device;
+    torch's eager reference elsewhere. Chapter 06.
+
+    Dynamo keeps a function's compiled versions (one per guard class) on its code object and stops compiling when
+    they reach the recompile limit, so each key gets a copy of _flex_call with a code object of its own: a second
+    dtype or head size starts its own count instead of pushing the first past the limit.
+    """
+    backend = FLEX_COMPILE_BACKENDS.get(q.device.type)
+    if backend is None:
+        return _flex_call
+    key = (q.device, q.dtype, q.shape[1], keys.shape[1], keys.shape[-1], backend)
+    if key not in _compiled_flex:
+        name = f"flex_attention_{str(q.dtype).replace('torch.', '')}_{q.shape[1]}x{keys.shape[-1]}"
+        code = _flex_call.__code__.replace(co_name=name, co_qualname=name)
+        compiled = torch.compile(types.FunctionType(code, _flex_call.__globals__, name), dynamic=True,
+                                 backend=backend)
+
+        def run(*args, _compiled=compiled):
+            with torch._dynamo.config.patch(recompile_limit=max(FLEX_RECOMPILE_LIMIT,
+                                                                torch._dynamo.config.recompile_limit)):
+                return _compiled(*args)
+        run.code = code                          # where dynamo keeps this key's compiled versions
+        _compiled_flex[key] = run
+    return _compiled_flex[key]
 
 
 def flex_attention_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, metadata: AttentionMetadata,
@@ -156,8 +189,7 @@ def flex_attention_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     keys = k_pool.view(1, num_blocks * block_size, n_kv_heads, head_dim).transpose(1, 2)    # (1, H_kv, slots, D)
     values = v_pool.view(1, num_blocks * block_size, n_kv_heads, head_dim).transpose(1, 2)
     mask = flex_block_mask(metadata, num_blocks, q.device)
-    fn = _flex_function(q.device)
-    return fn(q, keys, values, block_mask=mask, enable_gqa=q.shape[1] != n_kv_heads)
+    return _flex_function(q, keys)(q, keys, values, mask, q.shape[1] != n_kv_heads)
 
 
 _KERNELS = Registry("paged-attention kernel", {"gather": gather_attention, "flex": flex_attention_paged})

@@ -90,8 +90,9 @@ class PagedKVCache(CacheBase, NativeKV):
         returns the query count of each run. Chapter 06.
 
         The classes: fewer than 128 queries (its decoding kernel) and 128 or more (its prefill kernel), each with
-        one sequence and with several, their blocks in one key tile and in several (torch specialises a size of
-        1 apart from larger ones). A compiled kernel compiles on the first call of each class, which would
+        one sequence and with several, of one block and of several, their blocks in one key tile and in several
+        (torch specialises a size of 1 apart from larger ones; `paged_attention.FLEX_RECOMPILE_LIMIT` says why a
+        class met later still compiles). A compiled kernel compiles on the first call of each class, which would
         otherwise land inside a request's TTFT (the server's first request, a benchmark's first long prompt).
         A class the pool is too small for is skipped. A kernel that fails here falls back to 'gather' as in a
         step (counted in `kernel_fallbacks`).
@@ -104,7 +105,7 @@ class PagedKVCache(CacheBase, NativeKV):
 
         def prefill(n, first=0):                                      # n queries from position 0
             return n, 0, list(range(first, first + -(-n // size)))
-        plans = [[decode([0])], [decode([0, 1])], [decode([0, far])],
+        plans = [[decode([0])], [decode([0, 1])], [decode([0, far])], [decode([0]), decode([1])],
                  [decode([0, 1]), decode([2, 3])], [decode([0, far]), decode([1, far + 1])],
                  [prefill(FLEX_BLOCK)], [prefill(FLEX_BLOCK + 1)], [prefill(65), prefill(64, first=-(-65 // size))]]
         run = []

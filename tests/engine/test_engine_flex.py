@@ -137,11 +137,11 @@ def test_the_warm_up_runs_both_query_regimes_and_leaves_the_pool_alone():
     before = [p.clone() for p in cache.k + cache.v]
     counts = cache.warm_up(model.config.n_heads)
     assert cache.kernel_name == "flex" and cache.kernel_fallbacks == 0          # no fallback
-    assert counts == [1, 1, 1, 2, 2, FLEX_BLOCK, FLEX_BLOCK + 1, FLEX_BLOCK + 1]   # decode; prefill (>= 128)
+    assert counts == [1, 1, 1, 2, 2, 2, FLEX_BLOCK, FLEX_BLOCK + 1, FLEX_BLOCK + 1]   # decode; prefill (>= 128)
     assert min(counts) < FLEX_BLOCK <= max(counts)
     assert all(torch.equal(a, b) for a, b in zip(before, cache.k + cache.v))
     small = PagedKVCache.for_model(model, num_blocks=4, block_size=16, kernel="flex")
-    assert small.warm_up(model.config.n_heads) == [1, 1, 2]          # too small a pool for 128 positions
+    assert small.warm_up(model.config.n_heads) == [1, 1, 2, 2]       # too small a pool for 128 positions
 
 
 def test_engines_warm_flex_up_at_init_on_cuda_only(monkeypatch):
