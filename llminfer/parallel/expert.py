@@ -5,6 +5,7 @@ tokens travel to them. Chapter 14.
     ExpertParallelMoE(moe, rank, world_size)    an MoEFeedForward holding only its rank's experts
     all_to_all_rows(rows, send_counts)          the variable-size all-to-all: counts first, then the rows
     run_expert_parallel(moe, inputs)            an MoE layer over world_size processes, beside its bytes
+    measure_expert_parallel(moe, token_counts)  the split layer's bytes and all-to-all seconds at several sizes
     run_expert_parallel_generate(model, ...)    greedy decoding of an MoE model, its sequences split over ranks
     measure_all_to_all(sizes)                   seconds per all-to-all against the bytes each rank sends
     ep_bytes_per_token(cfg)                     dispatch + combine bytes per token and MoE layer
@@ -52,7 +53,7 @@ from .plan import check_backend, check_world_size
 from .workers import _agree, _agree_max, _timed_loop, default_message_sizes
 
 __all__ = ["expert_range", "all_to_all_rows", "A2AStats", "ExpertParallelMoE", "expert_parallel", "ep_layer_worker",
-           "run_expert_parallel", "ep_generate_worker", "run_expert_parallel_generate", "a2a_worker",
+           "run_expert_parallel", "ep_sweep_worker", "measure_expert_parallel", "ep_generate_worker", "run_expert_parallel_generate", "a2a_worker",
            "measure_all_to_all", "ep_bytes_per_token", "EPStepPrediction", "predict_ep_step"]
 
 
@@ -95,8 +96,9 @@ class A2AStats:
     The bytes are the rows' only: the dispatch also sends each row's expert id (8 bytes beside dim values) and
     every all-to-all of rows is preceded by one of the counts (8 bytes per rank), which are timed but not counted.
 
-    The clock waits for the device before and after each phase, so on a GPU it stalls the queue: time with it
-    to measure, not while serving."""
+    A phase's seconds include the wait for the slowest rank to arrive (an all-to-all starts when every rank has
+    entered it) and the dispatch's three collectives (counts, rows, expert ids). The clock waits for the device
+    before and after each phase, so on a GPU it stalls the queue: time with it to measure, not while serving."""
 
     enabled: bool = True
     calls: int = 0
@@ -243,6 +245,48 @@ def run_expert_parallel(moe: MoEFeedForward, inputs: list, world_size: int = 2, 
         raise ValueError(f"inputs must hold one (tokens, {moe.router.in_features}) tensor per rank ({world_size})")
     check_backend(backend, world_size)
     return launch(ep_layer_worker, (_on_cpu(moe), [x.cpu() for x in inputs], repeats), world_size=world_size,
+                  backend=backend, port=port, timeout_s=timeout_s)
+
+
+def ep_sweep_worker(ctx: WorkerContext, moe: MoEFeedForward, token_counts: list[int], repeats: int,
+                    seed: int) -> list[dict]:
+    """One rank of a sweep: for each token count, random tokens through the split layer, the bytes this rank sent
+    and the median seconds of each phase."""
+    part = ExpertParallelMoE(moe.to(ctx.device), ctx.rank, ctx.world_size)
+    generator = torch.Generator().manual_seed(seed + ctx.rank)
+    rows = []
+    with torch.inference_mode():
+        for n_tokens in token_counts:
+            x = torch.randn(n_tokens, moe.router.in_features, generator=generator).to(ctx.device)
+            part.stats = A2AStats()
+            part(x)                                                        # counted once; sets up buffers
+            sent = dict(part.stats.bytes_by_phase)
+            part.stats.seconds_by_phase = {}
+            for _ in range(repeats):
+                dist.barrier()
+                part(x)
+            rows.append({"tokens": n_tokens, "bytes": sent,
+                         "seconds": {p: statistics.median(t) for p, t in part.stats.seconds_by_phase.items()}})
+    return rows
+
+
+def measure_expert_parallel(moe: MoEFeedForward, token_counts=(1, 8, 64, 512), repeats: int = 5,
+                            world_size: int = 2, seed: int = 0, backend: str | None = None, port: int | None = None,
+                            timeout_s: float = DEFAULT_TIMEOUT_S) -> list[list[dict]]:
+    """The split layer at each token count per rank (random hidden states), in one run: per rank, per count,
+    the bytes it sent in the dispatch and the combine and the median seconds of each, to set beside the α–β
+    fit of `measure_all_to_all`. Chapter 14."""
+    check_world_size(world_size)
+    check_int("repeats", repeats, 1)
+    if not isinstance(moe, MoEFeedForward):
+        raise ValueError(f"moe must be an llminfer.moe.MoEFeedForward, got {type(moe).__name__}")
+    expert_range(moe.n_experts, world_size, 0)
+    token_counts = list(token_counts)
+    if not token_counts or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1 << 16
+                               for n in token_counts):
+        raise ValueError(f"token_counts must list integers in 1..65536 (tokens per rank), got {token_counts!r}")
+    check_backend(backend, world_size)
+    return launch(ep_sweep_worker, (_on_cpu(moe), token_counts, repeats, seed), world_size=world_size,
                   backend=backend, port=port, timeout_s=timeout_s)
 
 

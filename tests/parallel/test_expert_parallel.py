@@ -155,3 +155,16 @@ def test_ep2_greedy_tokens_of_an_moe_decoder_equal_one_process():
         assert logits.std() > 0.1 and (rank["logits"] - logits).abs().max() < 1e-5
         assert rank["calls"] == 2 * 2 * 6                   # dispatch and combine, 2 layers, prefill + 5 steps
         assert rank["bytes"] > 0
+
+
+def test_the_split_layer_is_timed_at_several_sizes():
+    moe = random_moe(seed=5)
+    ranks = expert.measure_expert_parallel(moe, token_counts=[1, 64], repeats=2)
+    for rows in ranks:
+        assert [row["tokens"] for row in rows] == [1, 64]
+        small, large = rows
+        # 64 tokens, 2 pairs each, over 8 experts in two blocks: far more rows leave than for one token (at most 2)
+        assert small["bytes"]["dispatch"] <= 2 * 16 * 4 < large["bytes"]["dispatch"]
+        assert all(row["seconds"]["dispatch"] > 0 and row["seconds"]["combine"] > 0 for row in rows)
+    with pytest.raises(ValueError, match="token_counts must list integers in 1..65536"):
+        expert.measure_expert_parallel(moe, token_counts=[0])
