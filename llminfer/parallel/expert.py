@@ -216,18 +216,24 @@ def ep_layer_worker(ctx: WorkerContext, moe: MoEFeedForward, inputs: list, repea
     """One rank of an expert-parallel MoE layer: its experts, its tokens inputs[rank], its output and bytes; with
     repeats, the median seconds of each phase's collectives over that many more calls."""
     part = ExpertParallelMoE(moe.to(ctx.device), ctx.rank, ctx.world_size)
-    x = inputs[ctx.rank].to(ctx.device)
-    with torch.inference_mode():
-        out = part(x)
-        sent_bytes, sent_rows = dict(part.stats.bytes_by_phase), dict(part.stats.rows_by_phase)   # of one call
-        part.stats.seconds_by_phase = {}                                   # the first call set up buffers
-        for _ in range(repeats):
-            dist.barrier()
-            part(x)
-    return {"rank": ctx.rank, "experts": (part.start, part.stop), "output": out.cpu(),
-            "bytes": sent_bytes, "rows": sent_rows,
-            "seconds": {phase: statistics.median(t) for phase, t in part.stats.seconds_by_phase.items()},
+    out, counted = _counted_then_timed(part, inputs[ctx.rank].to(ctx.device), repeats)
+    return {"rank": ctx.rank, "experts": (part.start, part.stop), "output": out.cpu(), **counted,
             "expert_bytes": sum(p.numel() * p.element_size() for p in (part.w_gate, part.w_up, part.w_down))}
+
+
+@torch.inference_mode()
+def _counted_then_timed(part: ExpertParallelMoE, x: torch.Tensor, repeats: int) -> tuple[torch.Tensor, dict]:
+    """part(x) once, counting the rows and bytes it sent (this call also sets up buffers), then repeats more calls
+    timed: (the output, {"bytes", "rows", "seconds": median per phase})."""
+    part.stats = A2AStats()
+    out = part(x)
+    counted = {"bytes": dict(part.stats.bytes_by_phase), "rows": dict(part.stats.rows_by_phase)}
+    part.stats.seconds_by_phase = {}
+    for _ in range(repeats):
+        dist.barrier()
+        part(x)
+    counted["seconds"] = {phase: statistics.median(t) for phase, t in part.stats.seconds_by_phase.items()}
+    return out, counted
 
 
 def run_expert_parallel(moe: MoEFeedForward, inputs: list, world_size: int = 2, repeats: int = 0,
@@ -255,18 +261,9 @@ def ep_sweep_worker(ctx: WorkerContext, moe: MoEFeedForward, token_counts: list[
     part = ExpertParallelMoE(moe.to(ctx.device), ctx.rank, ctx.world_size)
     generator = torch.Generator().manual_seed(seed + ctx.rank)
     rows = []
-    with torch.inference_mode():
-        for n_tokens in token_counts:
-            x = torch.randn(n_tokens, moe.router.in_features, generator=generator).to(ctx.device)
-            part.stats = A2AStats()
-            part(x)                                                        # counted once; sets up buffers
-            sent = dict(part.stats.bytes_by_phase)
-            part.stats.seconds_by_phase = {}
-            for _ in range(repeats):
-                dist.barrier()
-                part(x)
-            rows.append({"tokens": n_tokens, "bytes": sent,
-                         "seconds": {p: statistics.median(t) for p, t in part.stats.seconds_by_phase.items()}})
+    for n_tokens in token_counts:
+        x = torch.randn(n_tokens, moe.router.in_features, generator=generator).to(ctx.device)
+        rows.append({"tokens": n_tokens, **_counted_then_timed(part, x, repeats)[1]})
     return rows
 
 
