@@ -44,10 +44,12 @@ from .device import huge_page_empty, on_huge_pages
 from . import cpu as native_cpu
 from .cpu.stack import Activations, CacheKind, LayerWeights, NativeKV, NativeWeight, PreparedStack
 from .kv_cache import KVCache
-from .model import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, Transformer, apply_rope
+from .model import MLP, Attention, DecoderLayer, DecoderStack, RMSNorm, Transformer, apply_rope, norm_qk
+from .moe import MoEFeedForward
 from .quant.linear import QuantizedLinear
 
-__all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "NativeDecoderStack",
+__all__ = ["FusedAttention", "FusedMLP", "fuse_projections", "is_fused", "NativeLinear", "NativeMoEFeedForward",
+           "NativeDecoderStack", "native_fallback",
            "layer_weights", "use_native_kernels", "use_huge_pages", "uses_native_kernels", "optimize_decode",
            "compile_decode"]
 
@@ -91,11 +93,13 @@ class FusedAttention(nn.Module):
         self.kv_size = self.n_kv_heads * self.head_dim
         self.qkv_proj = _concat_linears([attention.q_proj, attention.k_proj, attention.v_proj])
         self.o_proj = attention.o_proj
+        self.q_norm, self.k_norm = attention.q_norm, attention.k_norm   # Qwen3-MoE, OLMoE (None elsewhere)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, backend) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         qkv = self.qkv_proj(x)                                                   # (B, T, (H + 2·H_kv)·D)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q, k = norm_qk(q, k, self.q_norm, self.k_norm, self.head_dim)
         q = q.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
         k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
@@ -159,15 +163,45 @@ class NativeLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // self.in_features if self.in_features else 0
-        if (x.device.type != "cpu" or tokens == 0 or x.dtype != self.weight.dtype
-                or (tokens > native_cpu.MAX_TOKENS and not native_cpu.blocked_prefill(self.weight.dtype, tokens))
-                or not self.weight.is_contiguous()
-                or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+        if not _runs_native(x, self.weight, tokens):
             return F.linear(x, self.weight, self.bias)
         y = native_cpu.gemv(x.reshape(tokens, self.in_features), self.weight)            # (tokens, out)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def _runs_native(x: torch.Tensor, weight: torch.Tensor, tokens: int) -> bool:
+    """Whether `tokens` rows of x times weight (N, K) take the native kernels: on the CPU, in the weight's dtype, a
+    contiguous weight, no autograd, and past MAX_TOKENS rows only where the blocked prefill kernel runs."""
+    return not (x.device.type != "cpu" or tokens == 0 or x.dtype != weight.dtype
+                or (tokens > native_cpu.MAX_TOKENS and not native_cpu.blocked_prefill(weight.dtype, tokens))
+                or not weight.is_contiguous()
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+class NativeMoEFeedForward(MoEFeedForward):
+    """An MoEFeedForward whose experts' products run llminfer's native kernels. Chapters 08, 14.
+
+    Same parameters, names and numbers as the module it replaces (`of`: the same Parameters and submodules). Each
+    expert's product over its tokens (a contiguous slice when grouped) goes to `llminfer.cpu.gemv` with the
+    expert's own contiguous (I, D) or (D, I) view of the stacked weight, under NativeLinear's rules."""
+
+    @classmethod
+    def of(cls, moe: MoEFeedForward) -> "NativeMoEFeedForward":
+        """Returns a NativeMoEFeedForward holding `moe`'s own router, experts and shared expert."""
+        with torch.device("meta"):
+            native = cls(moe.router.in_features, moe.n_experts, moe.top_k, moe.expert_dim,
+                         softmax_before_topk=moe.softmax_before_topk, normalize=moe.normalize, impl=moe.impl)
+        native.router, native.shared_expert, native.shared_expert_gate = \
+            moe.router, moe.shared_expert, moe.shared_expert_gate
+        native.w_gate, native.w_up, native.w_down = moe.w_gate, moe.w_up, moe.w_down
+        return native.train(moe.training)
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not _runs_native(x, weight, x.shape[0]):
+            return F.linear(x, weight)
+        return native_cpu.gemv(x.contiguous(), weight)
 
 
 def _native_weight(linear: nn.Module, dtype: torch.dtype) -> NativeWeight | None:
@@ -190,7 +224,7 @@ def layer_weights(layer: nn.Module, dtype: torch.dtype) -> LayerWeights | None:
     if type(layer) is not DecoderLayer:
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    if not isinstance(attn, FusedAttention) or not isinstance(mlp, FusedMLP):
+    if not isinstance(attn, FusedAttention) or not isinstance(mlp, FusedMLP) or attn.q_norm is not None:
         return None
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if any(type(norm) is not RMSNorm or norm.weight.dtype != dtype or not norm.weight.is_contiguous()
@@ -205,6 +239,20 @@ def layer_weights(layer: nn.Module, dtype: torch.dtype) -> LayerWeights | None:
     qkv, o, gate_up, down = products
     return LayerWeights(input_norm=norms[0].weight, input_eps=norms[0].eps, qkv=qkv, qkv_bias=bias, o=o,
                         post_norm=norms[1].weight, post_eps=norms[1].eps, gate_up=gate_up, down=down)
+
+
+def native_fallback(layers) -> str | None:
+    """Why a layer stack runs its modules instead of the one native call (None where it can take it): the layers
+    the native layer kernel has no code for, by what they hold. Chapters 08, 14."""
+    for i, layer in enumerate(layers):
+        if type(layer) is not DecoderLayer:
+            return f"layer {i} is a {type(layer).__name__}, not a DecoderLayer"
+        if isinstance(layer.mlp, MoEFeedForward):
+            return (f"layer {i}'s feed-forward is a mixture of experts, which the native layer kernel does not run; "
+                    "the layers run their modules, the experts' products on the native matrix-vector kernels")
+        if layer.self_attn.q_norm is not None:
+            return f"layer {i} normalises q and k (qk_norm), which the native layer kernel does not"
+    return None
 
 
 def _kv_storage(cache) -> tuple[CacheKind, list[torch.Tensor], list[torch.Tensor]] | None:
@@ -255,6 +303,8 @@ class NativeDecoderStack(DecoderStack, NativeStep):
         dtype = first.input_layernorm.weight.dtype if type(first) is DecoderLayer else None
         layers = [layer_weights(layer, dtype) for layer in self] if dtype in (torch.float32, torch.bfloat16) else []
         self.weights: list[LayerWeights] | None = layers if layers and all(w is not None for w in layers) else None
+        # why the steps run the modules, where that is known from the layers (MoE, q/k norms)
+        self.fallback: str | None = native_fallback(self) if self.weights is None else None
         self.dtype = dtype                                     # the activations' dtype
         self.weight_dtypes = tuple(sorted({p.weight.dtype for w in self.weights or () for p in w.products()}, key=str))
         self.trainable = any(p.requires_grad for p in self.parameters())
@@ -381,7 +431,7 @@ def use_huge_pages(model: nn.Module, min_bytes: int = 8 << 20) -> nn.Module:
 
 def uses_native_kernels(model: nn.Module) -> bool:
     """Whether any layer of model runs the native CPU kernels (use_native_kernels, or quantized). Chapter 08."""
-    return any(isinstance(m, (NativeLinear, NativeDecoderStack))
+    return any(isinstance(m, (NativeLinear, NativeMoEFeedForward, NativeDecoderStack))
                or (isinstance(m, QuantizedLinear) and m.kernel == "native") for m in model.modules())
 
 
@@ -417,6 +467,11 @@ def use_native_kernels(model: nn.Module, strict: bool = False, huge_pages: bool 
                 if not child.weight.is_contiguous():
                     child.weight.data = child.weight.data.contiguous()
                 setattr(parent, name, replaced.setdefault(id(child), NativeLinear.of(child)))
+    for parent in list(model.modules()):               # after the linears: the experts' products too
+        for name, child in list(parent.named_children()):
+            if type(child) is MoEFeedForward and child.w_gate.device.type == "cpu" \
+                    and child.w_gate.dtype in (torch.float32, torch.bfloat16):
+                setattr(parent, name, NativeMoEFeedForward.of(child))
     if native(model):
         if not model.weight.is_contiguous():
             model.weight.data = model.weight.data.contiguous()
