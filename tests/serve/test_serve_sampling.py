@@ -9,6 +9,8 @@ from test_serve import MODEL, bundled, make_server  # noqa: F401  (bundled: the 
 from test_serve_floats import idle_steps
 
 import llminfer
+from llminfer.engine import LLMEngine, SamplingParams
+from llminfer.serve.disagg import DisaggregatedEngine, ModelSpec
 from llminfer.serve.protocol import ChatCompletionRequest
 
 pytestmark = pytest.mark.timeout(120)
@@ -88,3 +90,19 @@ def test_a_bad_value_gets_400_naming_it_before_compute(client, server, route, fi
     error = caught.value.response.json()["error"]
     assert error["param"] == field and words in error["message"] and str(value) in error["message"], error
     assert idle_steps(server[1]) == steps                     # refused before the engine ran anything
+
+
+def test_the_disaggregated_pair_draws_the_colocated_engines_tokens(bundled):  # noqa: F811
+    """The prefill worker samples the first token through the same pipeline (the prompt is the repetition
+    penalty's history there), the decode worker the rest: seeded and penalised requests match one engine."""
+    model, tokenizer = bundled
+    repeats = "The capital of France is Paris. The capital of"          # the penalty changes the first token
+    prompts = [tokenizer.encode(t) for t in ("The capital of France", repeats, "The sky is")]
+    params = [SamplingParams(max_new_tokens=10, temperature=1.0, seed=3, min_p=0.05, repetition_penalty=1.3,
+                             **PENALTIES),
+              SamplingParams(max_new_tokens=10, repetition_penalty=3.0, frequency_penalty=1.0),
+              SamplingParams(max_new_tokens=10, temperature=0.8, top_k=20, seed=9)]
+    colocated = LLMEngine(model, num_blocks=96).generate(prompts, params)
+    assert colocated[1].token_ids[0] != llminfer.generate(model, prompts[1], 1).token_ids[0]
+    with DisaggregatedEngine(ModelSpec(name=MODEL), dict(num_blocks=96)) as engine:
+        assert [o.token_ids for o in engine.generate(prompts, params)] == [c.token_ids for c in colocated]
