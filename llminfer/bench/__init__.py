@@ -14,6 +14,9 @@ The layer they share, each part written once:
     report      the machine's description, the load, and the writer of JSON + table + plot
     figures     MFU, MBU, ratios and the roofline, as pure functions of timings
     transformers_contender   transformers `generate` on the same weights, as a GenerationResult
+
+For the chapters, as functions: `moe.time_experts` (chapter 14) times an MoE layer's experts run by a loop and
+grouped by expert, in one interleaved run, beside the bytes each call reads.
 """
 from __future__ import annotations
 
