@@ -88,6 +88,11 @@ class StaticDecoder:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if mode == "graph" and model.config.is_moe:
+            raise ValueError("a mixture-of-experts model cannot be captured in a CUDA graph: each step reads how many "
+                             "tokens each expert got on the host to slice its products (llminfer.moe), which a "
+                             "captured graph would replay with the first step's counts; use mode='eager' or "
+                             "'compiled'")
         if mode == "graph" and model.device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA model, this one is on {model.device}; use mode='eager' "
                                "(or 'compiled') elsewhere")

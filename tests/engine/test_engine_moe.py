@@ -79,3 +79,16 @@ def test_the_server_answers_an_moe_model_with_generate_tokens(moe):
             reply = client.completions.create(model="qwen3-moe-tiny", prompt=prompt, max_tokens=n, temperature=0)
             assert reply.choices[0].text == tokenizer.decode(ref)
             assert reply.usage.completion_tokens == len(ref)
+
+
+def test_a_cuda_graph_of_an_moe_model_is_refused_and_generate_steps_run():
+    """The experts' slices are sized on the host each step, which a captured graph cannot replay: refused by name;
+    the eager static step makes generate()'s tokens."""
+    from llminfer.cuda_graphs import StaticDecoder
+    model = llminfer.Transformer(CONFIG).init_weights(2, std=0.15).eval()
+    with pytest.raises(ValueError, match="mixture-of-experts model cannot be captured in a CUDA graph"):
+        StaticDecoder(model, max_seq_len=64, mode="graph")
+    ids = list(range(5, 25))
+    expected = llminfer.generate(model, ids, max_new_tokens=6, ignore_eos=True).token_ids
+    decoder = StaticDecoder(model, max_seq_len=64, mode="eager")
+    assert llminfer.generate(model, ids, max_new_tokens=6, ignore_eos=True, step=decoder).token_ids == expected
