@@ -88,6 +88,10 @@ class TensorParallelPlan:
 def tensor_parallel_plan(config, world_size: int) -> TensorParallelPlan:
     """The split of config over world_size ranks; ValueError if a dimension does not divide. Chapter 10."""
     check_world_size(world_size)
+    if getattr(config, "is_moe", False):
+        raise ValueError(f"tensor parallelism splits each layer's dense MLP by columns, and this {config.model_type} "
+                         f"model's feed-forward is a mixture of {config.n_experts} experts; split its experts "
+                         "across ranks with expert parallelism (llminfer.parallel.expert) instead")
     fix = f"choose a world_size that divides it (for this model: {_divisors_text(config)})"
     if config.n_heads % world_size:
         raise ValueError(f"tensor parallelism over {world_size} ranks splits the {config.n_heads} attention heads "

@@ -262,3 +262,12 @@ def test_experts_that_do_not_match_config_json_are_refused_from_the_headers(tmp_
         open_checkpoint(folder)                                      # headers only: no model, no tensor read
     with pytest.raises(ValueError, match=match):
         llminfer.load_pretrained(folder, load_tokenizer=False)
+
+
+def test_tensor_parallelism_refuses_an_moe_model_and_points_to_expert_parallelism():
+    from llminfer.parallel.plan import tensor_parallel_plan
+    config = llminfer.ModelConfig(**MOE, n_experts=8, n_experts_per_tok=2)
+    with pytest.raises(ValueError, match="mixture of 8 experts; split its experts .* expert parallelism"):
+        tensor_parallel_plan(config, 2)
+    dense = llminfer.ModelConfig(**{**MOE, "model_type": "llama", "vocab_size": 96})
+    assert tensor_parallel_plan(dense, 2).world_size == 2
