@@ -72,6 +72,25 @@ def _mlp_shard_summing_before_silu(x, w_gate, w_up, w_down, rank, world_size):
     return h @ w_down.T
 
 
+def _step_prefills_first(running, waiting, budget, max_num_seqs):
+    """05.3 wrong: the started prompts' chunks before the decodes, which then wait behind a long prompt."""
+    scheduled = {}
+    order = [r for r in running if not r[2]] + [r for r in running if r[2]]
+    admitted = [(request_id, prompt_len, False) for request_id, prompt_len in waiting[:max_num_seqs - len(running)]]
+    for request_id, left, _ in order + admitted:
+        if budget > 0:
+            scheduled[request_id] = min(left, budget)
+            budget -= scheduled[request_id]
+    return scheduled
+
+
+def _accept_every_agreeing_guess(target_logits, drafts):
+    """09.3 wrong: counts every guess that agrees, not the agreeing prefix."""
+    best = target_logits.argmax(dim=-1).tolist()
+    n_accepted = sum(d == b for d, b in zip(drafts, best))
+    return n_accepted, best[n_accepted]
+
+
 # A plausible wrong answer to each exercise, made from the right one and the context it was judged with.
 WRONG = {
     "01.1": lambda answer, ctx: (answer[0], answer[1] + answer[0]),            # one gap too many
@@ -84,6 +103,9 @@ WRONG = {
     "03.1": lambda answer, ctx: 20 * 19 // 2,                                   # the prompt's re-runs forgotten
     "03.2": lambda answer, ctx: 50,                                             # N / 2
     "03.3": lambda answer, ctx: answer // 2,                                    # one FLOP per weight
+    "05.1": lambda answer, ctx: (64, answer[1]),                                # the decodes' tokens forgotten
+    "05.2": lambda answer, ctx: (answer[0], answer[0]),                         # continuous as long as static
+    "05.3": lambda answer, ctx: _step_prefills_first,
     "06.1": lambda answer, ctx: (5, answer[1]),                                 # the lengths pooled, not per sequence
     "06.2": lambda answer, ctx: (answer[0], [0, 1]),                            # freed blocks reused first
     "06.3": lambda answer, ctx: lambda pool, table, n: pool.reshape(-1, *pool.shape[2:])[:n].transpose(0, 1),
@@ -91,6 +113,12 @@ WRONG = {
     "07.1": lambda answer, ctx: (28, 36),                                       # the diagonal tiles left out
     "07.2": lambda answer, ctx: _update_without_rescaling_acc,
     "07.3": lambda answer, ctx: 4 * 1024 * 64 + 1024,                           # K and V read once only
+    "08.1": lambda answer, ctx: (0.5, 0.5, 1.0),                                # the codes, not the scales
+    "08.2": lambda answer, ctx: lambda block: (-answer(block)[0], answer(block)[1]),  # scale without its sign
+    "08.3": lambda answer, ctx: answer * 2,                                     # against float32
+    "09.1": lambda answer, ctx: answer - 0.8 ** 4,                              # the target's own token left out
+    "09.2": lambda answer, ctx: answer * (0.4 + ctx["v"]) / 1.4,                # v = 1 assumed
+    "09.3": lambda answer, ctx: _accept_every_agreeing_guess,
     "10.1": lambda answer, ctx: answer // 8,                                    # divided by the TP degree
     "10.2": lambda answer, ctx: 15 + 2**20 / 450e9 * 1e6,                       # no 2(p - 1)/p
     "10.3": lambda answer, ctx: 3 / 8,                                          # (p - 1) / m
