@@ -199,10 +199,11 @@ def layer_site(venv: Path, site_dirs: list[str]) -> Path:
     """Makes venv see site_dirs after its own packages (a .pth file in its site-packages); returns that file.
 
     `python -m venv --system-site-packages` shows the base interpreter's packages only; where PYTHON is itself a
-    virtual environment (a GPU node's usual torch), its packages are in its own site-packages, which this adds."""
+    virtual environment (a GPU node's usual torch), its packages are in its own site-packages, which this adds.
+    Each is added with site.addsitedir, so the .pth files in it (editable installs, CUDA libraries) work too."""
     (site,) = sorted(venv.glob("lib/python3*/site-packages")) or sorted(venv.glob("Lib/site-packages"))
     pth = site / "_llminfer_gpu_base.pth"
-    pth.write_text("".join(f"{d}\n" for d in site_dirs if Path(d).is_dir()))
+    pth.write_text("".join(f"import site; site.addsitedir({d!r})\n" for d in site_dirs if Path(d).is_dir()))
     return pth
 
 

@@ -189,8 +189,14 @@ def test_make_test_gpu_uses_the_nodes_torch_and_the_wheel_folder(tmp_path):
 def test_the_layered_venv_sees_the_interpreters_own_packages(tmp_path):
     site = tmp_path / "venv" / "lib" / "python3.12" / "site-packages"
     site.mkdir(parents=True)
-    pth = gpu_check.layer_site(tmp_path / "venv", [str(tmp_path), str(tmp_path / "absent")])
-    assert pth.parent == site and pth.read_text() == f"{tmp_path}\n"
+    base = tmp_path / "base"
+    (base / "deeper").mkdir(parents=True)
+    (base / "nested.pth").write_text(f"{base / 'deeper'}\n")              # a .pth of the base's own (CUDA libraries)
+    pth = gpu_check.layer_site(tmp_path / "venv", [str(base), str(tmp_path / "absent")])
+    assert pth.parent == site and pth.read_text() == f"import site; site.addsitedir({str(base)!r})\n"
+    done = subprocess.run([sys.executable, "-S", "-c", f"import site; site.addsitedir({str(site)!r}); import sys; "
+                           "print(sys.path[-2:])"], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == str([str(base), str(base / "deeper")])   # the base's packages, and its .pth
 
 
 def test_the_default_budget_leaves_every_step_room_and_the_whole_run_under_ten_minutes():
