@@ -32,6 +32,7 @@ from .device import check_fits, dtype_bytes, synchronize
 from .kv_cache import Cache
 from .model import Transformer
 from .sampling import History, SamplerSettings, is_penalised, probabilities, sample
+from .structured.constraint import batch_mask, check_constraints
 
 __all__ = ["GenerationResult", "TokenTimer", "is_int", "check_flag", "check_int", "check_sampling", "check_capacity",
            "check_request", "as_token_batch", "prefill", "decode_step", "probabilities", "sample_next", "new_generator",
@@ -277,16 +278,27 @@ class EagerSteps:
         self.context = torch.cat([self.context, token[:, None]], dim=1)
         return self.model(self.context, last_only=True)[:, -1]             # recompute everything
 
+    def extend(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, vocab) after several more tokens (B, k) in one forward: jump-forward's step (chapter 13)."""
+        if self.use_cache:
+            return self.model(ids, cache=self.cache)[:, -1]
+        self.context = torch.cat([self.context, ids], dim=1)
+        return self.model(self.context, last_only=True)[:, -1]
+
 
 @torch.inference_mode()
 def token_loop(steps, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-               seed: int | None = None, return_logits: bool = False, **processors) -> GenerationResult:
+               seed: int | None = None, return_logits: bool = False, constraints: list | None = None,
+               jump_forward: bool = False, **processors) -> GenerationResult:
     """The one token loop: up to max_new_tokens after the checked prompt ids (B, T), each step run by
     `steps` (prepare, prefill, decode); returns the tokens and their timings. Chapter 01.
 
     Rows stop at their first EOS (a finished row keeps emitting EOS until every row is done). processors: min_p,
     repetition_penalty, presence_penalty, frequency_penalty (chapter 13), checked already, as the rest.
+    constraints (chapter 13): one `structured.Constraint` or None per row; a row samples only where its mask allows
+    and its constraint advances by each token. jump_forward (batch 1): the text the constraint forces next is
+    appended in one `steps.extend` forward instead of one decode step a token.
     """
     steps.prepare(ids, max_new_tokens)
     device = steps.model.device
@@ -299,22 +311,42 @@ def token_loop(steps, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int 
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     all_logits: list[torch.Tensor] = []
     timer = TokenTimer(device)
-    n_made = 0
+    n_made, forced = 0, []
     timer.start()
-    for step in range(max_new_tokens):
-        logits = steps.prefill(ids) if step == 0 else steps.decode(new_tokens[:, step - 1])           # (B, vocab)
-        token = sample_next(logits, temperature, top_k, top_p, generator, history=history, **processors)  # (B,)
+    while n_made < max_new_tokens:
+        if n_made == 0:
+            logits = steps.prefill(ids)                                                           # (B, vocab)
+        elif forced:                        # the token just sampled and the forced text, in one forward
+            logits = steps.extend(torch.tensor([[int(new_tokens[0, n_made - len(forced) - 1]), *forced]],
+                                               device=device))
+        else:
+            logits = steps.decode(new_tokens[:, n_made - 1])
+        allowed = None if constraints is None else batch_mask(constraints, logits.shape[-1], device)
+        token = sample_next(logits, temperature, top_k, top_p, generator, history=history, allowed=allowed,
+                            **processors)                                                         # (B,)
         if history is not None:
             history.append(token)
         if eos_token_id is not None:
             token = torch.where(finished, torch.full_like(token, eos_token_id), token)
             finished |= token == eos_token_id
-        new_tokens[:, step] = token
+        new_tokens[:, n_made] = token
         if return_logits:
             all_logits.append(logits.detach().to("cpu", torch.float32, copy=True))  # a copy: a graph reuses its output
-        n_made = step + 1
+        n_made += 1
         done = eos_token_id is not None and bool(finished.all())   # reading the flag waits for the GPU
         timer.token()
+        forced = []
+        if constraints is not None:
+            for constraint, row_token in zip(constraints, token.tolist()):
+                if constraint is not None and not constraint.finished:
+                    constraint.advance(row_token)
+            if jump_forward and not done and constraints[0] is not None:
+                forced = constraints[0].forced_tokens().token_ids[:max_new_tokens - n_made]
+                for forced_token in forced:
+                    constraints[0].advance(forced_token)
+                    new_tokens[0, n_made] = forced_token
+                    n_made += 1
+                    timer.token()
         if done:
             break
     rows = [trim_at_eos(row, eos_token_id) for row in new_tokens[:, :n_made].tolist()]
@@ -331,7 +363,8 @@ def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache:
              eos_token_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, return_logits: bool = False,
              step=None, ignore_eos: bool = False, min_p: float | None = None, repetition_penalty: float = 1.0,
-             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, **unsupported) -> GenerationResult:
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, constraint=None, jump_forward: bool = False,
+             **unsupported) -> GenerationResult:
     """Generate up to max_new_tokens after the prompt, stopping at the end-of-sequence token; returns the tokens
     (the EOS included) and their timings. Chapter 01.
 
@@ -345,9 +378,13 @@ def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache:
     min_p, repetition_penalty, presence_penalty, frequency_penalty: chapter 13's processors (`llminfer.sampling`):
     a min-p cut, the multiplicative repetition penalty over the prompt and the output, and the OpenAI API's
     presence and frequency penalties over the output; they act on greedy rows too.
+    constraint: a `llminfer.structured.Constraint` (or one per row, None for a free row) limits the output to its
+    regex or JSON Schema (chapter 13); it is advanced in place. jump_forward=True (batch 1, eager steps) appends
+    the text the constraint forces in one forward.
     A keyword this function does not take (do_sample=, max_tokens=, ...) raises TypeError naming its equivalent.
     """
     refuse_keywords(generate, unsupported)
+    check_flag("jump_forward", jump_forward)
     check_flag("ignore_eos", ignore_eos)
     if ignore_eos and eos_token_id is not None:
         raise ValueError(f"ignore_eos=True runs past every end-of-sequence token, so eos_token_id={eos_token_id!r} "
@@ -365,4 +402,13 @@ def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache:
     elif not use_cache:
         raise ValueError("a step strategy decodes over its own cache, so use_cache=False cannot apply; drop step= "
                          "to recompute without a cache")
-    return token_loop(step, ids, max_new_tokens, eos, temperature, top_k, top_p, seed, return_logits, **processors)
+    constraints = None
+    if constraint is not None:
+        constraints = check_constraints(constraint, ids.shape[0], model.config.vocab_size, eos)
+        if jump_forward and (ids.shape[0] != 1 or not hasattr(step, "extend") or return_logits):
+            raise ValueError("jump_forward=True needs a batch of 1, the eager steps (no step=) and no return_logits "
+                             "(forced tokens have no logits of their own)")
+    elif jump_forward:
+        raise ValueError("jump_forward=True needs a constraint=; without one no text is forced")
+    return token_loop(step, ids, max_new_tokens, eos, temperature, top_k, top_p, seed, return_logits,
+                      constraints, jump_forward, **processors)

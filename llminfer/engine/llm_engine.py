@@ -33,6 +33,7 @@ from ..checks import check_flag, check_int
 from ..checks import is_int as _is_int
 from ..costs import kv_cache_bytes
 from ..device import check_fits, dtype_bytes, free_memory_bytes, synchronize
+from ..structured.constraint import check_constraints
 from .attention_metadata import AttentionMetadata
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
@@ -277,11 +278,16 @@ class LLMEngine:
                              f"budget, max_num_batched_tokens={self.max_num_batched_tokens} (it may have to be "
                              "recomputed whole after a preemption); enable chunked_prefill or raise the budget")
 
-    def add_request(self, prompt_ids, params: SamplingParams | None = None, arrival_time: float | None = None) -> int:
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, arrival_time: float | None = None,
+                    constraint=None) -> int:
         """Queues one request; returns its id. Everything is checked here, before it can be scheduled (ids that
-        are already a PromptIds of this model, as the server passes them, are not checked again)."""
+        are already a PromptIds of this model, as the server passes them, are not checked again). constraint: a
+        fresh `structured.Constraint` the request's output must follow (chapter 13), batched with free requests."""
         prompt, params = self.requests.check(prompt_ids, params, arrival_time, self._check_limits)
+        if constraint is not None:
+            check_constraints([constraint], 1, self.model.config.vocab_size, params.eos_token_id)
         seq = self.requests.track(prompt, params, arrival_time)
+        seq.constraint = constraint
         self.scheduler.add(seq)
         return seq.request_id
 

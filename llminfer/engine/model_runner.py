@@ -22,6 +22,7 @@ import torch.nn as nn
 from ..fast import NativeDecoderStack, optimize_decode
 from ..model import Transformer
 from ..sampling import History, is_penalised, sample
+from ..structured.constraint import batch_mask
 from .attention_metadata import AttentionMetadata
 from .paged_cache import PagedKVCache
 
@@ -100,7 +101,8 @@ class ModelRunner:
         history = History.of([seq.prompt_token_ids for seq in seqs], [seq.output_token_ids for seq in seqs],
                              logits.shape[-1], logits.device) if any(is_penalised(p) for p in params) else None
         # the one pipeline, each row with its request's settings and its own generator (draws alone = in a batch)
-        chosen = sample(logits, params, [seq.generator for seq in seqs], history,
+        allowed = batch_mask([seq.constraint for seq in seqs], logits.shape[-1], logits.device)   # chapter 13
+        chosen = sample(logits, params, [seq.generator for seq in seqs], history, allowed,
                         names=[f"request {seq.request_id}" for seq in seqs])   # (n_sampled,) on the device
         # the step's one host sync, inherent: the scheduler needs the tokens (EOS, lengths) to plan the next step
         tokens = chosen.tolist()

@@ -85,6 +85,7 @@ class Sequence:
         self.token_times: list[float] = []
         self.error: str | None = None                # set when its step or sampling raised (FINISHED_ERROR)
         self.generator: torch.Generator | None = None
+        self.constraint = None                       # a structured.Constraint, advanced by each token (chapter 13)
         if not params.greedy:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
@@ -128,6 +129,8 @@ class Sequence:
         """Adds a sampled token; returns True (and marks the status) when it finishes the request."""
         self.token_ids.append(token_id)
         self.token_times.append(now)
+        if self.constraint is not None and not self.constraint.finished:
+            self.constraint.advance(token_id)
         eos = self.params.eos_token_id
         if eos is not None and token_id == eos:
             self.status = SequenceStatus.FINISHED_STOPPED

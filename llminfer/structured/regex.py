@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = ["Chars", "Concat", "Alt", "Repeat", "parse", "utf8_sequences", "DFA", "compile_regex", "DEAD",
            "MAX_STATES", "MAX_CODEPOINT"]
 
@@ -417,21 +419,25 @@ def compile_regex(pattern: str, max_states: int = MAX_STATES) -> DFA:
     nfa = _NFA(pattern, max_states)
     start, final = nfa.build(parse(pattern))
     class_of = byte_classes(nfa)
-    members = [[] for _ in range(max(class_of) + 1)]         # the bytes of each class; the first stands for all
+    members = [[] for _ in range(max(class_of) + 1)]         # the bytes of each class
     for byte, k in enumerate(class_of):
         members[k].append(byte)
+    moves = [{} for _ in nfa.edges]                           # moves[s][k]: where NFA state s goes on class k
+    for s, edges in enumerate(nfa.edges):
+        for lo, hi, target in edges:
+            for k in range(class_of[lo], class_of[hi] + 1):
+                moves[s].setdefault(k, []).append(target)
 
     first = nfa.closure([start])
     index = {first: 0}
     sets, rows = [first], []
     while len(rows) < len(sets):
-        current = sets[len(rows)]
+        by_class: dict[int, list[int]] = {}
+        for s in sets[len(rows)]:
+            for k, targets in moves[s].items():
+                by_class.setdefault(k, []).extend(targets)
         row = [DEAD] * 256
-        for bytes_of in members:
-            byte = bytes_of[0]
-            targets = [t for s in current for lo, hi, t in nfa.edges[s] if lo <= byte <= hi]
-            if not targets:
-                continue
+        for k, targets in by_class.items():
             target = nfa.closure(targets)
             if target not in index:
                 if len(sets) >= max_states:
@@ -440,7 +446,7 @@ def compile_regex(pattern: str, max_states: int = MAX_STATES) -> DFA:
                                      "raise the limit")
                 index[target] = len(sets)
                 sets.append(target)
-            for b in bytes_of:
+            for b in members[k]:
                 row[b] = index[target]
         rows.append(row)
     accepting = [final in s for s in sets]
@@ -474,21 +480,24 @@ def _minimize(rows: list[list[int]], accepting: list[bool]) -> tuple[list[list[i
     accepting and not, and split a block while its states move to different blocks on some byte. Subset
     construction leaves such twins, e.g. one state after each UTF-8 sequence of a class that ends at the same
     place; merging them makes fewer states to compute token sets for."""
-    block = [int(ok) for ok in accepting]
+    n = len(rows)
+    table = np.array(rows, dtype=np.int64).reshape(n, 256)
+    table[table == DEAD] = n                            # DEAD as an extra state n, alone in its own block
+    block = np.array([int(ok) for ok in accepting] + [-1])
+    count = len(set(block[:n].tolist()))
     while True:
-        signatures = {}
-        new_block = [signatures.setdefault((block[s], tuple(DEAD if t == DEAD else block[t] for t in row)),
-                                           len(signatures)) for s, row in enumerate(rows)]
-        if len(signatures) == len(set(block)):
+        signatures = np.concatenate([block[:n, None], block[table]], axis=1)      # (n, 1 + 256)
+        numbers: dict[bytes, int] = {}
+        new_block = [numbers.setdefault(row.tobytes(), len(numbers)) for row in signatures]
+        new_count = len(numbers)
+        block = np.array(new_block + [-1])
+        if new_count == count:
             break
-        block = new_block
-    order = {}                                          # number the blocks in order of first state: start stays 0
-    for b in block:
-        order.setdefault(b, len(order))
-    new_rows, new_accepting = [None] * len(order), [False] * len(order)
-    for s, row in enumerate(rows):
-        k = order[block[s]]
-        if new_rows[k] is None:
-            new_rows[k] = [DEAD if t == DEAD else order[block[t]] for t in row]
-            new_accepting[k] = accepting[s]
-    return new_rows, new_accepting
+        count = new_count
+    _, first = np.unique(block[:n], return_index=True)  # number the blocks in order of first state: start stays 0
+    order = np.empty(count, dtype=np.int64)
+    order[block[np.sort(first)]] = np.arange(count)
+    keep = np.sort(first)
+    new_table = np.where(table[keep] == n, DEAD, order[block[np.minimum(table[keep], n)]])
+    new_table[table[keep] == n] = DEAD
+    return new_table.tolist(), [accepting[s] for s in keep.tolist()]

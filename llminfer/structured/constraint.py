@@ -1,0 +1,158 @@
+"""One request's walk through a compiled pattern: the mask for the next token, and the text it is forced to write.
+Chapter 13.
+
+`Constraint` holds a `TokenIndex` (shared by every request with the same pattern) and this request's DFA state.
+Before each sampling step the caller takes `allowed_mask()` and sets the logits of the other tokens to -inf; after
+it, `advance(token)` moves the state. EOS is allowed exactly where the text is complete (`is_accepting`).
+
+Jump-forward (SGLang): where the automaton allows one continuation only, e.g. after `{"name": "Paris"` in a schema
+whose next key is fixed, the next bytes ", \"country\": \"" are certain, and decoding them one token per step wastes
+a model call per token. `forced_tokens()` returns that text and its tokens; the caller appends them all in one
+prefill step and `advance`s through them.
+
+The tokenization boundary. A model learnt text cut by its tokenizer, and `"` followed by `name` is not how the
+tokenizer cuts `"name`. SGLang re-tokenizes the last generated tokens together with the forced text and replaces
+them. Here the boundary is kept conservative instead: the tokens already generated stay, and the forced text is
+tokenized on its own, so only the forced text's own cut is canonical. It never breaks the constraint (any cut of
+the forced bytes walks the same DFA path) and it needs no rollback of the KV cache.
+"""
+from __future__ import annotations
+
+import torch
+
+from .index import TokenIndex, Vocabulary, compile_index
+from .json_schema import schema_to_regex
+from .regex import DEAD, MAX_STATES
+
+__all__ = ["Constraint", "ForcedText", "batch_mask", "check_constraints"]
+
+
+class ForcedText(tuple):
+    """(text, token_ids): the only continuation the automaton allows from here, and its tokens."""
+
+    @property
+    def text(self) -> str:
+        return self[0]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self[1]
+
+
+class Constraint:
+    """A request's state in a compiled pattern. `tokenizer` (a llminfer Tokenizer) is needed for forced_tokens."""
+
+    def __init__(self, index: TokenIndex, tokenizer=None):
+        self.index = index
+        self.tokenizer = tokenizer
+        self.state = index.dfa.initial
+        self.finished = False                  # EOS was taken
+
+    @classmethod
+    def from_regex(cls, pattern: str, tokenizer, max_states: int = MAX_STATES) -> "Constraint":
+        """A fresh constraint for `pattern` over `tokenizer`'s vocabulary (the index comes from the cache)."""
+        return cls(compile_index(pattern, Vocabulary.from_tokenizer(tokenizer), max_states), tokenizer)
+
+    @classmethod
+    def from_schema(cls, schema, tokenizer, max_states: int = MAX_STATES) -> "Constraint":
+        """A fresh constraint for the JSON documents valid against `schema` (see json_schema.schema_to_regex)."""
+        return cls.from_regex(schema_to_regex(schema), tokenizer, max_states)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.index.vocab)
+
+    @property
+    def is_accepting(self) -> bool:
+        """Whether the text so far is complete (EOS allowed now)."""
+        return self.state != DEAD and self.index.dfa.accepting[self.state]
+
+    def allowed_token_ids(self):
+        """The ids allowed next, sorted (a numpy array); none once EOS was taken."""
+        return self.index.allowed_tokens(DEAD if self.finished else self.state)
+
+    def allowed_mask(self) -> torch.Tensor:
+        """A bool tensor over the vocabulary, True where the next token may be sampled."""
+        return self.index.mask(DEAD if self.finished else self.state)
+
+    def advance(self, token_id: int) -> None:
+        """Move past `token_id`; ValueError if the pattern does not allow it here."""
+        token_id = int(token_id)
+        if self.finished:
+            raise ValueError(f"token {token_id} came after EOS; the constrained text was already complete")
+        if token_id == self.index.eos_token_id:
+            if not self.is_accepting:
+                raise ValueError(f"EOS (token {token_id}) is not allowed: the text does not match "
+                                 f"{self.index.dfa.pattern[:80]!r} yet")
+            self.finished = True
+            return
+        target = self.index.next_state(self.state, token_id)
+        if target == DEAD:
+            raise ValueError(f"token {token_id} ({self.index.vocab.token_bytes[token_id]!r}) leaves the pattern "
+                             f"{self.index.dfa.pattern[:80]!r}; sample only where allowed_mask() is True")
+        self.state = target
+
+    def forced_bytes(self) -> bytes:
+        """The bytes that must come next: followed while the state does not accept and exactly one byte keeps it
+        alive; cut back to the last whole UTF-8 character."""
+        transitions, accepting = self.index.dfa.transitions, self.index.dfa.accepting
+        state, out = self.state, bytearray()
+        while not self.finished and state != DEAD and not accepting[state]:
+            live = [b for b, t in enumerate(transitions[state]) if t != DEAD]
+            if len(live) != 1:
+                break
+            out.append(live[0])
+            state = transitions[state][live[0]]
+        while out:
+            try:
+                out.decode("utf-8")
+                break
+            except UnicodeDecodeError:
+                out.pop()
+        return bytes(out)
+
+    def forced_tokens(self) -> ForcedText:
+        """(text, token_ids) of the forced continuation, tokenized on its own (the conservative boundary); empty
+        when the next token is a free choice."""
+        if self.tokenizer is None:
+            raise ValueError("forced_tokens needs the tokenizer: build the Constraint with tokenizer=...")
+        text = self.forced_bytes().decode("utf-8")
+        return ForcedText((text, self.tokenizer.encode(text) if text else []))
+
+
+def check_constraints(constraint, batch: int, vocab_size: int, eos_token_id: int | None) -> list:
+    """One Constraint or None per row, from `constraint` (one Constraint for a batch of 1, or a list per row);
+    ValueError before any compute when the count, the vocabulary or the end-of-sequence token does not fit."""
+    rows = constraint if isinstance(constraint, (list, tuple)) else [constraint] * (batch if constraint is None else 1)
+    if len(rows) != batch:
+        raise ValueError(f"constraint= gives {len(rows)} constraints for a batch of {batch} rows; pass one per row "
+                         "(None for a free row)")
+    for row, item in enumerate(rows):
+        if item is None:
+            continue
+        if not isinstance(item, Constraint):
+            raise ValueError(f"constraint for row {row} is a {type(item).__name__}; build one with "
+                             "Constraint.from_regex(pattern, tokenizer) or Constraint.from_schema(schema, tokenizer)")
+        if item.vocab_size > vocab_size:
+            raise ValueError(f"the constraint of row {row} covers {item.vocab_size} tokens, more than the model's "
+                             f"{vocab_size}; build it with this model's tokenizer")
+        if item.index.eos_token_id != eos_token_id:
+            raise ValueError(f"the constraint of row {row} ends with token {item.index.eos_token_id} (its tokenizer's "
+                             f"EOS) but generation stops at {eos_token_id!r}; pass eos_token_id="
+                             f"{item.index.eos_token_id} (and not ignore_eos=True)")
+    return rows
+
+
+def batch_mask(rows: list, vocab_size: int, device) -> torch.Tensor | None:
+    """The allowed-token mask (rows, vocab_size) for the sampler: each constrained row's mask (padded with False
+    past its vocabulary), all True for a free row or one whose constraint already took EOS; None without any."""
+    if all(c is None for c in rows):
+        return None
+    if len(rows) == 1 and rows[0].vocab_size == vocab_size and not rows[0].finished:
+        return rows[0].allowed_mask().view(1, -1).to(device)     # the cached mask itself, no copy
+    mask = torch.ones(len(rows), vocab_size, dtype=torch.bool)
+    for row, constraint in enumerate(rows):
+        if constraint is not None and not constraint.finished:
+            mask[row] = False
+            mask[row, :constraint.vocab_size] = constraint.allowed_mask()
+    return mask.to(device)

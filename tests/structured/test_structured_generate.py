@@ -1,0 +1,136 @@
+"""A Constraint on SmolLM2-135M-Instruct's tokenizer (mask, advance, EOS, forced text) and generate(constraint=...)
+on the real model: outputs parse and validate, jump-forward runs fewer forwards, a constrained row batches with a
+free one, and bad combinations are refused before compute."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from llminfer.checkpoint import load_pretrained
+from llminfer.generate import generate
+from llminfer.structured import Constraint
+
+pytestmark = pytest.mark.timeout(600)
+
+SMOLLM2 = "smollm2-135m-instruct"
+CAPITAL = {"type": "object", "properties": {"country": {"type": "string", "maxLength": 20},
+                                            "capital": {"type": "string", "maxLength": 20}},
+           "required": ["country", "capital"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def real():
+    return load_pretrained(SMOLLM2)
+
+
+@pytest.fixture(scope="module")
+def prompt(real):
+    _, tokenizer = real
+    return tokenizer.apply_chat_template([{"role": "user", "content": "Give me the capital of France as JSON."}])
+
+
+def test_constraint_walk(real):
+    _, tokenizer = real
+    constraint = Constraint.from_schema(CAPITAL, tokenizer)
+    forced = constraint.forced_tokens()
+    assert forced.text == '{"country": "' and tokenizer.decode(forced.token_ids) == forced.text
+    for token_id in forced.token_ids:
+        assert constraint.allowed_mask()[token_id]
+        constraint.advance(token_id)
+    eos = tokenizer.eos_token_id
+    assert not constraint.allowed_mask()[eos] and not constraint.is_accepting
+    with pytest.raises(ValueError, match="EOS"):
+        constraint.advance(eos)
+    with pytest.raises(ValueError, match="leaves the pattern"):
+        constraint.advance(tokenizer.encode("\n")[0])
+    for token_id in tokenizer.encode('France", "capital": "Paris"}'):
+        constraint.advance(token_id)
+    assert constraint.is_accepting and constraint.allowed_token_ids().tolist() == [eos]
+    assert constraint.forced_tokens().token_ids == []
+    constraint.advance(eos)
+    assert constraint.finished
+
+
+def test_forced_text_stops_at_a_choice(real):
+    _, tokenizer = real
+    constraint = Constraint.from_regex(r"(Paris|Parma) is (nice|big)", tokenizer)
+    assert constraint.forced_tokens().text == "Par"            # then a choice: 'i' or 'm'
+    for token_id in tokenizer.encode("Parma"):
+        constraint.advance(token_id)
+    assert constraint.forced_tokens().text == " is "
+
+
+def test_generate_constrained_parses_and_validates(real, prompt):
+    model, tokenizer = real
+    free = generate(model, prompt, max_new_tokens=12)
+    plain = generate(model, prompt, max_new_tokens=40, constraint=Constraint.from_schema(CAPITAL, tokenizer))
+    assert plain.token_ids[-1] == tokenizer.eos_token_id
+    document = json.loads(tokenizer.decode(plain.token_ids))
+    jsonschema.validate(document, CAPITAL)
+    assert tokenizer.decode(free.token_ids) != tokenizer.decode(plain.token_ids)
+
+    calls = []
+    hook = model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        jumped = generate(model, prompt, max_new_tokens=40, constraint=Constraint.from_schema(CAPITAL, tokenizer),
+                          jump_forward=True)
+    finally:
+        hook.remove()
+    jsonschema.validate(json.loads(tokenizer.decode(jumped.token_ids)), CAPITAL)
+    assert len(calls) < len(jumped.token_ids) - 5          # the forced keys and quotes took no step each
+
+    # a constrained row beside a free one: each is what it is alone
+    batch = torch.tensor([prompt, prompt])
+    both = generate(model, batch, max_new_tokens=12,
+                    constraint=[Constraint.from_schema(CAPITAL, tokenizer), None])
+    assert both.token_ids[0] == plain.token_ids[:12]
+    assert both.token_ids[1] == free.token_ids
+
+
+def test_length_stops_inside_the_structure(real, prompt):
+    model, tokenizer = real
+    out = generate(model, prompt, max_new_tokens=5, constraint=Constraint.from_schema(CAPITAL, tokenizer))
+    assert len(out.token_ids) == 5 and tokenizer.eos_token_id not in out.token_ids
+    assert tokenizer.decode(out.token_ids).startswith('{"country": "')
+
+
+def test_bad_combinations_refused(real, prompt):
+    model, tokenizer = real
+    constraint = Constraint.from_regex("[0-9]+", tokenizer)
+    with pytest.raises(ValueError, match="ignore_eos"):
+        generate(model, prompt, constraint=constraint, ignore_eos=True)
+    with pytest.raises(ValueError, match="2 constraints for a batch of 1"):
+        generate(model, prompt, constraint=[constraint, None])
+    with pytest.raises(ValueError, match="jump_forward=True needs a constraint"):
+        generate(model, prompt, jump_forward=True)
+    with pytest.raises(ValueError, match="batch of 1"):
+        generate(model, torch.tensor([prompt, prompt]), constraint=[constraint, None], jump_forward=True)
+    with pytest.raises(ValueError, match="is a str"):
+        generate(model, prompt, constraint=["[0-9]+"])
+
+
+def test_engine_batches_a_constrained_request_with_free_ones(real, prompt):
+    from llminfer.engine import LLMEngine, SamplingParams
+
+    model, tokenizer = real
+    eos = tokenizer.eos_token_id
+    engine = LLMEngine(model, block_size=16, num_blocks=32, max_num_seqs=4, max_num_batched_tokens=256,
+                       max_model_len=512)
+    free = engine.add_request(prompt, SamplingParams(max_new_tokens=8, eos_token_id=eos))
+    constrained = engine.add_request(prompt, SamplingParams(max_new_tokens=40, eos_token_id=eos),
+                                     constraint=Constraint.from_schema(CAPITAL, tokenizer))
+    cut = engine.add_request(prompt, SamplingParams(max_new_tokens=4, eos_token_id=eos),
+                             constraint=Constraint.from_schema(CAPITAL, tokenizer))
+    while engine.has_unfinished():
+        engine.step()
+    outputs = {rid: engine.output(rid) for rid in (free, constrained, cut)}
+    alone = generate(model, prompt, max_new_tokens=40, constraint=Constraint.from_schema(CAPITAL, tokenizer))
+    assert outputs[constrained].token_ids == alone.token_ids and outputs[constrained].finish_reason == "stop"
+    jsonschema.validate(json.loads(tokenizer.decode(outputs[constrained].token_ids)), CAPITAL)
+    assert outputs[free].token_ids == generate(model, prompt, max_new_tokens=8).token_ids
+    assert outputs[cut].finish_reason == "length" and tokenizer.decode(outputs[cut].token_ids).startswith('{"')
+    with pytest.raises(ValueError, match="ends with token 2"):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=4), constraint=Constraint.from_regex("a", tokenizer))
