@@ -52,3 +52,30 @@ def claim(text: str, holds, figure: str = "", *, strict: bool = True) -> Claim:
         raise ClaimFailed(f"claim does not hold in this run: {text}" + (f" ({figure})" if figure else "")
                           + "; the measurement contradicts the sentence, so change the sentence, not the figure")
     return verdict
+
+
+# the share of tokens a 16-bit run must keep (up to each sequence's first difference) to count as the same
+HALF_PRECISION_AGREEMENT = 0.75
+
+
+def tokens_agree(runs: list[list[int]], others: list[list[int]], dtype, min_share: float = HALF_PRECISION_AGREEMENT
+                 ) -> tuple[bool, float]:
+    """Whether two runs' token sequences agree as their dtype allows; returns (agree, share). Chapters 04 and 06.
+
+    share is the fraction of all tokens that come before each sequence's first difference (a flipped token changes
+    everything after it, so later tokens are not compared). In float32 every token must agree: two orders of the
+    same sums differ far below any lead between tokens. In bfloat16 and float16 two paths (cached and recomputed,
+    one batch and another) round differently by about as much as a near-tie's lead, so a flip now and then is
+    rounding, not a bug: at least min_share of the tokens must agree.
+    """
+    import torch
+
+    if len(runs) != len(others):
+        raise ValueError(f"tokens_agree compares runs of the same requests: got {len(runs)} and {len(others)}")
+    total = sum(max(len(a), len(b)) for a, b in zip(runs, others))
+    kept = 0
+    for a, b in zip(runs, others):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        kept += same
+    share = kept / total if total else 1.0
+    return (share == 1.0 if dtype == torch.float32 else share >= min_share), share
