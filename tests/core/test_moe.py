@@ -271,3 +271,25 @@ def test_tensor_parallelism_refuses_an_moe_model_and_points_to_expert_parallelis
         tensor_parallel_plan(config, 2)
     dense = llminfer.ModelConfig(**{**MOE, "model_type": "llama", "vocab_size": 96})
     assert tensor_parallel_plan(dense, 2).world_size == 2
+
+
+# The fields of the published config.json files that describe the shape (from the hub pages PRESET_SOURCES names).
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "bos_token_id": 151643,
+                 "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+                 "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
+                 "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+                 "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+                 "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None,
+                 "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+                 "use_sliding_window": False, "vocab_size": 151936}
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+                "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768,
+                "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+                "num_key_value_heads": 8, "num_local_experts": 8, "rms_norm_eps": 1e-05, "rope_theta": 1e6,
+                "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
+                "vocab_size": 32000}
+
+
+@pytest.mark.parametrize("name, hf", [("qwen3-30b-a3b", QWEN3_30B_A3B), ("mixtral-8x7b", MIXTRAL_8X7B)])
+def test_published_config_json_reads_as_the_preset(name, hf):
+    assert llminfer.ModelConfig.from_hf(hf) == llminfer.get_preset(name)
