@@ -130,6 +130,10 @@ WRONG = {
     "12.1": lambda answer, ctx: answer * 2,                                     # float32, not bfloat16
     "12.2": lambda answer, ctx: (answer[0] / 8, answer[1]),                     # 100 GB/s, not 100 Gb/s
     "12.3": lambda answer, ctx: answer * 4,                                     # the whole K/V over one link
+    "14.1": lambda answer, ctx: (answer[0], [0.5, 0.5]),                        # weights not a softmax of the two
+    "14.2": lambda answer, ctx: 2 * 4,                                          # k · B, repeats counted twice
+    "14.3": lambda answer, ctx: answer // 2,                                    # one power of two too soon
+    "14.4": lambda answer, ctx: answer * 58,                                    # one layer taken for every layer
 }
 
 
