@@ -94,12 +94,14 @@ chromium:
 	  { echo "Chromium is not at $(CHROMIUM): install it (sudo apt-get install -y chromium) or set" \
 	    "LLMINFER_CHROMIUM=/path/to/chromium" >&2; exit 1; }
 
-# The GPU check on a node with its own CUDA torch: make test-gpu PYTHON=/path/to/that/python. A venv of its own,
-# .venv-gpu, sees that interpreter's packages (--system-site-packages, and its venv's through a .pth file), so its
+# The GPU check on a node with its own CUDA torch: make test-gpu PYTHON=/path/to/that/python (.venv's without it).
+# A venv of its own, .venv-gpu, sees that interpreter's packages (--system-site-packages, and its venv's through a .pth file), so its
 # torch is used and never installed; the other pins come from GPU_WHEELS (pip --no-index) where that folder holds
 # wheels, else from the index. `make gpu-wheels PYVER=3.12` fills the folder on a machine with an index.
 GPU_ARGS   ?=
 GPU_VENV   ?= .venv-gpu
+# the interpreter whose torch the check uses: PYTHON where it is given, else .venv's where that exists
+GPU_BASE   := $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(if $(wildcard $(PY)),$(PY),$(PYTHON)))
 GPU_PY     := $(GPU_VENV)/bin/python
 GPU_WHEELS ?= build/gpu-wheels
 GPU_FROM    = $(if $(wildcard $(GPU_WHEELS)/*.whl),--no-index --find-links $(GPU_WHEELS))
@@ -107,9 +109,9 @@ PYVER      ?= 3.12
 # (pip matches each tag as written, no older one: name every manylinux a node's glibc runs)
 PLATFORM   ?= manylinux_2_28_x86_64 manylinux2014_x86_64 manylinux2010_x86_64 manylinux1_x86_64
 test-gpu:
-	test -x $(GPU_PY) || { $(PYTHON) -m venv --system-site-packages $(GPU_VENV) && \
-	  $(PYTHON) llminfer/bench/gpu_check.py layer $(GPU_VENV); }
-	@$(GPU_PY) -c "import torch" || { echo "$(PYTHON) has no torch: make test-gpu PYTHON=/path/to/python, the" \
+	test -x $(GPU_PY) || { $(GPU_BASE) -m venv --system-site-packages $(GPU_VENV) && \
+	  $(GPU_BASE) llminfer/bench/gpu_check.py layer $(GPU_VENV); }
+	@$(GPU_PY) -c "import torch" || { echo "$(GPU_BASE) has no torch: make test-gpu PYTHON=/path/to/python, the" \
 	  "interpreter of the node's CUDA build of torch (rm -rf $(GPU_VENV) after changing it)" >&2; exit 1; }
 	$(GPU_PY) llminfer/bench/gpu_check.py requirements > $(GPU_VENV)/requirements-gpu.txt
 	$(GPU_PY) -m pip install --quiet $(GPU_FROM) -r $(GPU_VENV)/requirements-gpu.txt
