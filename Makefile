@@ -95,9 +95,9 @@ chromium:
 	    "LLMINFER_CHROMIUM=/path/to/chromium" >&2; exit 1; }
 
 # The GPU check on a node with its own CUDA torch: make test-gpu PYTHON=/path/to/that/python (.venv's without it).
-# A venv of its own, .venv-gpu, sees that interpreter's packages (--system-site-packages, and its venv's through a .pth file), so its
-# torch is used and never installed; the other pins come from GPU_WHEELS (pip --no-index) where that folder holds
-# wheels, else from the index. `make gpu-wheels PYVER=3.12` fills the folder on a machine with an index.
+# A venv of its own, .venv-gpu, sees that interpreter's packages (--system-site-packages, and its venv's through a
+# .pth file), so its torch is used and never installed; the other pins come from GPU_WHEELS (pip --no-index) where
+# that folder holds wheels, else from the index. `make gpu-wheels PYVER=3.12` fills it on a machine with an index.
 GPU_ARGS   ?=
 GPU_VENV   ?= .venv-gpu
 # the interpreter whose torch the check uses: PYTHON where it is given, else .venv's where that exists
