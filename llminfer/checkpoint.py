@@ -18,7 +18,8 @@ import math
 import os
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
@@ -206,6 +207,7 @@ class StoredTensor:
     gguf: object = None          # the GGUF tensor entry, for a tensor of a GGUF file
     rope_heads: int | None = None  # GGUF q/k: the heads whose rows llama.cpp's converter reordered
     parts: tuple = ()            # an MoE layer's experts, one StoredTensor each, read stacked (E, rows, cols)
+    rows: tuple[int, int] | None = None   # only rows [start, stop) of each expert of a fused (E, 2I, D) tensor
 
     @property
     def nbytes(self) -> int:
@@ -232,6 +234,10 @@ class StoredTensor:
             return stacked
         if self.gguf is not None:
             return read_gguf_tensor(self.path, self.gguf, dtype or torch.float32, device, self.rope_heads, shard)
+        if self.rows is not None:
+            if shard is not None:
+                raise ValueError(f"{self.name} holds two experts' products side by side and is read whole")
+            shard = SimpleNamespace(dim=1, start=self.rows[0], stop=self.rows[1])
         if shard is None and dtype is not None:
             return _read_tensor(self.path, self.name, dtype, device)
         try:
@@ -350,6 +356,23 @@ def _expert_names(config: ModelConfig, layer: int) -> tuple[str, str, dict[str, 
             {param: f"{prefix}.experts.{{}}.{leaf}.weight" for param, leaf in zip(STACKED, leaves)})
 
 
+def _split_fused_experts(tensors: dict[str, StoredTensor], config: ModelConfig, layer: int, fused: str,
+                         width: str) -> None:
+    """transformers' fused experts of one layer, gate_up_proj (E, 2I, D) and down_proj (E, D, I), as w_gate and w_up
+    (the two row halves of gate_up_proj) and w_down; ValueError naming the config.json field they disagree with."""
+    gate_up, down = tensors.pop(fused + "gate_up_proj"), tensors.pop(fused + "down_proj")
+    n, wide = config.n_experts, config.moe_hidden_dim
+    for entry, shape in ((gate_up, (n, 2 * wide, config.dim)), (down, (n, config.dim, wide))):
+        if tuple(entry.shape) != shape:
+            raise ValueError(f"fused expert tensor {entry.name!r} has shape {tuple(entry.shape)} but config.json "
+                             f"implies {shape} from num_experts={n}, hidden_size={config.dim} and {width}={wide}; "
+                             "the weights and config.json do not belong together")
+    prefix = f"layers.{layer}.mlp."
+    tensors[prefix + "w_gate"] = replace(gate_up, shape=(n, wide, config.dim), rows=(0, wide))
+    tensors[prefix + "w_up"] = replace(gate_up, shape=(n, wide, config.dim), rows=(wide, 2 * wide))
+    tensors[prefix + "w_down"] = down
+
+
 def _stack_experts(tensors: dict[str, StoredTensor], config: ModelConfig) -> None:
     """Renames each MoE layer's router to 'layers.i.mlp.router.weight' and replaces its experts' per-expert tensors
     by one stacked entry each ('layers.i.mlp.w_gate', (E, I, D)), in place, from the headers alone. Raises
@@ -361,6 +384,10 @@ def _stack_experts(tensors: dict[str, StoredTensor], config: ModelConfig) -> Non
         router, patterns = _expert_names(config, layer)
         if router in tensors:
             tensors[f"layers.{layer}.mlp.router.weight"] = tensors.pop(router)
+        fused = router.rsplit(".", 2)[0] + ".experts."   # transformers' in-memory layout: experts fused in 3-D
+        if fused + "gate_up_proj" in tensors and fused + "down_proj" in tensors:
+            _split_fused_experts(tensors, config, layer, fused, width)
+            continue
         for param, pattern in patterns.items():
             found = re.compile(re.escape(pattern).replace(r"\{\}", r"(\d+)"))
             experts = {int(m.group(1)): name for name in tensors if (m := found.fullmatch(name))}

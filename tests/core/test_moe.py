@@ -293,3 +293,23 @@ MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "bos_token_id": 1, "eos
 @pytest.mark.parametrize("name, hf", [("qwen3-30b-a3b", QWEN3_30B_A3B), ("mixtral-8x7b", MIXTRAL_8X7B)])
 def test_published_config_json_reads_as_the_preset(name, hf):
     assert llminfer.ModelConfig.from_hf(hf) == llminfer.get_preset(name)
+
+
+def test_transformers_fused_expert_layout_reads_too(tmp_path):
+    """A state_dict saved as transformers holds it in memory (gate_up_proj (E, 2I, D), down_proj (E, D, I)) reads
+    as the per-expert files do; a fused tensor of the wrong width is refused naming the field."""
+    from safetensors.torch import save_file
+    reference = hf_model("qwen3_moe")
+    reference.save_pretrained(tmp_path)
+    tensors = {name: t.contiguous() for name, t in reference.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in tensors
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model, _ = llminfer.load_pretrained(tmp_path, load_tokenizer=False)
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (reference(ids).logits - model(ids)).abs().max().item() <= TOLERANCE
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 16}))
+    with pytest.raises(ValueError, match=r"fused expert tensor 'model.layers.0.mlp.experts.gate_up_proj' has shape "
+                                         r"\(8, 64, 64\) .* moe_intermediate_size=16"):
+        open_checkpoint(tmp_path)
