@@ -33,12 +33,15 @@ __all__ = ["available", "why_unavailable", "load", "isa", "isa_features", "choos
 
 _HERE = Path(__file__).parent
 # the units of one extension (cpu_kernels.h says what each holds; the build's hash covers them all)
-SOURCES = tuple(_HERE / name for name in ("cpu_ref.cpp", "cpu_matvec.cpp", "cpu_gemm.cpp", "cpu_attention.cpp",
-                                          "cpu_layers.cpp", "cpu_ops.cpp"))
-HEADERS = (_HERE / "cpu_kernels.h",)
+SOURCES = tuple(_HERE / name for name in ("cpu_ref.cpp", "cpu_avx2.cpp", "cpu_avx512.cpp", "cpu_matvec.cpp",
+                                          "cpu_gemm.cpp", "cpu_attention.cpp", "cpu_layers.cpp", "cpu_ops.cpp"))
+HEADERS = (_HERE / "cpu_kernels.h", _HERE / "cpu_vec.h")
 # Products of up to this many rows of x take the multi-row matrix-vector loops (each weight read once for all the
-# rows), more rows the blocked kernel. Compiled in (-DLLMINFER_MATVEC_MAX_ROWS; torch.ops.llminfer.matvec_max_rows()).
-MAX_TOKENS = 8
+# rows: a batch's decode step, a speculative verification), more rows the blocked kernel. On the AVX2 EPYC the
+# multi-row loops ran 9-16 rows faster than the blocked kernel for int8, int4 and W4A8 (which it widens to float32
+# first), about as fast for bfloat16 (`python -m llminfer.bench rows` prints the table). Compiled in
+# (-DLLMINFER_MATVEC_MAX_ROWS; torch.ops.llminfer.matvec_max_rows()).
+MAX_TOKENS = 16
 # A decode step's threads share attention by K/V heads, and from this many cached positions on by blocks of keys,
 # merged in order (the numbers do not depend on the thread count). Compiled in (-DLLMINFER_SPLIT_KEYS). Appendix A1.
 SPLIT_KEYS = 1024

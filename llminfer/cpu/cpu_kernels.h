@@ -1,7 +1,9 @@
 // Shared by the native CPU kernels, one torch extension built from several units by job. Chapter 08.
 //
 //   cpu_ref.cpp        the portable reference of each product loop (plain C++, any CPU)
-//   cpu_matvec.cpp     y = x · Wᵀ for a few rows of x: the vector matrix-vector loops, and the dispatch by rows
+//   cpu_avx2.cpp       its loops for AVX2 + FMA, cpu_avx512.cpp for AVX-512 (and VNNI, BF16), under its names; the
+//                      loops both share are written once over the vector width (cpu_vec.h)
+//   cpu_matvec.cpp     y = x · Wᵀ for a few rows of x: the instruction sets in use and the dispatch to those loops
 //   cpu_gemm.cpp       the blocked matrix multiply for many rows of x (a prefill, a large batch)
 //   cpu_attention.cpp  decode attention against a K/V cache read in place
 //   cpu_layers.cpp     a prepared layer stack, one call a step over contiguous or paged K/V
@@ -161,6 +163,7 @@ __attribute__((target(LLMINFER_AVX512))) inline __m512 wload16(const void* w, in
     using Vec = F;                                                                                            \
     static constexpr int64_t kLanes = LANES;                                                                  \
     __attribute__((target(TARGET))) static F zero() { return _mm##SFX##_setzero_ps(); }                        \
+    __attribute__((target(TARGET))) static F set1(float v) { return _mm##SFX##_set1_ps(v); }                   \
     __attribute__((target(TARGET))) static F load(const float* p) { return _mm##SFX##_loadu_ps(p); }           \
     __attribute__((target(TARGET))) static F add(F a, F b) { return _mm##SFX##_add_ps(a, b); }                 \
     __attribute__((target(TARGET))) static F fmadd(F a, F b, F c) { return _mm##SFX##_fmadd_ps(a, b, c); }     \
@@ -362,6 +365,30 @@ void int4_tiles_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t
                    Terms terms, int64_t group, float* y, int64_t N, int64_t t0, int64_t t1);
 void quantize_x_blocks(const float* x, int64_t n_blocks, int8_t* xq, float* dx);
 }  // namespace ref
+
+// The per-instruction-set loops under the reference's names, each loading a weight once for all M rows of x
+#ifdef LLMINFER_X86
+namespace avx2 {                             // cpu_avx2.cpp; int4_tiles reads x placed (int4t_x in cpu_matvec.cpp)
+void dense_rows(const Weight& W, const float* x, int64_t M, float* y, int64_t n0, int64_t n1);
+void int4_tiles(const Weight& W, const float* xs, const float* xsum, int64_t M, float* y, int64_t t0, int64_t t1);
+void int4_tiles_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+                   Terms terms, int64_t group, float* y, int64_t N, int64_t t0, int64_t t1);
+void quantize_x_blocks(const float* x, int64_t n_blocks, int8_t* xq, float* dx);
+}  // namespace avx2
+namespace avx512 {                           // cpu_avx512.cpp
+void dense_rows(const Weight& W, const float* x, int64_t M, float* y, int64_t n0, int64_t n1);
+void bf16_rows(const Weight& W, const float* xp, int64_t M, float* y, int64_t n0, int64_t n1);   // xp: even_odd(x)
+void int4_tiles(const Weight& W, const float* x, const float* xsum, int64_t M, float* y, int64_t t0, int64_t t1);
+// AVX512-VNNI: W4A8 with xq in int4t_spread's layout (K·8 bytes a row), and int4 with float x (finite) as planes
+void int4_tiles_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+                   Terms terms, int64_t group, float* y, int64_t N, int64_t t0, int64_t t1);
+void int4t_spread(const int8_t* xq, int64_t K, int8_t* spread);
+void int4_planes(const Weight& W, const float* x, const float* xsum, int64_t M, float* y, int64_t t0, int64_t t1);
+}  // namespace avx512
+namespace avx512_bf16 {                      // cpu_avx512.cpp: x as bfloat16
+void dense_rows(const Weight& W, const uint16_t* xb, int64_t M, float* y, int64_t n0, int64_t n1);
+}  // namespace avx512_bf16
+#endif
 
 // x as contiguous float32
 std::vector<float> x_as_float(const at::Tensor& x);
