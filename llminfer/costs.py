@@ -288,7 +288,7 @@ class MoEShape:
             raise ValueError("this config has no experts (n_experts=0): it is a dense model; pass an MoE config "
                              "or an MoEShape")
         return cls(cfg.n_experts, cfg.n_experts_per_tok, cfg.moe_hidden_dim, cfg.shared_expert_dim,
-                   cfg.n_layers - len(cfg.moe_layers), bool(getattr(cfg, "shared_expert_gate", False)))
+                   cfg.n_layers - len(cfg.moe_layers), cfg.shared_expert_gate)
 
     def moe_layers(self, cfg) -> int:
         """The number of MoE layers of cfg: its layers less the leading dense ones."""

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "llminfer"
 
 # The core, in dependency order: a module may import only those before it.
 CORE = ["device", "checks", "config", "costs", "attention", "kv_cache", "moe", "model", "tokenizer", "gguf_reader",
-        "checkpoint", "sampling", "generate", "instrument", "timing", "static_cache", "cuda_graphs"]
+        "checkpoint", "sampling", "structured", "generate", "instrument", "timing", "static_cache", "cuda_graphs"]
 # Built on the core (may import it; the core never imports them).
 ON_TOP = ["engine", "flash", "cpu", "quant", "fast", "speculative", "parallel", "serve", "moe_balance"]
 # Around everything: tooling and teaching aids, imported by nothing in the package but themselves.

@@ -128,7 +128,7 @@ def test_bad_counts_are_refused():
 def test_the_shape_is_read_from_a_config_with_experts():
     # a config's expert fields as ModelConfig names them; layer 0 keeps its dense MLP
     cfg = SimpleNamespace(**vars(TINY), n_experts=4, n_experts_per_tok=2, moe_hidden_dim=3, shared_expert_dim=2,
-                          moe_layers=(1,))
+                          moe_layers=(1,), shared_expert_gate=False)
     assert MoEShape.from_config(cfg) == MoEShape(4, 2, 3, shared_hidden_dim=2, n_dense_layers=1)
     assert costs.moe_decode_step_bytes(cfg, batch_size=2) == costs.moe_decode_step_bytes(
         cfg, MoEShape(4, 2, 3, 2, 1), 2)
