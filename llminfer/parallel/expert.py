@@ -44,6 +44,7 @@ from llminfer import costs
 from llminfer.checks import check_int
 from llminfer.costs import MoEShape
 from llminfer.device import synchronize
+from llminfer.generate import check_request
 from llminfer.moe import MoEFeedForward, experts_grouped, route
 
 from . import cost_model
@@ -303,10 +304,19 @@ def run_expert_parallel_generate(model, prompts: list, max_new_tokens: int = 4, 
                                  backend: str | None = None, port: int | None = None,
                                  timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict]:
     """Greedy decoding of an MoE model with its experts split over world_size ranks, rank r decoding the batch
-    prompts[r] (every rank the same number of steps, so the all-to-alls pair up). Chapter 14."""
+    prompts[r] (every rank the same number of steps, so the all-to-alls pair up). A rank's batch is one (B, T)
+    tensor, so its prompts share a length; ranks may differ. Every request is checked before any process
+    starts. Chapter 14."""
     check_world_size(world_size)
     if len(prompts) != world_size:
         raise ValueError(f"prompts must hold one batch of prompts per rank ({world_size}), got {len(prompts)}")
+    for rank, batch in enumerate(prompts):
+        lengths = [len(p) for p in batch] if batch and all(isinstance(p, (list, tuple)) for p in batch) else []
+        if len(set(lengths)) > 1:
+            raise ValueError(f"prompts[{rank}] holds prompts of lengths {lengths}: a rank decodes its batch as one "
+                             "(B, T) tensor, so they must have one length; give each rank prompts of one length "
+                             "(ranks may differ)")
+        check_request(model.config, batch, max_new_tokens)          # ids, vocabulary, context: as generate checks
     check_backend(backend, world_size)
     return launch(ep_generate_worker, (_on_cpu(model), prompts, max_new_tokens), world_size=world_size,
                   backend=backend, port=port, timeout_s=timeout_s)

@@ -140,13 +140,19 @@ def test_deepseek_v3_projection_on_h100_nodes():
     assert 0.01 < step.step_seconds < 0.05                              # tens of milliseconds a step
 
 
-def test_ep2_greedy_tokens_of_an_moe_decoder_equal_one_process():
+def small_moe_decoder():
     import llminfer
     config = llminfer.ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
                                   max_seq_len=64, model_type="qwen3_moe", n_experts=4, n_experts_per_tok=2,
                                   moe_hidden_dim=24, norm_topk_prob=True)
-    model = llminfer.Transformer(config).init_weights(seed=3, std=0.2).eval()
-    prompts = [[[5, 9, 13, 2], [7, 7, 1, 60]], [[3, 90, 4, 4]]]                 # rank 0 decodes two, rank 1 one
+    return llminfer.Transformer(config).init_weights(seed=3, std=0.2).eval()
+
+
+def test_ep2_greedy_tokens_of_an_moe_decoder_equal_one_process():
+    import llminfer
+    model = small_moe_decoder()
+    # rank 0 decodes two prompts of 4 tokens, rank 1 one of 5: the ranks' prompt lengths may differ
+    prompts = [[[5, 9, 13, 2], [7, 7, 1, 60]], [[3, 90, 4, 4, 8]]]
     ranks = expert.run_expert_parallel_generate(model, prompts, max_new_tokens=6)
     for rank, batch in zip(ranks, prompts):
         alone = llminfer.generate(model, batch, max_new_tokens=6, return_logits=True, ignore_eos=True)
@@ -155,6 +161,16 @@ def test_ep2_greedy_tokens_of_an_moe_decoder_equal_one_process():
         assert logits.std() > 0.1 and (rank["logits"] - logits).abs().max() < 1e-5
         assert rank["calls"] == 2 * 2 * 6                   # dispatch and combine, 2 layers, prefill + 5 steps
         assert rank["bytes"] > 0
+
+
+def test_bad_prompts_are_refused_before_any_process():
+    model = small_moe_decoder()
+    with pytest.raises(ValueError, match=r"prompts\[0\] holds prompts of lengths \[4, 3\]"):
+        expert.run_expert_parallel_generate(model, [[[5, 9, 13, 2], [7, 7, 1]], [[3, 90, 4, 4]]])
+    with pytest.raises(ValueError, match="vocab"):                      # generate's checks, before any process
+        expert.run_expert_parallel_generate(model, [[[5, 9, 13, 2]], [[3, 97, 4, 4]]])
+    with pytest.raises(ValueError, match="max_seq_len=64"):
+        expert.run_expert_parallel_generate(model, [[[5, 9]], [[3, 4]]], max_new_tokens=63)
 
 
 def test_the_split_layer_is_timed_at_several_sizes():
