@@ -105,6 +105,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the most prompt tokens a step runs beside decodes or another prompt's chunk (a step with "
                         "nothing else may take --max-num-batched-tokens); 0: no cap")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--prefix-cache", choices=("hash", "radix"), default="hash",
+                   help="how cached prefixes are found: chapter 06's block hashes or chapter 13's radix tree")
+    p.add_argument("--max-structured-states", type=int, default=100_000,
+                   help="the most automaton states a structured-output pattern (response_format, structured_outputs) "
+                        "may compile to; a larger one gets HTTP 400 before any compute")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--max-queued-requests", type=int, default=128,
                    help="requests allowed to wait for the engine; more get HTTP 429")
@@ -148,7 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
                              ("--max-prefill-tokens", args.max_prefill_tokens, 0),
                              ("--max-request-bytes", args.max_request_bytes, 1024),
-                             ("--max-connections", args.max_connections, 1)):
+                             ("--max-connections", args.max_connections, 1),
+                             ("--max-structured-states", args.max_structured_states, 1)):
         if value is not None and value < low:
             p.error(f"{flag} must be >= {low}, got {value}")
     for flag, value, low in (("--drain-timeout", args.drain_timeout, 0.0),
@@ -195,12 +201,12 @@ def build_server(args: argparse.Namespace):
         max_request_bytes=args.max_request_bytes, header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
         max_connections=args.max_connections, api_key=args.api_key, allowed_hosts=tuple(args.allowed_hosts),
-        allowed_origins=tuple(args.allowed_origins),
+        allowed_origins=tuple(args.allowed_origins), max_structured_states=args.max_structured_states,
         engine_kwargs=dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                            kv_cache_memory=args.kv_cache_memory, kv_memory_fraction=args.kv_memory_fraction,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            max_prefill_tokens=args.max_prefill_tokens or None,
-                           enable_prefix_caching=not args.no_prefix_caching,
+                           enable_prefix_caching=not args.no_prefix_caching, prefix_cache=args.prefix_cache,
                            chunked_prefill=not args.no_chunked_prefill, max_model_len=args.max_model_len,
                            optimize=not args.no_optimize))
     if not args.disaggregated:

@@ -179,10 +179,12 @@ class EngineLoop:
 
     # --- called from the event loop --------------------------------------------------------------------
 
-    async def add_request(self, prompt_ids: list[int] | PromptIds, params: SamplingParams) -> RequestHandle:
+    async def add_request(self, prompt_ids: list[int] | PromptIds, params: SamplingParams,
+                          constraint=None) -> RequestHandle:
         """Hands a request to the engine; returns its handle. ValueError (the engine's checks), QueueFull,
         EngineUnavailable. Ids already checked (a PromptIds, as the server passes them) go to the engine as they are,
-        and it does not check them again."""
+        and it does not check them again. constraint: a fresh structured.Constraint for this request alone
+        (chapter 13), passed on to the engine's add_request."""
         loop = asyncio.get_running_loop()
         handle = RequestHandle(self, loop)
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -195,7 +197,7 @@ class EngineLoop:
                                 f"engine (max_queued_requests={self.max_queued_requests}); retry later")
             self._pending_adds += 1
             prompt = prompt_ids if isinstance(prompt_ids, PromptIds) else list(prompt_ids)   # checked ids: as they are
-            self._inbox.append(("add", prompt, params, handle, future))
+            self._inbox.append(("add", prompt, params, constraint, handle, future))
         self._wake.set()
         try:
             handle.request_id = await asyncio.wrap_future(future)
@@ -235,7 +237,7 @@ class EngineLoop:
                 item = self._inbox.popleft()
                 taken += item[0] == "add"
             if item[0] == "add":
-                _, prompt, params, handle, future = item
+                _, prompt, params, constraint, handle, future = item
                 if not future.set_running_or_notify_cancel():
                     continue                   # its handler was cancelled before the engine saw it
                 if self.state not in ("running",):
@@ -243,7 +245,8 @@ class EngineLoop:
                     continue
                 try:
                     arrival = self.engine.clock()
-                    request_id = self.engine.add_request(prompt, params, arrival_time=arrival)
+                    structured = {} if constraint is None else {"constraint": constraint}
+                    request_id = self.engine.add_request(prompt, params, arrival_time=arrival, **structured)
                 except Exception as exc:      # the engine's own checks (ValueError) go back to the handler
                     future.set_exception(exc)
                     continue
@@ -344,5 +347,5 @@ class EngineLoop:
                     item = self._inbox.popleft()
                     if item[0] == "add":
                         self._pending_adds -= 1
-                        if item[4].set_running_or_notify_cancel():
-                            item[4].set_exception(EngineUnavailable(f"the engine failed: {self.error}"))
+                        if item[-1].set_running_or_notify_cancel():
+                            item[-1].set_exception(EngineUnavailable(f"the engine failed: {self.error}"))

@@ -6,8 +6,10 @@ API defines but this server does not implement (n > 1, logprobs, tools, logit_bi
 their neutral value and refused with a 400 that names them otherwise, so a client never gets silently
 different behaviour. presence_penalty, frequency_penalty and seed are the OpenAI fields of chapter 13's sampling
 pipeline. Extensions, spelled as vLLM spells them, ride in the same body (`extra_body=` in the openai client):
-`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, and `return_timings` (the server's and the engine's view of
-the request's timings, chapter 11's serving-overhead measurement).
+`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `structured_outputs` {"regex"} or {"json"} (vLLM 0.11's name;
+its older `guided_regex` and `guided_json` too: chapter 13's constrained output, beside the chat route's OpenAI
+`response_format`), and `return_timings` (the server's and the engine's view of the request's timings, chapter
+11's serving-overhead measurement).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..checks import FLOAT32_MAX, FLOAT32_TINY, INT64_MAX, SEED_RANGE, check_processors, float32_edge
 
 __all__ = ["APIError", "error_body", "CompletionRequest", "ChatCompletionRequest", "ChatMessage",
-           "StreamOptions", "ResponseFormat", "check_float_fields", "check_processor_fields", "check_sampling_fields",
+           "StreamOptions", "ResponseFormat", "JSONSchemaFormat", "StructuredOutputs", "output_structure",
+           "check_float_fields", "check_processor_fields", "check_sampling_fields",
            "new_id", "now_s"]
 
 
@@ -69,11 +72,34 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None
 
 
+class JSONSchemaFormat(BaseModel):
+    """response_format.json_schema, OpenAI's structured outputs: the output is a JSON document valid against `schema`
+    (chapter 13's compiler; `strict` is accepted either way: the output always follows the schema)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(BaseModel):
-    """response_format: {"type": "text"} is what this server makes; the other types are refused by name."""
+    """response_format: "text" (free text), "json_object" (one JSON object) or "json_schema" (valid against it)."""
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extra field (vLLM 0.11 and later): `regex` or `json` (a JSON Schema, or its text).
+    vLLM's other keys are refused by name."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    regex: str | None = None
+    json_: Union[dict[str, Any], str, None] = Field(None, alias="json")
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
 
 
 class _Sampling(BaseModel):
@@ -98,6 +124,9 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     return_timings: bool = False
+    structured_outputs: StructuredOutputs | None = None       # chapter 13; vLLM 0.11's spelling
+    guided_regex: str | None = None                           # vLLM's older spellings of the same (before 0.12)
+    guided_json: Union[dict[str, Any], str, None] = None
 
 
 class CompletionRequest(_Sampling):
@@ -208,6 +237,44 @@ def check_processor_fields(request: _Sampling) -> None:
                 raise APIError(str(exc), param=name) from None
 
 
+_VLLM_UNSUPPORTED = ("choice", "grammar", "json_object", "structural_tag", "whitespace_pattern")
+
+
+def output_structure(request: _Sampling) -> tuple[str, Any, str] | None:
+    """What the output must match, or None for free text: ("regex", pattern, param), ("schema", schema, param) or
+    ("json_object", None, param), where param names the field a 400 about it names. Chapter 13.
+
+    The chat route's response_format, and on both routes vLLM's extra fields: `structured_outputs` {"regex": ...}
+    or {"json": ...} (vLLM 0.11 and later) and the older `guided_regex` / `guided_json`. Two at once are a 400."""
+    found = []
+    fmt = getattr(request, "response_format", None)
+    if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
+        raise APIError(f"response_format.json_schema is only read with type 'json_schema', got type {fmt.type!r}; "
+                       "drop json_schema or pass type 'json_schema'", param="response_format")
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("json_object", None, "response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError("response_format of type 'json_schema' needs json_schema: {\"name\": ..., \"schema\": "
+                           "{...}}", param="response_format")
+        found.append(("schema", fmt.json_schema.schema_, "response_format"))
+    outputs = request.structured_outputs
+    if outputs is not None:
+        for key in _VLLM_UNSUPPORTED:
+            if getattr(outputs, key) is not None:
+                raise APIError(f"structured_outputs.{key} is not supported by this server; pass "
+                               "structured_outputs.regex or structured_outputs.json", param=f"structured_outputs.{key}")
+        found += [(kind, value, f"structured_outputs.{name}") for kind, name, value in
+                  (("regex", "regex", outputs.regex), ("schema", "json", outputs.json_)) if value is not None]
+    found += [(kind, value, name) for kind, name, value in (("regex", "guided_regex", request.guided_regex),
+                                                            ("schema", "guided_json", request.guided_json))
+              if value is not None]
+    if len(found) > 1:
+        raise APIError(f"{found[0][2]} and {found[1][2]} both constrain the output; pass one of them",
+                       param=found[1][2])
+    return found[0] if found else None
+
+
 def check_sampling_fields(request: _Sampling) -> None:
     """APIError (400) for a value the OpenAI API allows but this server cannot honour, or one out of range
     (every float first: it must survive float32). Chapter 11."""
@@ -219,14 +286,11 @@ def check_sampling_fields(request: _Sampling) -> None:
                 continue
             if value not in neutral:
                 raise APIError(f"{name}={value!r} is not supported: {fix}", param=name)
+    output_structure(request)                 # its shape; the pattern is compiled later, off the event loop
     if request.stream_options is not None and not request.stream:
         raise APIError("stream_options is only allowed when stream is true; drop it or pass stream=true",
                        param="stream_options")
     if isinstance(request, ChatCompletionRequest):
-        fmt = request.response_format
-        if fmt is not None and (fmt.type != "text" or fmt.json_schema is not None):
-            raise APIError(f"response_format type {fmt.type!r} is not supported (structured output is not "
-                           "implemented); pass {\"type\": \"text\"} or leave it unset", param="response_format")
         if request.modalities is not None and request.modalities != ["text"]:
             raise APIError(f"modalities={request.modalities!r} is not supported: this server makes text only; pass "
                            "[\"text\"] or leave it unset", param="modalities")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
 import logging
 import math
@@ -47,12 +48,14 @@ from starlette.requests import ClientDisconnect
 from .. import checks
 from ..checks import check_flag, check_int, check_sampling
 from ..engine import Engine, LLMEngine, PromptIds, SamplingParams
+from ..structured import MAX_STATES, Constraint, TokenIndex, UnsupportedSchema, Vocabulary, compile_index
+from ..structured import json_object_regex, schema_to_regex
 from .async_engine import EngineLoop, EngineUnavailable, QueueFull, RequestHandle, Update
 from .chat import ChatTemplate, chat_prompt_ids, load_chat_template
 from .limits import body_too_large, uvicorn_options
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_sampling_fields, error_body,
-                       new_id, now_s)
+                       new_id, now_s, output_structure)
 
 __all__ = ["ServeConfig", "OpenAIServer", "build_app", "ServerThread", "IncrementalText", "BearerAuth", "HostGuard",
            "HeaderGuard", "bind_host_names"]
@@ -80,6 +83,7 @@ class ServeConfig:
     api_key: str | None = None                # if set, every /v1 route wants "Authorization: Bearer <api_key>"
     allowed_hosts: tuple[str, ...] = ()       # Host values served beside the bind address's (checked without a key)
     allowed_origins: tuple[str, ...] = ()     # web origins CORS lets read responses (none: CORS stays closed)
+    max_structured_states: int = MAX_STATES   # a structured-output pattern with a larger automaton gets 400 (ch. 13)
 
     def __post_init__(self):
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -87,6 +91,7 @@ class ServeConfig:
         check_int("max_queued_requests", self.max_queued_requests, 1)
         check_int("max_request_bytes", self.max_request_bytes, 1024)
         check_int("max_connections", self.max_connections, 1)
+        check_int("max_structured_states", self.max_structured_states, 1)
         check_flag("add_bos", self.add_bos)
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()
                                          or not self.api_key.isprintable()):
@@ -249,6 +254,8 @@ class OpenAIServer:
         self.tokenizer = tokenizer
         self.engine = engine if engine is not None else LLMEngine(model, **self.config.engine_kwargs)
         self.close_engine = close_engine       # the server owns it (the disaggregated pair): close it at stop
+        # Structured output needs an engine whose add_request takes constraint= (LLMEngine; not the disaggregated pair)
+        self.structured = "constraint" in inspect.signature(self.engine.add_request).parameters
         self.chat_template = chat_template or load_chat_template(model_folder)
         self.loop = EngineLoop(self.engine, self.config.max_queued_requests)
         self.metrics = ServerMetrics(self.loop)
@@ -366,6 +373,30 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(str(exc)) from None
 
+    def output_index(self, request) -> TokenIndex | None:
+        """The compiled pattern the request's output must match (`protocol.output_structure`), or None for free text.
+        Compiling stops at config.max_structured_states automaton states; a schema keyword the compiler does not
+        handle, a regex that does not parse (its message gives the position) or a pattern over the limit is a 400
+        naming the field, before any compute. Chapter 13."""
+        found = output_structure(request)
+        if found is None:
+            return None
+        kind, value, param = found
+        if not self.structured:
+            raise APIError(f"{param} (structured output) is not supported by this server's engine "
+                           f"({type(self.engine).__name__}, e.g. the disaggregated pair); send free-text requests, or "
+                           "serve with one engine", param=param)
+        limit = self.config.max_structured_states
+        try:
+            pattern = value if kind == "regex" else json_object_regex() if kind == "json_object" \
+                else schema_to_regex(value)
+            return compile_index(pattern, Vocabulary.from_tokenizer(self.tokenizer), limit)
+        except UnsupportedSchema as exc:
+            raise APIError(f"{param}: {exc}", param=param, code="unsupported_schema") from None
+        except ValueError as exc:
+            fix = f" (this server's --max-structured-states is {limit})" if "max_states" in str(exc) else ""
+            raise APIError(f"{param}: {exc}{fix}", param=param) from None
+
     # --- parsing a body --------------------------------------------------------------------------------
 
     def parse_body(self, raw: bytes, schema):
@@ -472,8 +503,11 @@ class OpenAIServer:
                 raise APIError(f"{where}: {exc}", param="prompt") from None
         return checked
 
-    async def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestHandle]:
-        """Hands every prompt to the engine loop; all or none (an error aborts those already added)."""
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams],
+                     index: TokenIndex | None = None) -> list[RequestHandle]:
+        """Hands every prompt to the engine loop; all or none (an error aborts those already added). index: the
+        compiled output pattern (`output_index`); each prompt gets a fresh Constraint on it (a Constraint advances
+        in place)."""
         handles: list[RequestHandle] = []
         if len(prompts) > self.loop.max_queued_requests:     # could never be queued, however idle the server
             raise APIError(f"the request holds {len(prompts)} prompts but this server queues at most "
@@ -482,7 +516,8 @@ class OpenAIServer:
         checked = await asyncio.to_thread(self.prompt_ids, prompts)          # a check per id: off the event loop
         try:
             for prompt, p in zip(checked, params):
-                handles.append(await self.loop.add_request(prompt, p))
+                constraint = None if index is None else Constraint(index, self.tokenizer)
+                handles.append(await self.loop.add_request(prompt, p, constraint=constraint))
         except BaseException as exc:
             for handle in handles:
                 handle.abort()
@@ -700,7 +735,8 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
             max_tokens, name = body.max_completion_tokens, "max_completion_tokens"
         params = [state.sampling_params(body, len(p), max_tokens, name) for p in prompts]
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        handles = await state.submit(prompts, params)
+        index = await asyncio.to_thread(state.output_index, body)    # compiling a pattern: off the event loop
+        handles = await state.submit(prompts, params, index)
         response_id = new_id("chatcmpl" if chat else "cmpl")
         created = now_s()
         kind = "chat.completion" if chat else "text_completion"
