@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..generate import check_flag
 from .. import cpu as native_cpu
+from ..moe import MoEFeedForward
 from .weights import check_scheme, quantize_tensor
 
 __all__ = ["QuantizedLinear", "quantize", "SCHEMES", "KERNELS", "has_kernel", "quantized_modules",
@@ -441,7 +442,9 @@ def quantize(model: nn.Module, scheme: str = "int8", group_size: int | None = No
     points with group_size 32, 64, 128 or 256, or one per channel with None). include_head=False keeps the
     output head in floating point. activations='int8' (int4, native CPU kernel) is W4A8: x rounded to int8 per
     block of 32 in decode steps, integer dot products; it changes the numbers. Everything is checked before any
-    layer is touched.
+    layer is touched. An MoE layer's router and shared-expert gate stay in floating point (rounding the router's
+    scores would change which experts a token goes to, for a matrix a fraction of the layer's bytes), and so do
+    its experts, 3-D weights rather than nn.Linear layers (chapter 14).
     """
     bits = _parse_scheme(scheme)
     check_flag("include_head", include_head)
@@ -457,8 +460,10 @@ def quantize(model: nn.Module, scheme: str = "int8", group_size: int | None = No
         first = next(iter(already), "the model")
         raise ValueError(f"the model is already quantized ({first} is a QuantizedLinear); quantizing twice would "
                          "round rounded weights again. Load or build the float model and quantize it once")
+    gates = {id(gate) for moe in model.modules() if isinstance(moe, MoEFeedForward)
+             for gate in (moe.router, moe.shared_expert_gate) if gate is not None}
     targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and (include_head or name != "lm_head")]
+               if isinstance(module, nn.Linear) and (include_head or name != "lm_head") and id(module) not in gates]
     for name, module in targets:                                   # every check before the first change
         check_scheme(bits, group_size, module.in_features)
         if module.weight.device.type == "meta":

@@ -316,3 +316,27 @@ def test_offsets_give_code_times_scale_plus_offset_exactly():
     torch.testing.assert_close(layer(x), x @ expected.T)
     with pytest.raises(ValueError, match="replace zeros"):
         QuantizedLinear(64, 16, 8, 32, codes.to(torch.int8), scales, None, offsets=offsets)
+
+
+@pytest.mark.parametrize("scheme, group", [("int8", None), ("int4", 32)])
+def test_an_moe_models_router_and_shared_gate_stay_in_float(scheme, group):
+    """Rounding the router would change which experts a token goes to: quantize leaves it (and the shared
+    expert's gate) as it was, and rounds the shared expert's and attention's matrices."""
+    from llminfer.moe import MoEFeedForward
+
+    config = llminfer.ModelConfig(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
+                                  max_seq_len=64, model_type="qwen3_moe", n_experts=4, n_experts_per_tok=2,
+                                  moe_hidden_dim=32, shared_expert_dim=64, shared_expert_gate=True)
+    model = llminfer.Transformer(config).init_weights(seed=3, std=0.2).eval()
+    floats = copy.deepcopy(model)
+    quantize(model, scheme, group)
+    layers = [(m, f) for m, f in zip(model.modules(), floats.modules()) if isinstance(m, MoEFeedForward)]
+    assert len(layers) == 2
+    for moe, before in layers:
+        for gate, float_gate in ((moe.router, before.router), (moe.shared_expert_gate, before.shared_expert_gate)):
+            assert type(gate) is nn.Linear and torch.equal(gate.weight, float_gate.weight)
+        assert all(isinstance(m, QuantizedLinear) for m in moe.shared_expert.modules() if m is not moe.shared_expert)
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(moe.route(x)[1], before.route(x)[1])       # the same experts for every token
+    assert isinstance(model.layers[0].self_attn.q_proj, QuantizedLinear)
+    assert len(llminfer.generate(model, [1, 2, 3], max_new_tokens=3, ignore_eos=True).token_ids) == 3
