@@ -275,7 +275,7 @@ def test_bad_completion_requests(server, name, body, status, param, words):
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 500}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
      "response_format"),
 ])
 def test_bad_chat_requests(server, body, param):
