@@ -1,8 +1,8 @@
 """Structured output through the server, with the official openai client over real HTTP on 127.0.0.1 (chapter 13):
 response_format json_schema and json_object on the chat route, client.chat.completions.parse with a pydantic model,
 vLLM's structured_outputs / guided_regex regex on /v1/completions; max_tokens inside the structure is "length"; a
-constrained request beside a free one gets what each gets alone; bad patterns get a 400 before any compute. Also
-the server's --prefix-cache radix answers as hash does."""
+constrained request beside a free one gets what each gets alone; bad patterns get a 400 before any compute, and the
+disaggregated pair refuses structured output with a 400. Also the server's --prefix-cache radix answers as hash does."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,8 @@ from test_serve import MODEL, bundled, make_server  # noqa: F401  (bundled: the 
 from test_serve_floats import idle_steps
 
 from llminfer.serve.__main__ import build_server, parse_args
-from llminfer.serve.server import ServeConfig
+from llminfer.serve.disagg import DisaggregatedEngine, ModelSpec
+from llminfer.serve.server import OpenAIServer, ServeConfig, ServerThread, build_app
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -190,3 +191,19 @@ def test_a_radix_server_answers_as_a_hash_server(bundled, client):  # noqa: F811
                    for c in (client, radix)]
             assert got[0] == got[1], (prompt, got)
         assert state.engine.prefix_cache == "radix" and state.engine.stats.prefix_hit_tokens > 0
+
+
+def test_the_disaggregated_pair_refuses_structured_output_with_400(bundled):  # noqa: F811
+    """Its workers take no constraint (a Constraint's state would have to cross from the prefill worker to the
+    decode worker): a structured request is refused by name; a free one is served."""
+    _, tokenizer = bundled
+    pair = DisaggregatedEngine(ModelSpec(name=MODEL), dict(num_blocks=48)).start()
+    state = OpenAIServer(None, tokenizer, ServeConfig(model_name=MODEL), engine=pair, close_engine=True)
+    with ServerThread(build_app(server=state)) as thread:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4,
+                                           response_format={"type": "json_object"})
+        error = caught.value.response.json()["error"]
+        assert error["param"] == "response_format" and "DisaggregatedEngine" in error["message"], error
+        assert client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4).choices[0].message.content
