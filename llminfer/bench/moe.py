@@ -12,9 +12,15 @@ take turns in one interleaved run (`llminfer.timing.interleave`), so a busy mach
 call is batch_size tokens, one a sequence; a prefill call is batch_size prompts of prompt_len tokens. Beside
 each time: how many experts the routing touched and the bytes that call reads (router, those experts' weights,
 the hidden states in and out), which the routing fixes and the implementation does not.
+
+`python -m llminfer.bench moe` runs them and writes data/benchmarks/moe-<cpu-class>.json and .png: the machine,
+the load, the layer's shape and each case's times beside its bytes.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +31,13 @@ from ..device import dtype_bytes
 from ..fast import NativeMoEFeedForward
 from ..moe import MoEFeedForward
 from ..timing import interleave, medians, stopwatch
+from .measure import threads
+from .report import device_slug, load_average, machine, publish
 
-__all__ = ["SMALL_MOE", "ExpertTiming", "experts_bytes_read", "time_experts"]
+__all__ = ["SMALL_MOE", "ExpertTiming", "experts_bytes_read", "time_experts", "SUMMARY", "add_arguments", "run",
+           "command", "table", "plot"]
+
+SUMMARY = "an MoE layer's experts by a loop and grouped by expert, prefill and decode, beside the bytes (chapter 14)"
 
 # One MoE layer the size of a small model's: 32 experts of 256, 4 a token, on a 512-wide stream (48 MiB of
 # experts in float32, more than a CPU's last-level cache, so a call streams what it touches from memory).
@@ -95,3 +106,84 @@ def time_experts(config: ModelConfig = SMALL_MOE, batch_sizes=(1, 8, 64), prompt
             rows.append(ExpertTiming(phase, batch, tokens, int(ids.unique().numel()),
                                      experts_bytes_read(moe, ids, tokens), medians(results)))
     return rows
+
+
+# --- the command line: python -m llminfer.bench moe -----------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the moe benchmark's options to parser, each default stated once. Chapter 14."""
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 64], help="sequences per call")
+    parser.add_argument("--prompt-len", type=int, default=32, help="tokens of each prompt in a prefill call")
+    parser.add_argument("--rounds", type=int, default=7, help="calls of each contender per case (the median is kept)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (steadier with 1)")
+    parser.add_argument("--dim", type=int, default=SMALL_MOE.dim, help="width of the hidden states")
+    parser.add_argument("--experts", type=int, default=SMALL_MOE.n_experts, help="experts of the layer, E")
+    parser.add_argument("--top-k", type=int, default=SMALL_MOE.n_experts_per_tok, help="experts a token goes to")
+    parser.add_argument("--expert-dim", type=int, default=SMALL_MOE.moe_hidden_dim, help="width of each expert")
+    parser.add_argument("--no-native", dest="native", action="store_false",
+                        help="leave out the grouped path on the native CPU kernels")
+    parser.add_argument("--out", default="data/benchmarks", help="folder for moe-<machine>.json and .png")
+
+
+def run(config: ModelConfig, batch_sizes, prompt_len: int, rounds: int, native: bool = True) -> dict:
+    """Returns the report: the machine and its load, the layer's shape, and one row per case (time_experts) with
+    its grouped-over-loop speedup. Chapter 14."""
+    report = {"machine": machine("cpu"), "slug": device_slug("cpu"), "load_average_before": load_average(),
+              "layer": {key: getattr(config, key) for key in ("dim", "n_experts", "n_experts_per_tok",
+                                                              "moe_hidden_dim")},
+              "settings": {"batch_sizes": list(batch_sizes), "prompt_len": prompt_len, "rounds": rounds}}
+    rows = time_experts(config, tuple(batch_sizes), prompt_len, rounds, native=native)
+    report["rows"] = [{**dataclasses.asdict(row), "grouped_over_loop": row.speedup()} for row in rows]
+    report["load_average_after"] = load_average()
+    report["created"] = time.strftime("%Y-%m-%d")
+    return report
+
+
+def table(report: dict) -> str:
+    """One line per case: the experts touched, the MB read and each contender's milliseconds. Chapter 14."""
+    names = list(report["rows"][0]["seconds"])
+    lines = [f"{'phase':<8}{'B':>4}{'tokens':>8}{'experts':>9}{'MB read':>9}"
+             + "".join(f"{name + ' ms':>20}" for name in names) + f"{'loop/grouped':>14}"]
+    for row in report["rows"]:
+        lines.append(f"{row['phase']:<8}{row['batch_size']:>4}{row['tokens']:>8}{row['distinct_experts']:>9}"
+                     f"{row['bytes_read'] / 1e6:>9.2f}" + "".join(f"{row['seconds'][n] * 1e3:>20.3f}" for n in names)
+                     + f"{row['grouped_over_loop']:>13.2f}x")
+    return "\n".join(lines)
+
+
+def plot(report: dict):
+    """Each phase's milliseconds per call against the batch, one line per contender, the MB read beside them on
+    a second axis. Chapter 14."""
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    for axis, phase in zip(axes, ("decode", "prefill")):
+        rows = [row for row in report["rows"] if row["phase"] == phase]
+        batches = [row["batch_size"] for row in rows]
+        for name in rows[0]["seconds"]:
+            axis.loglog(batches, [row["seconds"][name] * 1e3 for row in rows], "o-", label=name)
+        axis.set(title=f"{phase}, {report['slug']}", xlabel="batch (sequences)", ylabel="ms per call")
+        axis.legend(fontsize=8, loc="upper left")
+        read = axis.twinx()
+        read.semilogx(batches, [row["bytes_read"] / 1e6 for row in rows], ":", color="grey")
+        read.set_ylabel("MB read (dotted)")
+        axis.set_xticks(batches, [str(b) for b in batches], minor=False)
+        axis.xaxis.set_minor_locator(plt.NullLocator())
+    figure.tight_layout()
+    return figure
+
+
+def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`python -m llminfer.bench moe`: times the cases, prints the table, writes <out>/moe-<machine>.json and .png."""
+    if min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.rounds < 1 or args.threads < 1:
+        parser.error(f"--batch-sizes {args.batch_sizes}, --prompt-len {args.prompt_len}, --rounds {args.rounds} "
+                     f"and --threads {args.threads} must be positive integers")
+    try:
+        config = dataclasses.replace(SMALL_MOE, dim=args.dim, n_experts=args.experts, n_experts_per_tok=args.top_k,
+                                     moe_hidden_dim=args.expert_dim)
+    except ValueError as error:
+        parser.error(f"the layer's shape is refused: {error}")
+    with threads(args.threads):
+        report = run(config, args.batch_sizes, args.prompt_len, args.rounds, args.native)
+    publish(report, args.out, f"moe-{report['slug']}", table=table, plot=plot)
+    return 0
