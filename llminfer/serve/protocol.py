@@ -286,7 +286,10 @@ def check_sampling_fields(request: _Sampling) -> None:
                 continue
             if value not in neutral:
                 raise APIError(f"{name}={value!r} is not supported: {fix}", param=name)
-    output_structure(request)                 # its shape; the pattern is compiled later, off the event loop
+    structure = output_structure(request)     # its shape; the pattern is compiled later, off the event loop
+    if structure is not None and request.ignore_eos:
+        raise APIError(f"ignore_eos=true cannot go with {structure[2]}: a structured output ends where its pattern "
+                       "does, with the end-of-sequence token; drop ignore_eos", param="ignore_eos")
     if request.stream_options is not None and not request.stream:
         raise APIError("stream_options is only allowed when stream is true; drop it or pass stream=true",
                        param="stream_options")

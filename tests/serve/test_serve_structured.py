@@ -102,6 +102,14 @@ def test_guided_json_on_completions_validates(client):
     jsonschema.validate(json.loads(reply.choices[0].text), SCHEMAS[0])
 
 
+def test_a_streamed_structured_answer_is_the_whole_one(client):
+    fields = dict(model=MODEL, messages=ASK, max_tokens=90, temperature=0.0, response_format=schema_format(SCHEMAS[1]))
+    whole = client.chat.completions.create(**fields).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, **fields))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_max_tokens_inside_the_structure_is_length(client):
     reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, temperature=0.0,
                                            response_format=schema_format(SCHEMAS[0]))
@@ -136,6 +144,7 @@ def test_a_constrained_and_a_free_request_together_get_what_they_get_alone(clien
     ({"extra_body": {"structured_outputs": {"choice": ["a", "b"]}}}, "structured_outputs.choice", "not supported"),
     ({"extra_body": {"structured_outputs": {"regex": "ab(c"}}}, "structured_outputs.regex", "at position 4"),
     ({"extra_body": {"guided_regex": "a{3,1}"}}, "guided_regex", "position"),
+    ({"extra_body": {"guided_regex": "a", "ignore_eos": True}}, "ignore_eos", "guided_regex"),
 ])
 def test_a_bad_structure_gets_400_naming_it_before_compute(client, server, extra, param, words):
     steps = idle_steps(server[1])
