@@ -9,7 +9,7 @@ SIGTERM shuts it down gracefully: no new connections, in-flight requests finish 
 
 `--disaggregated` serves from a prefill worker and a decode worker in two more processes, K/V shipped between
 them (`llminfer.serve.disagg`, chapter 12); this process routes. Both workers run on the CPU, each with
---threads threads (1 by default).
+--threads threads (1 by default). They take no structured-output constraint: such requests get a 400 there.
 """
 from __future__ import annotations
 

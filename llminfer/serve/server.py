@@ -15,9 +15,11 @@ can send text/plain or a form without asking), and the Host header must name the
 
 A request's path: parse and check the body (400 with an OpenAI error body if anything is wrong, before
 the engine sees it), render the chat template, tokenize, check the ids once (`PromptIds`: the engine takes them
-as checked) and hand them to the engine loop (429 if its queue is full), then turn the token ids coming back
-into text, incrementally (a multi-byte character split across tokens is held back until it is whole; so is text
-that may be the start of a stop string).
+as checked), compile a structured output's pattern if the request asks for one (chapter 13: `response_format`,
+`structured_outputs`; each prompt then gets its own `Constraint`; the disaggregated pair, whose workers take no
+constraint, refuses it with a 400) and hand them to the engine loop (429 if its queue is full), then turn the
+token ids coming back into text, incrementally (a multi-byte character split across tokens is held back until it is
+whole; so is text that may be the start of a stop string).
 A client that goes away mid-request has its request aborted, which frees its KV blocks before the
 engine's next step.
 """
