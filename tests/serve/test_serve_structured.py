@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+import torch
 from test_serve import MODEL, bundled, make_server  # noqa: F401  (bundled: the module's model fixture)
 from test_serve_floats import idle_steps
 
@@ -183,8 +184,9 @@ def test_the_limits_are_checked_where_they_are_set():
 
 def test_prefix_cache_flag_reaches_the_engine():
     for name in ("hash", "radix"):
-        app = build_server(parse_args(["--model", MODEL, "--prefix-cache", name, "--num-blocks", "64",
-                                       "--max-structured-states", "5000"]))
+        with torch.set_grad_enabled(torch.is_grad_enabled()):        # build_server turns autograd off: restore it
+            app = build_server(parse_args(["--model", MODEL, "--prefix-cache", name, "--num-blocks", "64",
+                                           "--max-structured-states", "5000"]))
         state = app.state.server
         assert state.engine.prefix_cache == name and state.config.max_structured_states == 5000
 
