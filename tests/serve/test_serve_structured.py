@@ -97,9 +97,11 @@ def test_a_regex_completion_matches_it(client, extra):
     assert {c.finish_reason for c in reply.choices} == {"stop"}
 
 
-def test_guided_json_on_completions_validates(client):
+@pytest.mark.parametrize("extra", [{"structured_outputs": {"json": json.dumps(SCHEMAS[0])}},
+                                   {"guided_json": SCHEMAS[0]}])
+def test_a_json_schema_completion_validates(client, extra):
     reply = client.completions.create(model=MODEL, prompt="The capital of Japan", max_tokens=60, temperature=0.0,
-                                      extra_body={"guided_json": SCHEMAS[0]})
+                                      extra_body=extra)
     jsonschema.validate(json.loads(reply.choices[0].text), SCHEMAS[0])
 
 
