@@ -27,7 +27,7 @@ from ..device import dtype_bytes, resolve_device
 from ..gguf_reader import QUANTIZED_BLOCKS, read_gguf_blocks
 from ..model import Transformer
 from ..tokenizer import Tokenizer
-from .linear import KERNELS, QuantizedLinear, choose_kernel, quantized_modules
+from .linear import KERNELS, QuantizedLinear, choose_kernel, quantization_targets, quantized_modules
 from .weights import check_scheme
 
 __all__ = ["save_pretrained", "load_pretrained", "FORMAT", "KeepQuantized", "keep_quantized"]
@@ -111,18 +111,17 @@ def _expected_quantized(config: ModelConfig, bits: int, group_size: int | None,
     with torch.device("meta"):
         skeleton = Transformer(config)
     expected = {}
-    for name, module in skeleton.named_modules():
-        if isinstance(module, nn.Linear) and (include_head or name != "lm_head"):
-            n, k = module.out_features, module.in_features
-            check_scheme(bits, group_size, k)
-            groups = 1 if group_size is None else k // group_size
-            fields = {"qweight": ((n, k // 2) if bits == 4 else (n, k), torch.int8 if bits == 8 else torch.uint8),
-                      "scales": ((n, groups), dtype)}
-            if bits != 8:
-                fields["zeros"] = ((n, groups), dtype)
-            if module.bias is not None:
-                fields["bias"] = ((n,), dtype)
-            expected[name] = fields
+    for name, module in quantization_targets(skeleton, include_head):
+        n, k = module.out_features, module.in_features
+        check_scheme(bits, group_size, k)
+        groups = 1 if group_size is None else k // group_size
+        fields = {"qweight": ((n, k // 2) if bits == 4 else (n, k), torch.int8 if bits == 8 else torch.uint8),
+                  "scales": ((n, groups), dtype)}
+        if bits != 8:
+            fields["zeros"] = ((n, groups), dtype)
+        if module.bias is not None:
+            fields["bias"] = ((n,), dtype)
+        expected[name] = fields
     return expected
 
 

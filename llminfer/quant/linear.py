@@ -31,7 +31,7 @@ from .. import cpu as native_cpu
 from ..moe import MoEFeedForward
 from .weights import check_scheme, quantize_tensor
 
-__all__ = ["QuantizedLinear", "quantize", "SCHEMES", "KERNELS", "has_kernel", "quantized_modules",
+__all__ = ["QuantizedLinear", "quantize", "quantization_targets", "SCHEMES", "KERNELS", "has_kernel", "quantized_modules",
            "quantized_weight_bytes"]
 
 SCHEMES = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
@@ -426,6 +426,16 @@ def quantized_weight_bytes(model: nn.Module) -> int:
     return total
 
 
+def quantization_targets(model: nn.Module, include_head: bool = True) -> list[tuple[str, nn.Linear]]:
+    """(name, layer) for each nn.Linear that `quantize` replaces: all of them but the head with include_head=False,
+    and never an MoE layer's router or shared-expert gate, whose rounding would change which experts a token goes
+    to. Chapters 08 and 14."""
+    gates = {id(gate) for moe in model.modules() if isinstance(moe, MoEFeedForward)
+             for gate in (moe.router, moe.shared_expert_gate) if gate is not None}
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and (include_head or name != "lm_head") and id(module) not in gates]
+
+
 def _parse_scheme(scheme) -> int:
     if isinstance(scheme, str) and scheme.lower() in SCHEMES:
         return SCHEMES[scheme.lower()]
@@ -460,10 +470,7 @@ def quantize(model: nn.Module, scheme: str = "int8", group_size: int | None = No
         first = next(iter(already), "the model")
         raise ValueError(f"the model is already quantized ({first} is a QuantizedLinear); quantizing twice would "
                          "round rounded weights again. Load or build the float model and quantize it once")
-    gates = {id(gate) for moe in model.modules() if isinstance(moe, MoEFeedForward)
-             for gate in (moe.router, moe.shared_expert_gate) if gate is not None}
-    targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and (include_head or name != "lm_head") and id(module) not in gates]
+    targets = quantization_targets(model, include_head)
     for name, module in targets:                                   # every check before the first change
         check_scheme(bits, group_size, module.in_features)
         if module.weight.device.type == "meta":

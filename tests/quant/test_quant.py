@@ -319,9 +319,9 @@ def test_offsets_give_code_times_scale_plus_offset_exactly():
 
 
 @pytest.mark.parametrize("scheme, group", [("int8", None), ("int4", 32)])
-def test_an_moe_models_router_and_shared_gate_stay_in_float(scheme, group):
+def test_an_moe_models_router_and_shared_gate_stay_in_float(tmp_path, scheme, group):
     """Rounding the router would change which experts a token goes to: quantize leaves it (and the shared
-    expert's gate) as it was, and rounds the shared expert's and attention's matrices."""
+    expert's gate) as it was, and rounds the shared expert's and attention's matrices; saved and loaded, the same."""
     from llminfer.moe import MoEFeedForward
 
     config = llminfer.ModelConfig(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
@@ -340,3 +340,12 @@ def test_an_moe_models_router_and_shared_gate_stay_in_float(scheme, group):
         assert torch.equal(moe.route(x)[1], before.route(x)[1])       # the same experts for every token
     assert isinstance(model.layers[0].self_attn.q_proj, QuantizedLinear)
     assert len(llminfer.generate(model, [1, 2, 3], max_new_tokens=3, ignore_eos=True).token_ids) == 3
+    # saved and loaded (Qwen3-MoE's config.json has no shared expert): the routers are read back in float
+    plain = llminfer.ModelConfig(**{**config.__dict__, "shared_expert_dim": 0, "shared_expert_gate": False})
+    model = quantize(llminfer.Transformer(plain).init_weights(seed=3, std=0.2).eval(), scheme, group)
+    quant.save_pretrained(model, tmp_path)
+    loaded, _ = quant.load_pretrained(tmp_path, device="cpu")
+    assert type(loaded.layers[1].mlp.router) is nn.Linear
+    assert list(quant.quantized_modules(loaded)) == list(quant.quantized_modules(model))
+    ids = torch.tensor([[5, 9, 13, 2, 60]])
+    assert torch.equal(loaded(ids), model(ids))
