@@ -31,8 +31,8 @@ from .. import cpu as native_cpu
 from ..moe import MoEFeedForward
 from .weights import check_scheme, quantize_tensor
 
-__all__ = ["QuantizedLinear", "quantize", "quantization_targets", "SCHEMES", "KERNELS", "has_kernel", "quantized_modules",
-           "quantized_weight_bytes"]
+__all__ = ["QuantizedLinear", "quantize", "quantization_targets", "SCHEMES", "KERNELS", "has_kernel",
+           "quantized_modules", "quantized_weight_bytes"]
 
 SCHEMES = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
 KERNELS = ("auto", "native", "packed", "dequantize")
