@@ -55,8 +55,10 @@ def test_the_command_writes_the_report_of_every_case(tmp_path, capsys):
         assert set(row["seconds"]) == {"loop", "grouped"}
         assert row["bytes_read"] == 8 * 32 * 4 + row["distinct_experts"] * expert + 2 * row["tokens"] * 32 * 4
         assert row["grouped_over_loop"] == pytest.approx(row["seconds"]["loop"] / row["seconds"]["grouped"])
+    met = all(r["grouped_over_loop"] > 1 for r in report["rows"] if r["batch_size"] == 8)
+    assert report["target"] == {"grouped faster than the loop at batch >= 8": met}
     printed = capsys.readouterr().out
-    assert "loop/grouped" in printed and f"wrote {json_path}" in printed
+    assert "loop/grouped" in printed and "grouped faster than the loop at batch >= 8: " in printed and f"wrote {json_path}" in printed
 
 
 def test_the_command_refuses_a_bad_layer_before_timing(tmp_path, capsys):
