@@ -130,6 +130,9 @@ WRONG = {
     "12.1": lambda answer, ctx: answer * 2,                                     # float32, not bfloat16
     "12.2": lambda answer, ctx: (answer[0] / 8, answer[1]),                     # 100 GB/s, not 100 Gb/s
     "12.3": lambda answer, ctx: answer * 4,                                     # the whole K/V over one link
+    "13.1": lambda answer, ctx: 2,                                              # the first characters only
+    "13.2": lambda answer, ctx: answer - 1,                                     # stopped short of p
+    "13.3": lambda answer, ctx: 3,                                              # tokens matched, not whole blocks
     "14.1": lambda answer, ctx: (answer[0], [0.5, 0.5]),                        # weights not a softmax of the two
     "14.2": lambda answer, ctx: 2 * 4,                                          # k · B, repeats counted twice
     "14.3": lambda answer, ctx: answer // 2,                                    # one power of two too soon
