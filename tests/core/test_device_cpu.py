@@ -179,10 +179,12 @@ def test_last_level_cache_agrees_with_lscpu():
 
 @pytest.mark.parametrize("name, extra", [("intel_xeon_amx", False), ("intel_xeon_avx512_bf16_vnni", True),
                                          ("amd_zen4_avx512_bf16", True), ("amd_epyc_avx2", True)])
-def test_llama_cpp_keeps_its_extra_buffers_except_on_an_amx_cpu(monkeypatch, name, extra):
-    """llama-cpp-python 0.3.36's AMX buffers crash in its first quantized decode on an AMX Xeon: the peer runs
-    its plain CPU loops there and keeps its repacked layouts everywhere else."""
-    from llminfer.quant import gguf_export
+def test_llama_cpp_keeps_its_extra_buffers_except_on_an_amx_cpu_it_was_not_built_for(name, extra):
+    """llama-cpp-python 0.3.36's AMX buffers crash in its first quantized decode on an AMX Xeon: a build of unknown
+    options runs its plain CPU loops there; the peer's own build (AMX compiled out) and every other CPU keep the
+    repacked layouts. The real /proc/cpuinfo of each class decides."""
+    from llminfer.bench import llama_peer
 
-    monkeypatch.setattr(device, "cpu_capabilities", lambda: fixture(name))
-    assert gguf_export.llama_cpp_extra_buffers() is extra
+    flags = fixture(name).flags
+    assert llama_peer.extra_buffers(flags, None) is extra
+    assert llama_peer.extra_buffers(flags, {"cmake_args": llama_peer.cmake_args(flags)}) is True
