@@ -7,6 +7,7 @@
     serve            load-test a server, or llminfer's against vLLM's (chapter 11)
     gpu              make test-gpu: every CUDA path on one GPU (< 10 minutes)
     llama-cpp        build the llama.cpp peer at its best for this CPU (make peer-llama-cpp), or print its options
+    structured       JSON parse/validity rates free and constrained; radix tree vs block hashes (chapter 13)
     moe              an MoE layer's experts by a loop and grouped, prefill and decode, beside the bytes (ch. 14)
 
 The layer they share, each part written once:

@@ -9,13 +9,14 @@ import argparse
 import sys
 
 from ..checks import HelpFormatter
-from . import decode, decode_real, engine, gpu_check, llama_peer, moe, prefill_decode, rows, serve
+from . import decode, decode_real, engine, gpu_check, llama_peer, moe, prefill_decode, rows, serve, structured
 
 __all__ = ["SUBCOMMANDS", "parser", "main"]
 
 # name -> the module that adds its options (add_arguments), runs it (command) and says what it does (SUMMARY)
 SUBCOMMANDS = {"prefill-decode": prefill_decode, "decode": decode, "real": decode_real, "engine": engine,
-               "serve": serve, "gpu": gpu_check, "rows": rows, "llama-cpp": llama_peer, "moe": moe}
+               "serve": serve, "gpu": gpu_check, "rows": rows, "llama-cpp": llama_peer, "moe": moe,
+               "structured": structured}
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, HelpFormatter):

@@ -93,7 +93,7 @@ def test_the_one_entry_point_lists_every_subcommand(capsys):
     assert stop.value.code == 0
     text = capsys.readouterr().out
     assert list(cli.SUBCOMMANDS) == ["prefill-decode", "decode", "real", "engine", "serve", "gpu", "rows",
-                                  "llama-cpp", "moe"]
+                                  "llama-cpp", "moe", "structured"]
     assert all(re.search(rf"^\s+{name}\b", text, re.M) for name in cli.SUBCOMMANDS)
     with pytest.raises(SystemExit) as stop:                     # no subcommand: usage, status 2
         bench.main([])
