@@ -3,6 +3,7 @@ the chapters step's bookkeeping and the one report folder."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -15,6 +16,12 @@ from llminfer.bench import gpu_check
 from llminfer.bench.gpu_check import StepResult
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+# A dry run of one target as a user would type it, also when the suite itself runs under `make test` (whose
+# MAKEFLAGS and MAKELEVEL would make it a sub-make that prints "make[1]: Entering directory" lines).
+MAKE_ALONE = ["-n", "--no-print-directory"]
+MAKE_ENV = {key: value for key, value in os.environ.items() if key not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
 
 
 def test_steps_are_chosen_by_name_and_always_run_in_the_checks_order():
@@ -158,8 +165,9 @@ def test_the_pins_leave_torch_and_what_comes_with_it_to_the_node():
 
 
 def test_make_gpu_wheels_downloads_every_pin_but_torch_for_the_nodes_python_and_platform(tmp_path):
-    done = subprocess.run(["make", "-n", "gpu-wheels", "PYVER=3.12", "PLATFORM=manylinux2014_x86_64",
-                           f"GPU_WHEELS={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(["make", *MAKE_ALONE, "gpu-wheels", "PYVER=3.12", "PLATFORM=manylinux2014_x86_64",
+                           f"GPU_WHEELS={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=MAKE_ENV)
     assert done.returncode == 0, done.stderr
     downloads = [" ".join(line.split()) for line in done.stdout.replace("\\\n", " ").splitlines()
                  if "pip download" in line]
@@ -175,8 +183,8 @@ def test_make_gpu_wheels_downloads_every_pin_but_torch_for_the_nodes_python_and_
 
 def test_make_test_gpu_uses_the_nodes_torch_and_the_wheel_folder(tmp_path):
     (tmp_path / "x-1.0-py3-none-any.whl").write_bytes(b"")
-    done = subprocess.run(["make", "-n", "test-gpu", "PYTHON=/node/venv/bin/python", f"GPU_WHEELS={tmp_path}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(["make", *MAKE_ALONE, "test-gpu", "PYTHON=/node/venv/bin/python", f"GPU_WHEELS={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, env=MAKE_ENV)
     assert done.returncode == 0, done.stderr
     text = done.stdout
     assert "/node/venv/bin/python -m venv --system-site-packages .venv-gpu" in text
