@@ -147,9 +147,14 @@ def test_every_exercise_is_in_its_chapter_and_solved(chapter):
     cells = nbformat.read(chapter_notebook(chapter), 4).cells
     heading = [i for i, c in enumerate(cells) if c.cell_type == "markdown" and c.source.startswith("## Exercises")]
     assert len(heading) == 1, f"chapter {chapter} needs one '## Exercises' cell"
-    references = max(i for i, c in enumerate(cells) if "## References" in c.source)
-    assert heading[0] < references, "the exercises come before the references"
-    text = "".join(c.source for c in cells[heading[0]:references])
+    last_markdown = max(i for i, c in enumerate(cells) if c.cell_type == "markdown")
+    assert heading[0] == last_markdown, "the chapter ends with its exercises: no prose cell after them"
+    assert all(c.cell_type == "code" and "llminfer.exercises import check" in c.source for c in cells[heading[0] + 1:])
+    summary = [i for i, c in enumerate(cells) if re.search(r"^## (Summary|What this chapter showed)", c.source, re.M)]
+    assert summary and summary[-1] < heading[0], "the summary comes before the exercises"
+    exercises_cell = cells[heading[0]].source
+    assert "## References" in exercises_cell, "the references close the exercises' cell"
+    text = exercises_cell[: exercises_cell.index("## References")]
     assert set(re.findall(rf'check\("({chapter}\.\d+)"', text)) == ids, "the chapter shows each checker's call"
     assert set(solution_verdicts(chapter)) == ids, "the solution notebook answers every exercise"
 
