@@ -28,6 +28,12 @@ VOLATILE_CELL_METADATA = ("execution", "collapsed", "scrolled", "ExecuteTime")
 # What a saved widget output says instead of its repr (the live widget needs a running kernel).
 WIDGET_PLACEHOLDER = "Interactive widget: run this cell to use it."
 WIDGET_REPR = re.compile(r"^[A-Z]\w*\(")  # e.g. "VBox(children=(...))"
+# A notebook progress bar's saved text is its state when it was drawn ("requests:   0%|   | 0/20"), never its
+# end: a frozen bar on the page. Such outputs are dropped; the live bar still shows while a cell runs.
+PROGRESS_BAR = re.compile(r"^[^\n|]*\d+%\|")
+# The kernels that record or check a chapter draw no progress bars (tqdm reads TQDM_* variables as defaults), so
+# the recorded outputs and the ones nbval computes agree; chapters/conftest.py sets the same for nbval.
+RECORDING_ENV = {"TQDM_DISABLE": "1"}
 KEPT_LANGUAGE_INFO = ("name", "mimetype", "file_extension", "pygments_lexer", "codemirror_mode", "nbconvert_exporter")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -187,8 +193,9 @@ def normalise(nb: nbformat.NotebookNode, replacements: list[tuple[str, str]] | N
             if "data" in output:
                 output.data.pop(WIDGET_STATE_MIME, None)
                 if output.data.pop(WIDGET_VIEW_MIME, None) is not None:
-                    # a progress bar's text ("100%|███| 8/8") is worth keeping; a widget's repr is not
                     text = "".join(output.data.get("text/plain", ""))
+                    if PROGRESS_BAR.match(text):
+                        continue
                     keep = text and not WIDGET_REPR.match(text)
                     output.data = nbformat.from_dict({"text/plain": text if keep else WIDGET_PLACEHOLDER})
                 output.data = nbformat.from_dict(_scrub(dict(output.data), replacements))
@@ -239,11 +246,21 @@ class _Client(NotebookClient):
 
 def execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int = 600, kernel_name: str = "python3",
             allow_errors: bool = False) -> nbformat.NotebookNode:
-    """Return nb executed top to bottom in a fresh kernel whose working directory is cwd."""
+    """Return nb executed top to bottom in a fresh kernel whose working directory is cwd (its environment has
+    RECORDING_ENV)."""
     client = _Client(nb, timeout=timeout, kernel_name=kernel_name, allow_errors=allow_errors,
                      record_timing=False, store_widget_state=True,  # Output widgets need it; normalise drops it
                      resources={"metadata": {"path": str(cwd)}})
-    client.execute()
+    saved = {key: os.environ.get(key) for key in RECORDING_ENV}
+    os.environ.update(RECORDING_ENV)             # the kernel inherits this process's environment
+    try:
+        client.execute()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return nb
 
 

@@ -1,6 +1,7 @@
 """The notebook runner: executes in place, normalises outputs, reports failures without touching the file."""
 
 import asyncio
+import os
 import queue
 import subprocess
 import sys
@@ -112,20 +113,26 @@ def test_main_refuses_a_missing_file(tmp_path, capsys):
     assert "no such notebook" in capsys.readouterr().err
 
 
-def test_progress_bar_text_is_kept_and_output_widgets_execute(tmp_path):
+def test_progress_bars_leave_no_frozen_output_and_output_widgets_execute(tmp_path, monkeypatch):
+    # a notebook progress bar's saved text is its first state: "0%|", frozen on the page; normalise drops it
     nb = new_notebook(cells=[new_code_cell("x", execution_count=1, outputs=[
-        new_output("display_data", data={"text/plain": "100%|##########| 8/8 [00:01<00:00]",
-                                         notebooks.WIDGET_VIEW_MIME: {"model_id": "p"}})])])
-    out = notebooks.normalise(nb, replacements=[])
-    assert out.cells[0].outputs[0].data == {"text/plain": "100%|##########| 8/8 [00:01<00:00]"}
+        new_output("display_data", data={"text/plain": "requests:   0%|          | 0/20 [00:00<?, ?it/s]",
+                                         notebooks.WIDGET_VIEW_MIME: {"model_id": "p"}}),
+        new_output("stream", name="stdout", text="done\n")])])
+    assert [output.get("text") for output in notebooks.normalise(nb, replacements=[]).cells[0].outputs] == ["done\n"]
 
-    # a cell that writes into an Output widget while the notebook runs
-    path = _write(tmp_path / "out.ipynb", [new_code_cell(
-        "import ipywidgets as w\nout = w.Output()\ndisplay(out)\nwith out:\n    print('inside')")])
+    # and the kernel that records a chapter draws none, so nbval's run (chapters/conftest.py) computes the same
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    path = _write(tmp_path / "out.ipynb", [
+        new_code_cell("from tqdm.auto import tqdm\nfor i in tqdm(range(3), desc='steps'):\n    pass\nprint('done')"),
+        new_code_cell("import ipywidgets as w\nout = w.Output()\ndisplay(out)\nwith out:\n    print('inside')")])
     assert notebooks.main([str(path), "--allow-busy"]) == 0
     saved = nbformat.read(path, as_version=4)
     assert "widgets" not in saved.metadata
-    assert saved.cells[0].outputs[0].data == {"text/plain": notebooks.WIDGET_PLACEHOLDER}
+    bar_cell, widget_cell = saved.cells
+    assert [output.get("text") for output in bar_cell.outputs] == ["done\n"], bar_cell.outputs
+    assert widget_cell.outputs[0].data == {"text/plain": notebooks.WIDGET_PLACEHOLDER}
+    assert "TQDM_DISABLE" not in os.environ, "the recording environment is the kernel's, not left in this process"
 
 
 class _LateChannel:
