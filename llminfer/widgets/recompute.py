@@ -126,6 +126,53 @@ def plot_grid(ax, grid: list[list[str]], token_labels: list[str], title: str = "
     ax.set_title(title)
 
 
+def split_per_forward(per_forward: list[int], prompt_len: int) -> list[dict[str, int]]:
+    """Each forward call's computed positions, split three ways: the prompt's positions computed again, earlier
+    generated positions computed again, and positions computed for the first time. Chapter 03.
+
+    e.g. split_per_forward([5, 6, 7], 5) -> [{prompt: 0, generated: 0, new: 5}, {5, 0, 1}, {5, 1, 1}]
+    (keys "prompt", "generated", "new"): without a cache every decode call runs the whole prompt again.
+    """
+    grid = kv_grid(per_forward, prompt_len)
+    split = []
+    for step in range(len(per_forward)):
+        column = [row[step] for row in grid]
+        split.append({"prompt": sum(cell == RECOMPUTED for cell in column[:prompt_len]),
+                      "generated": sum(cell == RECOMPUTED for cell in column[prompt_len:]),
+                      "new": sum(cell == NEW for cell in column)})
+    return split
+
+
+PART_COLOURS = {"prompt": COLOURS[RECOMPUTED], "generated": "#ef9a9a", "new": COLOURS[NEW]}
+PART_LABELS = {"prompt": "prompt positions run again", "generated": "generated positions run again",
+               "new": "positions computed for the first time"}
+
+
+def plot_per_forward(ax, per_forward_uncached: list[int], per_forward_cached: list[int], prompt_len: int) -> None:
+    """Positions each forward call computes, without (left bar) and with (right bar) the cache, stacked by
+    split_per_forward's three parts. Chapter 03."""
+    width = 0.38
+    for offset, counts, hatch in ((-width / 2, per_forward_uncached, ""), (width / 2, per_forward_cached, "//")):
+        bottom = [0] * len(counts)
+        for part, values in zip(PART_COLOURS, zip(*[[s[p] for p in PART_COLOURS]
+                                                    for s in split_per_forward(counts, prompt_len)])):
+            ax.bar([s + offset for s in range(len(counts))], values, width, bottom=bottom, color=PART_COLOURS[part],
+                   hatch=hatch, edgecolor="white", linewidth=0.5)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(per_forward_cached)),
+                  ["prefill"] + [f"decode {s}" for s in range(1, len(per_forward_cached))], rotation=30, ha="right")
+    ax.set_ylabel("positions computed in the call")
+
+
+def part_handles() -> list:
+    """Legend patches for plot_per_forward: its three colours, and the hatching of the cached bars. Chapter 03."""
+    from matplotlib.patches import Patch
+
+    return ([Patch(color=PART_COLOURS[p], label=PART_LABELS[p]) for p in PART_COLOURS]
+            + [Patch(facecolor="white", edgecolor="#555555", label="left bar: no cache"),
+               Patch(facecolor="white", edgecolor="#555555", hatch="//", label="right bar (hatched): cache")])
+
+
 def legend_handles() -> list:
     """Coloured patches naming the three kinds of cell, for a figure legend. Chapter 03."""
     from matplotlib.patches import Patch

@@ -56,6 +56,16 @@ def test_totals_match_closed_form(prompt_len, n_forwards):
     assert recompute.cumulative_computed(article_counts(prompt_len, n_forwards, False))[-1] == without
 
 
+def test_split_per_forward_separates_the_prompts_reruns():
+    # without a cache, call i runs the P prompt positions again and i - 1 earlier generated ones, then 1 new one
+    split = recompute.split_per_forward(article_counts(37, 8, use_cache=False), prompt_len=37)
+    assert split[0] == {"prompt": 0, "generated": 0, "new": 37}
+    assert split[1:] == [{"prompt": 37, "generated": i - 1, "new": 1} for i in range(1, 8)]
+    assert sum(s["prompt"] for s in split) == 7 * 37            # most of the rerun work is the prompt's
+    cached = recompute.split_per_forward(article_counts(37, 8, use_cache=True), prompt_len=37)
+    assert cached == [{"prompt": 0, "generated": 0, "new": 37}] + [{"prompt": 0, "generated": 0, "new": 1}] * 7
+
+
 def test_grid_rejects_inconsistent_counts():
     with pytest.raises(ValueError, match="forward 1 computed 9 positions"):
         recompute.kv_grid([5, 9], prompt_len=5)
