@@ -108,7 +108,8 @@ WRONG = {
     "05.3": lambda answer, ctx: _step_prefills_first,
     "06.1": lambda answer, ctx: (5, answer[1]),                                 # the lengths pooled, not per sequence
     "06.2": lambda answer, ctx: (answer[0], [0, 1]),                            # freed blocks reused first
-    "06.3": lambda answer, ctx: lambda pool, table, n: pool.reshape(-1, *pool.shape[2:])[:n].transpose(0, 1),
+    "06.3": lambda answer, ctx: lambda q, k, v, tables, lengths: answer(q, k, v, tables,   # whole last blocks
+                                                                        [len(t) * k.shape[1] for t in tables]),
     "06.4": lambda answer, ctx: answer + 1,                                     # the mixed third block counted
     "07.1": lambda answer, ctx: (28, 36),                                       # the diagonal tiles left out
     "07.2": lambda answer, ctx: _update_without_rescaling_acc,
@@ -137,6 +138,10 @@ WRONG = {
     "14.2": lambda answer, ctx: 2 * 4,                                          # k · B, repeats counted twice
     "14.3": lambda answer, ctx: answer // 2,                                    # one power of two too soon
     "14.4": lambda answer, ctx: answer * 58,                                    # one layer taken for every layer
+    "A1.1": lambda answer, ctx: (0.5, 1.0),                                     # the codes without their terms
+    "A1.2": lambda answer, ctx: lambda tiles, n, k: answer(tiles, n, k ^ 1),    # the two nibbles of a byte swapped
+    "A1.3": lambda answer, ctx: max(ctx["int8_bytes"] / ctx["int4_bytes"],      # the larger limit, not the first
+                                    ctx["int4_cached"] / ctx["int8_streamed"]),
 }
 
 
