@@ -1,4 +1,5 @@
-"""Chapter 06's exercises: blocks for a set of sequences, block tables from the pool, the paged gather, prefix hits."""
+"""Chapter 06's exercises: blocks for a set of sequences, block tables from the pool, paged decode attention for a
+batch, prefix hits."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,7 @@ from . import as_whole, as_wholes, exercise, not_a, run_code
 
 LENGTHS, BLOCK = (5, 16, 17, 33), 16                       # 06.1
 POOL_BLOCKS, POOL_BLOCK = 10, 4                             # 06.2: A of 6 tokens, B of 9, A freed, C of 7
+DECODE_TABLES, DECODE_LENGTHS, DECODE_BLOCK = ((7, 2, 9), (4,), (0, 5)), (10, 3, 6), 4   # 06.3
 SYSTEM_LEN, USER_LEN, PREFIX_BLOCK = 35, 5, 16              # 06.4
 
 
@@ -63,30 +65,59 @@ def block_tables(answer):
     return True, f"B {want_b}, C {want_c}: A's freed blocks wait at the back of the free queue"
 
 
-@exercise("06.3", "the paged gather: one sequence's K read through its block table")
-def paged_gather(answer):
-    from ..engine import PagedKVCache
+def _decode_by_hand(q, k_pool, v_pool, tables, lengths, interleave=True, scale=True):
+    """One decode query per sequence attended over its first lengths[i] positions, read through its block table:
+    q (S, H, D) -> (S, H, D). interleave=False and scale=False are the two slips 06.3 recognises."""
+    size, n_kv_heads, head_dim = k_pool.shape[1:]
+    group = q.shape[1] // n_kv_heads
+    out = []
+    for query, table, length in zip(q, tables, lengths):
+        pos = torch.arange(length)
+        slots = torch.tensor(table)[pos // size] * size + pos % size
+        k, v = (pool.reshape(-1, n_kv_heads, head_dim)[slots].transpose(0, 1) for pool in (k_pool, v_pool))
+        k, v = ((t.repeat_interleave(group, 0) if interleave else t.repeat(group, 1, 1)) for t in (k, v))
+        scores = (query[:, None] @ k.transpose(1, 2))[:, 0] / (head_dim ** 0.5 if scale else 1.0)   # (H, L)
+        out.append((torch.softmax(scores, -1)[:, None] @ v)[:, 0])                                  # (H, D)
+    return torch.stack(out)
+
+
+@exercise("06.3", "decode attention for several sequences, each through its own block table")
+def paged_decode(answer):
+    from ..attention import get_backend
+    from ..engine import AttentionMetadata, SamplingParams, Sequence
+    from ..engine.paged_attention import gather_attention
     if not callable(answer):
-        return not_a("a function gather(k_pool, block_table, length) -> (n_kv_heads, length, head_dim)", answer)
-    cache = PagedKVCache(n_layers=1, n_kv_heads=2, head_dim=4, num_blocks=8, block_size=4)
-    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=torch.Generator().manual_seed(0)))
-    for table, length in (([5, 2, 7], 10), ([3], 4), ([0, 6], 5)):
-        want = cache.gather(0, table, length)[0][0]                         # (H_kv, length, D)
-        got, error = run_code(answer, cache.k[0].clone(), list(table), length)
-        if error:
-            return False, error
-        if not isinstance(got, torch.Tensor):
-            return not_a("a tensor", got)
-        if got.shape != want.shape:
-            return False, (f"table {table}, length {length}: shape {tuple(got.shape)}, expected "
-                           f"{tuple(want.shape)} (n_kv_heads, length, head_dim)")
-        if not torch.equal(got, want):
-            in_order = cache.k[0].reshape(-1, 2, 4)[:length].transpose(0, 1)
-            if torch.equal(got, in_order):
-                return False, ("that reads the pool's first slots in order; position p lives in block "
-                               "block_table[p // block_size] at offset p % block_size (section 2)")
-            return False, f"table {table}, length {length}: the keys differ from PagedKVCache.gather's"
-    return True, "equal to PagedKVCache.gather for three tables, full and part-filled last blocks"
+        return not_a("a function paged_decode(q, k_pool, v_pool, block_tables, lengths) -> (S, H, D)", answer)
+    generator = torch.Generator().manual_seed(0)
+    k_pool, v_pool = (torch.randn(10, DECODE_BLOCK, 2, 8, generator=generator) for _ in range(2))  # stale slots too
+    q = torch.randn(len(DECODE_TABLES), 4, 8, generator=generator)                                # S=3, H=4, D=8
+    seqs = [Sequence(i, [0] * n, SamplingParams(), 0.0) for i, n in enumerate(DECODE_LENGTHS)]
+    step = AttentionMetadata(seqs, [1] * len(seqs), [n - 1 for n in DECODE_LENGTHS], [list(t) for t in DECODE_TABLES],
+                             DECODE_BLOCK).prepare("cpu")
+    want = gather_attention(q.transpose(0, 1)[None], k_pool, v_pool, step, get_backend("sdpa"))[0].transpose(0, 1)
+    got, error = run_code(answer, q.clone(), k_pool.clone(), v_pool.clone(), [list(t) for t in DECODE_TABLES],
+                          list(DECODE_LENGTHS))
+    if error:
+        return False, error
+    if not isinstance(got, torch.Tensor):
+        return not_a("a tensor of shape (sequences, heads, head_dim)", got)
+    if got.shape != want.shape:
+        return False, f"shape {tuple(got.shape)}, expected {tuple(want.shape)}: one (heads, head_dim) row per sequence"
+    if torch.allclose(got, want, atol=1e-5):
+        return True, (f"equal to llminfer's 'gather' kernel for sequences of {', '.join(map(str, DECODE_LENGTHS))} "
+                      f"positions in blocks {', '.join(map(str, DECODE_TABLES))}")
+    slips = {"every slot of the last block is attended, also those past the sequence's length (they hold another "
+             "sequence's or stale K/V): keep positions 0 to lengths[i] − 1, as section 2's gather does":
+             dict(lengths=[len(t) * DECODE_BLOCK for t in DECODE_TABLES]),
+             "query head h reads K/V head h // (heads / kv_heads), as repeat_interleave gives (chapter 02's GQA); "
+             "repeat cycles through the K/V heads instead": dict(interleave=False),
+             "the scores are divided by √head_dim before the softmax (section 2's cell)": dict(scale=False)}
+    for reason, slip in slips.items():
+        lengths = slip.pop("lengths", DECODE_LENGTHS)
+        if torch.allclose(got, _decode_by_hand(q, k_pool, v_pool, DECODE_TABLES, lengths, **slip), atol=1e-5):
+            return False, reason
+    return False, ("the outputs differ from llminfer's 'gather' kernel: per sequence, gather its K and V through its "
+                   "table, repeat the K/V heads for GQA, softmax(q·Kᵀ/√d)·V (section 2)")
 
 
 @exercise("06.4", "blocks of a second request served from the prefix cache")

@@ -93,6 +93,53 @@ def pool_html(snapshot, columns: int = 10) -> str:
             f"<div style='font:12px monospace'>block tables: {tables or '(none)'}</div><div>{legend}</div>")
 
 
+def table_links(snapshot) -> list[tuple[int, int, int]]:
+    """(request id, logical block, physical block) for every entry of every block table, in table order. Chapter 06.
+
+    A physical block named by several links is shared: its ref count is the number of links to it."""
+    return [(request_id, logical, physical) for request_id, table in snapshot.block_tables.items()
+            for logical, physical in enumerate(table)]
+
+
+def plot_block_tables(ax, snapshot, titles: dict | None = None) -> None:
+    """The block tables of a snapshot's requests (top row, one group per request, each box holding a physical block
+    id) joined by lines to the pool's physical blocks (bottom row). A block shared by several requests is dark,
+    with a thick border and its ref count; a free block is pale (yellow while its prefix is still cached).
+    titles: {request id: a caption over its group}. Chapter 06."""
+    from matplotlib.patches import Rectangle
+
+    ax.set_axis_off()
+    pool_y, table_y = 0.0, 3.0
+    x = 0.0
+    for request_id, table in snapshot.block_tables.items():                      # the block tables, side by side
+        colour = owner_colour(request_id)
+        title = (titles or {}).get(request_id, f"request {request_id}")
+        ax.text(x, table_y + 1.1, title, color=colour, fontsize=8, va="bottom")
+        for logical, physical in enumerate(table):
+            ax.add_patch(Rectangle((x + logical, table_y), 0.9, 0.9, facecolor="white", edgecolor=colour, lw=1.5,
+                                   zorder=3))
+            ax.text(x + logical + 0.45, table_y + 0.45, str(physical), ha="center", va="center", fontsize=8, zorder=4)
+            ax.plot([x + logical + 0.45, physical + 0.45], [table_y, pool_y + 0.9], color=colour, lw=0.9, alpha=0.8,
+                    zorder=1)
+        x += len(table) + 1.0
+    for block in snapshot.blocks:                                                 # the pool
+        shared = len(block.owners) > 1
+        if block.owners:
+            face = "#424242" if shared else owner_colour(block.owners[0])
+        else:
+            face = CACHED_FREE if block.block_hash is not None else FREE
+        ax.add_patch(Rectangle((block.block_id, pool_y), 0.9, 0.9, facecolor=face, zorder=3,
+                               edgecolor=SHARED_BORDER if shared else "#999999", lw=2.5 if shared else 0.8))
+        ax.text(block.block_id + 0.45, pool_y + 0.45, str(block.block_id), ha="center", va="center", fontsize=8,
+                color="white" if block.owners else "#333333", zorder=4)
+        if shared:
+            ax.text(block.block_id + 0.45, pool_y - 0.15, f"ref {block.ref_count}", ha="center", va="top", fontsize=7)
+    ax.text(-0.2, table_y + 0.45, "block tables", ha="right", va="center", fontsize=9)
+    ax.text(-0.2, pool_y + 0.45, "physical blocks", ha="right", va="center", fontsize=9)
+    ax.set_xlim(-3.5, max(x, len(snapshot.blocks)) + 0.2)
+    ax.set_ylim(pool_y - 0.9, table_y + 1.6)
+
+
 def build_pool_widget(snapshots: list, columns: int = 10):
     """A step slider over recorded snapshots, with the grid, the counts and the free queue. Chapter 06."""
     import ipywidgets as widgets

@@ -103,3 +103,28 @@ def test_pool_snapshots_of_the_vllm_example():
     assert box.queue.value == queues[7] and box.snapshot is snapshots[7]
     with pytest.raises(ValueError, match="no snapshots"):
         block_pool.build_pool_widget([])
+
+
+def test_table_links_of_three_requests_sharing_a_prefix():
+    tiny, _ = llminfer.load_pretrained("tiny-capitals")
+    engine = LLMEngine(tiny, block_size=4, num_blocks=12, max_model_len=40)
+    shared = list(range(100, 110))                                  # 10 tokens: two full blocks, then half of one
+    for tail in ([7, 8, 9], [20, 21, 22, 23, 24], [30]):
+        engine.add_request(shared + tail, llminfer.engine.SamplingParams(max_new_tokens=2))
+    engine.step()                                                   # one step: all three prefill, the last two hit
+    snapshot = engine.block_manager.snapshot(engine.scheduler.running)
+    links = block_pool.table_links(snapshot)
+    assert len(links) == sum(len(t) for t in snapshot.block_tables.values())
+    for block in snapshot.blocks:                                   # a block's ref count is the links to it
+        assert block.ref_count == sum(physical == block.block_id for _, _, physical in links)
+    first_two = {table[:2] for table in snapshot.block_tables.values()}
+    assert len(first_two) == 1 and all(snapshot.blocks[b].ref_count == 3 for b in first_two.pop())
+    thirds = [table[2] for table in snapshot.block_tables.values()]
+    assert len(set(thirds)) == 3                                    # the mixed third block is each request's own
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    block_pool.plot_block_tables(ax, snapshot)
+    assert len(ax.lines) == len(links) and len(ax.patches) == len(links) + len(snapshot.blocks)
+    plt.close(fig)
