@@ -10,8 +10,10 @@ Each checks its request (split, stages, micro-batches, backend, port) before any
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -165,10 +167,11 @@ def tp_worker(ctx: WorkerContext, spec: RunSpec) -> dict:
         cache_bytes=model.new_cache(1, max_seq_len=model.config.max_seq_len).nbytes,
     )
     if spec.timing_repeats:
-        dist.barrier()
-        out["prefill"] = time_prefill(model, prompt, spec.timing_repeats)
-        dist.barrier()
-        out["decode"] = time_decode_steps(model, prompt, spec.timing_repeats)
+        with pinned_to_core(ctx.rank):         # each rank on a core of its own, as measure_communication's ranks
+            dist.barrier()
+            out["prefill"] = time_prefill(model, prompt, spec.timing_repeats)
+            dist.barrier()
+            out["decode"] = time_decode_steps(model, prompt, spec.timing_repeats)
         cache = _filled_cache(model, prompt)
         state.stats.reset()
         with state.stats.recording():                             # one decode step's collectives, counted
@@ -349,27 +352,60 @@ def _timed_loop(fn, iterations: int, device) -> float:
     return (time.perf_counter() - start) / iterations
 
 
-def comm_worker(ctx: WorkerContext, sizes: list[int], repeats: int = 5, budget_s: float = 0.05) -> dict:
-    """All-reduce (every rank) and send/recv (ranks 0 and 1, ping-pong) seconds per call at each size."""
-    allreduce, sendrecv = [], []
-    for nbytes in sizes:
-        x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=ctx.device)
-        dist.all_reduce(x)                                          # warm-up: the first call sets up buffers
-        dist.barrier()
-        probe = _timed_loop(lambda: dist.all_reduce(x), 1, ctx.device)
-        iterations = max(1, min(200, int(budget_s / max(probe, 1e-6))))
-        iterations = _agree(iterations, ctx)
-        samples = []
-        for _ in range(repeats):
-            dist.barrier()
-            samples.append(_timed_loop(lambda: dist.all_reduce(x), iterations, ctx.device))
-        allreduce.append(_agree_max(statistics.median(samples), ctx))
-        samples = []
-        for _ in range(repeats):
-            dist.barrier()
-            samples.append(_timed_loop(lambda: _ping_pong(x, ctx.rank), iterations, ctx.device) / 2)   # one way
-        sendrecv.append(_agree_max(statistics.median(samples), ctx))
-    return {"sizes": list(sizes), "allreduce_s": allreduce, "sendrecv_s": sendrecv}
+@contextmanager
+def pinned_to_core(rank: int):
+    """Runs the block with this process on one CPU core of its own, rank r on the r-th core it may use (Linux).
+
+    On a machine with as many cores as ranks, the scheduler otherwise moves a rank between cores, or puts both
+    on one core for a moment while the other core serves something else; every such moment stalls a collective,
+    which waits for its slowest rank. Where affinity cannot be set the block runs unpinned. Chapter 10."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not allowed:
+        yield None
+        return
+    core = allowed[rank % len(allowed)]
+    os.sched_setaffinity(0, {core})
+    try:
+        yield core
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def _per_call_seconds(fn, ctx: WorkerContext, calls: int, budget_s: float, warmup: int) -> float:
+    """The median seconds of one call of fn, over back-to-back calls lasting about budget_s (at least calls).
+
+    warmup untimed calls first: the first calls set up buffers and connections. Then each call is timed on its
+    own: a collective makes the ranks wait for each other, so after the first one they enter every call together,
+    and the median keeps the calls a stray process or a scheduler tick stalled from moving the result (the mean
+    of a block of calls would carry every stall in it). The ranks agree on the number of calls (the smallest)
+    and report the slower rank's median."""
+    for _ in range(warmup):
+        fn()
+    dist.barrier()
+    probe = statistics.median(_timed_loop(fn, 1, ctx.device) for _ in range(3))
+    count = _agree(max(calls, min(20 * calls, int(budget_s / max(probe, 1e-7)))), ctx)
+    samples = [_timed_loop(fn, 1, ctx.device) for _ in range(count)]
+    return _agree_max(statistics.median(samples), ctx)
+
+
+def comm_worker(ctx: WorkerContext, sizes: list[int], repeats: int = 15, budget_s: float = 0.05,
+                warmup: int = 5, pin: bool = True, rounds: int = 3) -> dict:
+    """All-reduce (every rank) and send/recv (ranks 0 and 1, ping-pong) seconds per call at each size.
+
+    Each size's time is the median of at least repeats single calls (more, up to budget_s, where calls are
+    short), after warmup calls, each rank on a core of its own (pin). The sweep over the sizes runs rounds
+    times and each size keeps its fastest round: a burst of work from another program that lasts through one
+    size's calls slows that size in one round, not in all of them."""
+    allreduce, sendrecv = [[] for _ in sizes], [[] for _ in sizes]
+    with pinned_to_core(ctx.rank) if pin else nullcontext():
+        for _ in range(rounds):
+            for i, nbytes in enumerate(sizes):
+                x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=ctx.device)
+                allreduce[i].append(_per_call_seconds(lambda: dist.all_reduce(x), ctx, repeats, budget_s, warmup))
+                sendrecv[i].append(_per_call_seconds(lambda: _ping_pong(x, ctx.rank), ctx, repeats, budget_s,
+                                                     warmup) / 2)
+    return {"sizes": list(sizes), "allreduce_s": [min(t) for t in allreduce], "sendrecv_s": [min(t) for t in sendrecv],
+            "rounds": {"allreduce_s": allreduce, "sendrecv_s": sendrecv}}
 
 
 def _ping_pong(x: torch.Tensor, rank: int) -> None:
@@ -394,10 +430,15 @@ def _agree_max(value: float, ctx: WorkerContext) -> float:
     return float(t)
 
 
-def measure_communication(sizes=None, repeats: int = 5, world_size: int = 2, backend: str | None = None,
-                          port: int | None = None, budget_s: float = 0.05,
-                          timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
-    """Seconds per all-reduce and per one-way send at each message size, over world_size processes. Chapter 10."""
+def measure_communication(sizes=None, repeats: int = 15, world_size: int = 2, backend: str | None = None,
+                          port: int | None = None, budget_s: float = 0.05, warmup: int = 5, pin: bool = True,
+                          rounds: int = 3, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+    """Seconds per all-reduce and per one-way send at each message size, over world_size processes. Chapter 10.
+
+    Each size: warmup untimed calls, then the median of single calls back to back, at least repeats of them and
+    more (up to 20 × repeats) while they fit in budget_s; pin puts each rank on a core of its own for the
+    measurement (see pinned_to_core). The sweep runs rounds times; each size keeps its fastest round (every round
+    is in "rounds")."""
     sizes = default_message_sizes() if sizes is None else list(sizes)
     if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
         raise ValueError(f"sizes must be a non-empty list of positive byte counts, got {sizes!r}")
@@ -405,6 +446,9 @@ def measure_communication(sizes=None, repeats: int = 5, world_size: int = 2, bac
         raise ValueError(f"measuring communication needs at least 2 processes, got world_size={world_size}")
     if max(sizes) > 1 << 30:
         raise ValueError(f"the largest message, {max(sizes)} bytes, is over 1 GiB; pass smaller sizes")
+    for name, value, low in (("repeats", repeats, 1), ("warmup", warmup, 0), ("rounds", rounds, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an integer of at least {low}, got {value!r}")
     check_backend(backend, world_size)
-    return launch(comm_worker, (sizes, repeats, budget_s), world_size=world_size, backend=backend, port=port,
-                  timeout_s=timeout_s)[0]
+    return launch(comm_worker, (sizes, repeats, budget_s, warmup, pin, rounds), world_size=world_size, backend=backend,
+                  port=port, timeout_s=timeout_s)[0]

@@ -206,8 +206,11 @@ def test_every_socket_listens_on_loopback_only():
 
 def test_communication_is_measured_at_every_size():
     sizes = [4, 1 << 16, 1 << 24]
-    measured = parallel.measure_communication(sizes, repeats=2, budget_s=0.01)
+    measured = parallel.measure_communication(sizes, repeats=2, budget_s=0.01, rounds=2)
     assert measured["sizes"] == sizes
+    for key in ("allreduce_s", "sendrecv_s"):                 # each size keeps its fastest round
+        assert [len(r) for r in measured["rounds"][key]] == [2, 2, 2]
+        assert measured[key] == [min(r) for r in measured["rounds"][key]]
     for key in ("allreduce_s", "sendrecv_s"):
         times = measured[key]
         assert len(times) == 3 and all(t > 0 for t in times), (key, times)

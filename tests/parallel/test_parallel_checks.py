@@ -316,3 +316,20 @@ def test_an_nccl_rank_sets_its_device_before_joining_the_group_and_names_it(monk
     calls.clear()
     ctx = launch_module.join_group(0, 2, "gloo", 29500, timeout_s=5, threads=None)
     assert calls == [("init", "gloo", None)] and ctx.device.type == "cpu"     # gloo: no device to bind
+
+
+@pytest.mark.parametrize("option, value", [("repeats", 0), ("rounds", 0), ("warmup", -1), ("rounds", 1.5)])
+def test_measuring_communication_refuses_bad_counts_before_starting(no_processes, option, value):
+    with pytest.raises(ValueError, match=f"{option} must be an integer of at least"):
+        parallel.measure_communication([4, 64], **{option: value})
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="CPU affinity is Linux-only")
+def test_a_rank_is_pinned_to_its_own_core_and_unpinned_after():
+    import os
+    from llminfer.parallel.workers import pinned_to_core
+    allowed = sorted(os.sched_getaffinity(0))
+    for rank in range(len(allowed) + 1):                   # one past the last core wraps around to the first
+        with pinned_to_core(rank) as core:
+            assert os.sched_getaffinity(0) == {core} and core == allowed[rank % len(allowed)]
+        assert sorted(os.sched_getaffinity(0)) == allowed
