@@ -381,13 +381,16 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
-    """(1 − α^(k+1)) / ((1 − α)(c·k + 1)): tokens per step over the step's cost in target steps. Chapter 09.
+def expected_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
+    """(1 − α^(k+1)) / ((1 − α)(c·k + v)): tokens per step over the step's cost in target steps. Chapter 09.
 
-    Leviathan et al. (2023), with c the cost of one draft step as a fraction of one target step, and the
-    verification forward over k + 1 positions costing the same as a one-token step (decode is memory-bound).
+    c is the cost of one draft step as a fraction of one target step, and v (verify_cost) the cost of the
+    verification forward over k + 1 positions in target steps. v = 1 is Leviathan et al. (2023)'s form (a purely
+    memory-bound step); chapter 09 measures v on the machine, and the path, that runs the target.
     """
-    return expected_tokens_per_step(alpha, k) / (cost_ratio * k + 1)
+    if not verify_cost > 0:
+        raise ValueError(f"verify_cost is the verification's cost in target steps and must be > 0, got {verify_cost!r}")
+    return expected_tokens_per_step(alpha, k) / (cost_ratio * k + verify_cost)
 
 
 def step_costs(model: Transformer, drafter: Drafter, context_ids: list[int], repeats: int = 50,

@@ -248,6 +248,9 @@ def test_expected_speedup_formula():
             assert sp.expected_speedup(alpha, k, 0.25) == pytest.approx(direct / (0.25 * k + 1))
     assert sp.expected_speedup(1.0, 4, 0.0) == 5.0
     assert sp.expected_speedup(0.0, 4, 0.1) < 1                            # useless guesses only cost
+    assert sp.expected_speedup(0.8, 4, 0.1, 1.9) == pytest.approx(sp.expected_tokens_per_step(0.8, 4) / (0.4 + 1.9))
+    with pytest.raises(ValueError, match="verify_cost"):
+        sp.expected_speedup(0.8, 4, 0.1, 0.0)
 
 
 # --- bad input: refused before any compute ---------------------------------------------------------------------
