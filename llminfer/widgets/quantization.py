@@ -85,6 +85,53 @@ def draw(run: QuantizationRun):
     return fig
 
 
+BLOCK_COLOURS = {"scale": "#fdd0a2", "minimum": "#c7e9c0", "codes": "white", "low": "tab:blue", "high": "tab:purple"}
+
+
+def plot_q4_1_block(axes, raw, scale: float, minimum: float, codes) -> None:
+    """One Q4_1 block drawn from its bytes (chapter 08's concept figure). axes: two matplotlib axes. The top one
+    shows the 20 bytes in hex: the float16 scale d (bytes 0-1), the float16 minimum m (2-3), then 16 bytes of
+    codes, each holding weight j in its low nibble and weight j + 16 in its high nibble (the nibble values under
+    it). The bottom one shows the 32 weights rebuilt, w = code · d + m, on the block's 16 levels. scale, minimum
+    and codes are what the caller read from raw, so the figure shows the caller's decoding. Chapter 08."""
+    import numpy as np
+
+    raw, codes = np.asarray(raw, dtype=np.uint8), np.asarray(codes)
+    if raw.shape != (20,) or codes.shape != (32,):
+        raise ValueError(f"a Q4_1 block is 20 bytes holding 32 codes; got bytes of shape {raw.shape} and codes of "
+                         f"shape {codes.shape}: pass one block, e.g. bytes [0:20] of a row")
+    from matplotlib.patches import Rectangle
+
+    top, bottom = axes
+    top.set_axis_off()
+    regions = ["scale"] * 2 + ["minimum"] * 2 + ["codes"] * 16
+    for i, (byte, region) in enumerate(zip(raw, regions)):
+        face = BLOCK_COLOURS[region]
+        top.add_patch(Rectangle((i, 0), 0.92, 1, facecolor=face, edgecolor="#555555"))
+        top.text(i + 0.46, 0.5, f"{byte:02x}", ha="center", va="center", fontsize=8, family="monospace")
+        if region == "codes":
+            top.text(i + 0.46, -0.35, str(byte & 0x0F), ha="center", va="center", fontsize=7,
+                     color=BLOCK_COLOURS["low"])
+            top.text(i + 0.46, -0.8, str(byte >> 4), ha="center", va="center", fontsize=7, color=BLOCK_COLOURS["high"])
+    top.text(1, 1.3, f"d = {scale:.4g}", ha="center", fontsize=8)
+    top.text(3, 1.3, f"m = {minimum:.4g}", ha="center", fontsize=8)
+    top.text(12, 1.3, "codes: byte 4 + j holds weight j (low nibble) and weight j + 16 (high nibble)",
+             ha="center", fontsize=8)
+    top.text(-0.3, -0.35, "low", ha="right", va="center", fontsize=7, color=BLOCK_COLOURS["low"])
+    top.text(-0.3, -0.8, "high", ha="right", va="center", fontsize=7, color=BLOCK_COLOURS["high"])
+    top.set_xlim(-1.5, 20.2)
+    top.set_ylim(-1.1, 1.6)
+    for level in range(16):
+        bottom.axhline(minimum + level * scale, color="#dddddd", lw=0.8, zorder=0)
+    index = np.arange(32)
+    weights = codes * np.float32(scale) + np.float32(minimum)
+    for half, colour in ((index < 16, BLOCK_COLOURS["low"]), (index >= 16, BLOCK_COLOURS["high"])):
+        bottom.scatter(index[half], weights[half], s=18, color=colour, zorder=3)
+    bottom.set_xlabel("weight j of the block")
+    bottom.set_ylabel("w = code · d + m")
+    bottom.set_title("the 32 weights on the block's 16 levels (grey): code 0 is m, code 15 is m + 15d", fontsize=9)
+
+
 def summary_html(run: QuantizationRun) -> str:
     """The run's numbers as an HTML table. Chapter 08."""
     rows = [("capitals right", f"{run.correct} / {run.total}"),
