@@ -137,7 +137,7 @@ def replay(engine, workload: Workload, params: SamplingParams | None = None, rea
 
     realtime=True waits (sleeps) when the engine is idle and the next request has not arrived yet;
     realtime=False lets every request arrive at once (offline throughput).
-    `params` gives the other sampling settings (max_new_tokens comes from each request).
+    `params` gives every other sampling setting (max_new_tokens comes from each request).
     """
     base = params or SamplingParams()
     pending = sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_s)
@@ -156,8 +156,7 @@ def replay(engine, workload: Workload, params: SamplingParams | None = None, rea
             arrival = start + (request.arrival_s if realtime else 0.0)
             if arrival > now:
                 break
-            p = SamplingParams(max_new_tokens=request.max_new_tokens, temperature=base.temperature, top_k=base.top_k,
-                               top_p=base.top_p, eos_token_id=base.eos_token_id, seed=base.seed)
+            p = dataclasses.replace(base, max_new_tokens=request.max_new_tokens)   # every other setting kept
             ids[pending[cursor]] = engine.add_request(list(request.prompt_ids), p, arrival_time=arrival)
             cursor += 1
         if engine.has_unfinished():

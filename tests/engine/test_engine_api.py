@@ -221,6 +221,16 @@ def test_replay_and_summary(model):
     for request, out in zip(workload.requests, result.outputs):
         assert out.token_ids == llminfer.generate(model, list(request.prompt_ids),
                                                   max_new_tokens=request.max_new_tokens).token_ids
+    # every setting of params reaches each request, penalties too (max_new_tokens comes from the workload)
+    penalties = dict(repetition_penalty=2.0, frequency_penalty=0.5)
+    penalised = replay(LLMEngine(model, block_size=4, num_blocks=128, max_num_seqs=4), workload,
+                       SamplingParams(**penalties))
+    changed = 0
+    for request, out, plain in zip(workload.requests, penalised.outputs, result.outputs):
+        assert out.token_ids == llminfer.generate(model, list(request.prompt_ids), max_new_tokens=request.max_new_tokens,
+                                                  **penalties).token_ids
+        changed += out.token_ids != plain.token_ids
+    assert changed, "the penalties changed no output: this check would not see them dropped"
     summary = summarize(result, slo_ttft_s=1e9, slo_tpot_s=1e9)
     assert summary["output_tokens"] == sum(workload.output_lens)
     assert summary["throughput_tok_s"] == pytest.approx(summary["output_tokens"] / result.duration_s)
