@@ -242,9 +242,15 @@ class StaticDecoder:
 
     def generate(self, input_ids, max_new_tokens: int = 16, eos_token_id: int | None = None,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None, return_logits: bool = False) -> GenerationResult:
+                 seed: int | None = None, return_logits: bool = False, min_p: float | None = None,
+                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0) -> GenerationResult:
         """Up to max_new_tokens after the prompt through the one token loop, with this decoder's steps; returns
-        the tokens with their TTFT/ITL timings (greedy by default). Chapters 04 and 08."""
+        the tokens with their TTFT/ITL timings (greedy by default). min_p and the penalties are chapter 13's
+        processors, as in `llminfer.generate`. Chapters 04 and 08."""
+        processors = dict(min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                          frequency_penalty=frequency_penalty)
         ids = check_request(self.model.config, input_ids, max_new_tokens, eos_token_id, temperature, top_k, top_p,
-                            seed, capacity=self.cache.capacity)
-        return token_loop(self, ids, max_new_tokens, eos_token_id, temperature, top_k, top_p, seed, return_logits)
+                            seed, capacity=self.cache.capacity, **processors)
+        return token_loop(self, ids, max_new_tokens, eos_token_id, temperature, top_k, top_p, seed, return_logits,
+                          **processors)

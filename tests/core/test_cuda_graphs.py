@@ -69,6 +69,9 @@ def test_the_decoder_is_a_step_of_the_one_token_loop(monkeypatch):
     assert decoder.generate(ids, 6, eos_token_id=eos).token_ids == eager.token_ids[:eager.token_ids.index(eos) + 1]
     sampled = dict(max_new_tokens=6, temperature=0.8, top_k=20, top_p=0.9, seed=5)
     assert decoder.generate(ids, **sampled).token_ids == llminfer.generate(model, ids, **sampled).token_ids
+    processed = dict(max_new_tokens=6, min_p=0.05, repetition_penalty=1.5, presence_penalty=0.4,
+                     frequency_penalty=0.3)                              # chapter 13's processors, on greedy rows
+    assert decoder.generate(ids, **processed).token_ids == llminfer.generate(model, ids, **processed).token_ids
     batch = torch.randint(0, TINY.vocab_size, (3, 4), generator=torch.Generator().manual_seed(2))
     assert StaticDecoder(model, batch_size=3, max_seq_len=12).generate(batch, 5).token_ids == \
         llminfer.generate(model, batch, max_new_tokens=5).token_ids
