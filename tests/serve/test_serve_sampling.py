@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from test_serve import MODEL, bundled, make_server  # noqa: F401  (bundled: the module's model fixture)
+from test_serve import MODEL, bundled, client, make_server, server  # noqa: F401  (fixtures: a server of this module's own)
 from test_serve_floats import idle_steps
 
 import llminfer
@@ -18,18 +18,6 @@ pytestmark = pytest.mark.timeout(120)
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3)
 EXTRA = {"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.3}
 KEYWORDS = dict(temperature=1.0, seed=7, **PENALTIES, **EXTRA)          # the same settings as generate's keywords
-
-
-@pytest.fixture(scope="module")
-def server(bundled):  # noqa: F811
-    thread, state = make_server(bundled)
-    with thread:
-        yield thread, state
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server[0].url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def generated(bundled, prompt_ids: list[int], max_tokens: int, **settings) -> str:  # noqa: F811

@@ -15,7 +15,7 @@ import openai
 import pydantic
 import pytest
 import torch
-from test_serve import MODEL, bundled, make_server  # noqa: F401  (bundled: the module's model fixture)
+from test_serve import MODEL, bundled, client, make_server, server  # noqa: F401  (fixtures: a server of this module's own)
 from test_serve_floats import idle_steps
 
 from llminfer.serve.__main__ import build_server, parse_args
@@ -39,18 +39,6 @@ SCHEMAS = [
 ]
 ASK = [{"role": "user", "content": "Give me the capital of France as JSON"}]
 REGEX = r"(Paris|Rome|Lima) is [a-z]{1,8}\."
-
-
-@pytest.fixture(scope="module")
-def server(bundled):  # noqa: F811
-    thread, state = make_server(bundled)
-    with thread:
-        yield thread, state
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server[0].url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def schema_format(schema: dict) -> dict:
