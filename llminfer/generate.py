@@ -405,6 +405,9 @@ def generate(model: Transformer, input_ids, max_new_tokens: int = 16, use_cache:
     constraints = None
     if constraint is not None:
         constraints = check_constraints(constraint, ids.shape[0], model.config.vocab_size, eos)
+        for row in constraints:
+            if row is not None:
+                row.finish_within(max_new_tokens)    # a document that can still be completed in time is
         if jump_forward and (ids.shape[0] != 1 or not hasattr(step, "extend") or return_logits):
             raise ValueError("jump_forward=True needs a batch of 1, the eager steps (no step=) and no return_logits "
                              "(forced tokens have no logits of their own)")

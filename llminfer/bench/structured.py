@@ -34,8 +34,9 @@ def _obj(properties: dict, required: list[str] | None = None) -> dict:
 
 
 # Strings are bounded, as a schema for a model's output should be: an unbounded string lets a small model repeat
-# itself inside the quotes until max_tokens ends the answer mid-document (the automaton cannot force a quote
-# while any character is allowed); maxLength makes it close the string.
+# itself inside the quotes (the automaton cannot force a quote while any character is allowed); maxLength makes it
+# close the string. A maxLength counts characters, though, and an emoji is four byte tokens: the constraint's
+# finish_within (set from max_tokens) closes what is still open when the tokens left only just cover it.
 _STR, _INT, _NUM, _BOOL = ({"type": "string", "maxLength": 24}, {"type": "integer"}, {"type": "number"},
                            {"type": "boolean"})
 # name -> (schema, what the prompt asks for with {} for the subject, five subjects)

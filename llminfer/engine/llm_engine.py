@@ -286,6 +286,7 @@ class LLMEngine:
         prompt, params = self.requests.check(prompt_ids, params, arrival_time, self._check_limits)
         if constraint is not None:
             check_constraints([constraint], 1, self.model.config.vocab_size, params.eos_token_id)
+            constraint.finish_within(params.max_new_tokens)
         seq = self.requests.track(prompt, params, arrival_time)
         seq.constraint = constraint
         self.scheduler.add(seq)

@@ -15,6 +15,13 @@ tokenizer cuts `"name`. SGLang re-tokenizes the last generated tokens together w
 them. Here the boundary is kept conservative instead: the tokens already generated stay, and the forced text is
 tokenized on its own, so only the forced text's own cut is canonical. It never breaks the constraint (any cut of
 the forced bytes walks the same DFA path) and it needs no rollback of the KV cache.
+
+Finishing within the token budget. A free string can run on until `max_tokens` cuts it, and a cut document does
+not parse. `finish_within(max_tokens)` prevents that: each state knows the fewest bytes that complete the text
+(`TokenIndex.distances`); once the tokens left only just cover that distance (and EOS), the mask keeps only the
+tokens that bring the text nearer to completion, so a document that can still be finished is. A byte-level
+vocabulary has a token for every byte, so such a token always exists. `generate` and the engine call it with the
+request's max_new_tokens.
 """
 from __future__ import annotations
 
@@ -47,6 +54,8 @@ class Constraint:
         self.tokenizer = tokenizer
         self.state = index.dfa.initial
         self.finished = False                  # EOS was taken
+        self.max_tokens: int | None = None     # see finish_within
+        self.taken = 0                         # tokens advanced through, EOS and forced tokens included
 
     @classmethod
     def from_regex(cls, pattern: str, tokenizer, max_states: int = MAX_STATES) -> "Constraint":
@@ -67,13 +76,30 @@ class Constraint:
         """Whether the text so far is complete (EOS allowed now)."""
         return self.state != DEAD and self.index.dfa.accepting[self.state]
 
+    def finish_within(self, max_tokens: int) -> "Constraint":
+        """Complete the text within max_tokens tokens (EOS included) where it still can: see the module's notes."""
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens!r}: the budget is a count of tokens, at least 1")
+        self.max_tokens = max_tokens
+        return self
+
+    @property
+    def closing(self) -> bool:
+        """Whether the tokens left only just cover the shortest completion (and EOS): the mask is narrowed."""
+        if self.max_tokens is None or self.finished:
+            return False
+        near = self.max_tokens - self.taken <= self.index.distances[self.state] + 1
+        return near and len(self.index.closing_tokens(self.state)) > 0   # none: a vocabulary without byte tokens
+
     def allowed_token_ids(self):
         """The ids allowed next, sorted (a numpy array); none once EOS was taken."""
+        if self.closing:
+            return self.index.closing_tokens(self.state)
         return self.index.allowed_tokens(DEAD if self.finished else self.state)
 
     def allowed_mask(self) -> torch.Tensor:
         """A bool tensor over the vocabulary, True where the next token may be sampled."""
-        return self.index.mask(DEAD if self.finished else self.state)
+        return self.index.mask(DEAD if self.finished else self.state, closing=self.closing)
 
     def advance(self, token_id: int) -> None:
         """Move past `token_id`; ValueError if the pattern does not allow it here."""
@@ -85,12 +111,14 @@ class Constraint:
                 raise ValueError(f"EOS (token {token_id}) is not allowed: the text does not match "
                                  f"{self.index.dfa.pattern[:80]!r} yet")
             self.finished = True
+            self.taken += 1
             return
         target = self.index.next_state(self.state, token_id)
         if target == DEAD:
             raise ValueError(f"token {token_id} ({self.index.vocab.token_bytes[token_id]!r}) leaves the pattern "
                              f"{self.index.dfa.pattern[:80]!r}; sample only where allowed_mask() is True")
         self.state = target
+        self.taken += 1
 
     def forced_bytes(self) -> bytes:
         """The bytes that must come next: followed while the state does not accept and exactly one byte keeps it

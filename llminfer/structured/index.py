@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import weakref
 from collections import OrderedDict
 
@@ -105,7 +106,9 @@ class TokenIndex:
     def __init__(self, dfa: DFA, vocab: Vocabulary):
         self.dfa, self.vocab = dfa, vocab
         self._allowed: dict[int, np.ndarray] = {}
-        self._masks: dict[int, torch.Tensor] = {}
+        self._masks: dict[tuple[int, bool], torch.Tensor] = {}
+        self._closing: dict[int, np.ndarray] = {}
+        self._distances: np.ndarray | None = None
         n = dfa.num_states                      # the transition table with DEAD as one more row, n, that stays n
         self._table = np.array(dfa.transitions + [[DEAD] * 256], dtype=np.int64).reshape(n + 1, 256)
         self._table[self._table == DEAD] = n
@@ -121,8 +124,9 @@ class TokenIndex:
             allowed = self._allowed[state] = self._walk(state)
         return allowed
 
-    def _walk(self, state: int) -> np.ndarray:
-        """Every candidate token's bytes through the DFA from `state`, one byte position at a time."""
+    def _walk(self, state: int, closing: bool = False) -> np.ndarray:
+        """Every candidate token's bytes through the DFA from `state`, one byte position at a time. closing: only
+        the tokens that end nearer an accepting state (`distances`), and EOS where `state` accepts."""
         if state == DEAD:
             return np.zeros(0, dtype=np.int64)
         dead, vocab = self.dfa.num_states, self.vocab
@@ -134,7 +138,8 @@ class TokenIndex:
             alive = states != dead
             rows, states = rows[alive], states[alive]
             ends = vocab.lengths[rows] == j + 1                       # tokens complete here, still alive: allowed
-            found.append(vocab.candidates[rows[ends]])
+            keep = ends & (self.distances[states] < self.distances[state]) if closing else ends
+            found.append(vocab.candidates[rows[keep]])
             rows, states = rows[~ends], states[~ends]
             if not len(rows):
                 break
@@ -142,13 +147,48 @@ class TokenIndex:
             found.append(np.array([self.eos_token_id]))
         return np.sort(np.concatenate(found)).astype(np.int64)
 
-    def mask(self, state: int) -> torch.Tensor:
-        """A bool tensor over the vocabulary, True where the token is allowed in `state`."""
-        mask = self._masks.get(state)
+    @property
+    def distances(self) -> np.ndarray:
+        """Per state, the fewest bytes that complete the text (0 in an accepting state): a breadth-first search
+        from the accepting states along the transitions read backwards. Computed once per index."""
+        if self._distances is None:
+            n = self.dfa.num_states
+            sources = np.repeat(np.arange(n), 256)
+            targets = self._table[:n].reshape(-1)
+            live = targets != n
+            sources, targets = sources[live], targets[live]
+            order = np.argsort(targets, kind="stable")
+            sources, starts = sources[order], np.searchsorted(targets[order], np.arange(n + 1))
+            distances = np.full(n + 1, np.iinfo(np.int64).max, dtype=np.int64)   # row n: the dead state
+            frontier = np.flatnonzero(np.array(self.dfa.accepting, dtype=bool))
+            distances[frontier] = 0
+            level = 0
+            while len(frontier):
+                level += 1
+                before = np.unique(np.concatenate([sources[starts[t]:starts[t + 1]] for t in frontier]))
+                frontier = before[distances[before] > level]
+                distances[frontier] = level
+            self._distances = distances
+        return self._distances
+
+    def closing_tokens(self, state: int) -> np.ndarray:
+        """The sorted ids allowed in `state` that shorten the way to an accepting state by at least one byte (EOS
+        where `state` accepts): following only these, the text is complete within `distances[state]` tokens."""
+        closing = self._closing.get(state)
+        if closing is None:
+            closing = self._closing[state] = self._walk(state, closing=True)
+        return closing
+
+    def mask(self, state: int, closing: bool = False) -> torch.Tensor:
+        """A bool tensor over the vocabulary, True where the token is allowed in `state` (closing: only where it
+        is among `closing_tokens`)."""
+        key = (state, closing)
+        mask = self._masks.get(key)
         if mask is None:
             mask = torch.zeros(len(self.vocab), dtype=torch.bool)
-            mask[torch.from_numpy(self.allowed_tokens(state))] = True
-            self._masks[state] = mask
+            ids = self.closing_tokens(state) if closing else self.allowed_tokens(state)
+            mask[torch.from_numpy(ids)] = True
+            self._masks[key] = mask
         return mask
 
     def next_state(self, state: int, token_id: int) -> int:
@@ -166,6 +206,7 @@ class TokenIndex:
 
 
 _INDEXES: "OrderedDict[tuple, TokenIndex]" = OrderedDict()
+_INDEXES_LOCK = threading.Lock()
 CACHE_SIZE = 64
 
 
@@ -173,11 +214,13 @@ def compile_index(pattern: str, vocab: Vocabulary, max_states: int = MAX_STATES)
     """The TokenIndex of `pattern` over `vocab`, from a cache keyed by pattern, vocabulary and limit (the last
     CACHE_SIZE used are kept)."""
     key = (pattern, vocab.fingerprint, max_states)
-    index = _INDEXES.get(key)
-    if index is None:
+    with _INDEXES_LOCK:
+        index = _INDEXES.get(key)
+    if index is None:                                       # compiled outside the lock: others' lookups go on
         index = TokenIndex(compile_regex(pattern, max_states), vocab)
-        _INDEXES[key] = index
+    with _INDEXES_LOCK:                                     # the server compiles on worker threads
+        index = _INDEXES.setdefault(key, index)             # a twin compiled meanwhile wins: one index per key
+        _INDEXES.move_to_end(key)
         if len(_INDEXES) > CACHE_SIZE:
             _INDEXES.popitem(last=False)
-    _INDEXES.move_to_end(key)
     return index

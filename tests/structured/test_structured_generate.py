@@ -65,7 +65,7 @@ def test_forced_text_stops_at_a_choice(real):
 
 def test_generate_constrained_parses_and_validates(real, prompt):
     model, tokenizer = real
-    free = generate(model, prompt, max_new_tokens=12)
+    free = generate(model, prompt, max_new_tokens=40)
     plain = generate(model, prompt, max_new_tokens=40, constraint=Constraint.from_schema(CAPITAL, tokenizer))
     assert plain.token_ids[-1] == tokenizer.eos_token_id
     document = json.loads(tokenizer.decode(plain.token_ids))
@@ -84,9 +84,9 @@ def test_generate_constrained_parses_and_validates(real, prompt):
 
     # a constrained row beside a free one: each is what it is alone
     batch = torch.tensor([prompt, prompt])
-    both = generate(model, batch, max_new_tokens=12,
+    both = generate(model, batch, max_new_tokens=40,
                     constraint=[Constraint.from_schema(CAPITAL, tokenizer), None])
-    assert both.token_ids[0] == plain.token_ids[:12]
+    assert both.token_ids[0] == plain.token_ids
     assert both.token_ids[1] == free.token_ids
 
 
@@ -95,6 +95,48 @@ def test_length_stops_inside_the_structure(real, prompt):
     out = generate(model, prompt, max_new_tokens=5, constraint=Constraint.from_schema(CAPITAL, tokenizer))
     assert len(out.token_ids) == 5 and tokenizer.eos_token_id not in out.token_ids
     assert tokenizer.decode(out.token_ids).startswith('{"country": "')
+
+
+NOTE = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"],
+        "additionalProperties": False}                      # a string with no length limit: it can run on
+
+
+def test_distances_count_the_fewest_bytes_to_a_match(real):
+    _, tokenizer = real
+    index = Constraint.from_regex("ab(c|de)f*", tokenizer).index
+    walks = (b"", b"a", b"ab", b"abd", b"abc", b"abcff", b"abde")
+    assert [int(index.distances[index.dfa.walk(text)]) for text in walks] == [3, 2, 1, 1, 0, 0, 0]
+
+
+def test_closing_tokens_are_exactly_those_that_bring_the_end_nearer(real):
+    _, tokenizer = real
+    constraint = Constraint.from_schema(NOTE, tokenizer)
+    index = constraint.index
+    state = index.dfa.walk(b'{"note": "Par')
+    here = index.distances[state]
+    assert here == len('"}')
+    expected = []
+    for token_id, data in enumerate(index.vocab.token_bytes):
+        if data and token_id != index.eos_token_id:
+            end = index.dfa.walk(data, state)
+            if end != -1 and index.distances[end] < here:
+                expected.append(token_id)
+    closing = index.closing_tokens(state).tolist()
+    assert closing == expected and tokenizer.encode('"}')[0] in closing
+    assert set(closing) < set(index.allowed_tokens(state).tolist())
+
+
+def test_a_free_string_is_closed_within_max_tokens(real):
+    model, tokenizer = real
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write a long note about Paris as JSON."}])
+    lengths = []
+    for seed in range(6):                                  # hot sampling: the note would run past 16 tokens
+        out = generate(model, prompt, max_new_tokens=16, temperature=1.5, seed=seed,
+                       constraint=Constraint.from_schema(NOTE, tokenizer))
+        assert out.token_ids[-1] == tokenizer.eos_token_id, tokenizer.decode(out.token_ids)
+        jsonschema.validate(json.loads(tokenizer.decode(out.token_ids[:-1])), NOTE)
+        lengths.append(len(out.token_ids))
+    assert max(lengths) == 16, lengths                      # the budget bound, and the document still closed
 
 
 def test_bad_combinations_refused(real, prompt):

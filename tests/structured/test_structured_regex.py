@@ -83,3 +83,24 @@ def test_state_limit_names_pattern_and_limit():
         compile_regex("(abcdefgh){100000}", max_states=100)
     with pytest.raises(ValueError, match="max_states=0"):
         compile_regex("a", max_states=0)
+
+
+def test_threads_compiling_one_pattern_share_one_index():
+    import threading
+
+    from llminfer.structured.index import Vocabulary, compile_index
+
+    vocab = Vocabulary([bytes([b]) for b in range(256)] + [b"ab", b"abc"], eos_token_id=None)
+    pattern = "(ab|c)+[0-9]{2,40}"                   # a few hundred states: the compiles overlap in time
+    start, found = threading.Barrier(8), []
+
+    def compile_it():
+        start.wait()
+        found.append(compile_index(pattern, vocab))
+
+    threads = [threading.Thread(target=compile_it) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(found) == 8 and len({id(index) for index in found}) == 1
