@@ -67,7 +67,8 @@ def block_tables(answer):
 
 def _decode_by_hand(q, k_pool, v_pool, tables, lengths, interleave=True, scale=True):
     """One decode query per sequence attended over its first lengths[i] positions, read through its block table:
-    q (S, H, D) -> (S, H, D). interleave=False and scale=False are the two slips 06.3 recognises."""
+    q (S, H, D) -> (S, H, D). 06.3 recognises three slips: lengths of whole blocks, interleave=False (GQA heads
+    cycled) and scale=False (no 1/√d)."""
     size, n_kv_heads, head_dim = k_pool.shape[1:]
     group = q.shape[1] // n_kv_heads
     out = []
