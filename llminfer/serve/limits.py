@@ -13,8 +13,11 @@ more than MAX_HEADER_BYTES with a 431 before h11 parses them. A request whose Co
 limit is answered 413 from its headers alone: its body never reaches h11 or the app, and what the client sends
 of it anyway is dropped as it arrives (a length compared per read, no parsing), so that the client reads the
 413 rather than a reset, until it is all in, DISCARD_BYTES have passed or the body's deadline, and the
-connection closes. Four clients each sending bodies of the limit's size cost the event loop next to nothing. uvicorn counts the connection it is deciding on
-among the open ones, so its limit is set one above max_connections: max_connections connections are served.
+connection closes. Four clients each sending bodies of the limit's size cost the event loop next to nothing. The
+app may refuse a request while its body is still arriving (`jsonscan`: too many values, counted per chunk): it calls
+the scope's REFUSE_BODY extension, and the protocol answers at once and drops the rest of the declared body the same
+way. uvicorn counts the connection it is deciding on among the open ones, so its limit is set one above
+max_connections: max_connections connections are served.
 
     uvicorn.run(app, **uvicorn_options(config))     # the limits of a ServeConfig, as uvicorn options
 """
@@ -23,14 +26,16 @@ from __future__ import annotations
 import json
 import logging
 import re
+from http import HTTPStatus
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["timed_protocol", "uvicorn_options", "body_too_large", "MAX_HEADER_BYTES", "DISCARD_BYTES"]
+__all__ = ["timed_protocol", "uvicorn_options", "body_too_large", "MAX_HEADER_BYTES", "DISCARD_BYTES", "REFUSE_BODY"]
 
 MAX_HEADER_BYTES = 64 * 1024     # the request line and headers together; more closes the connection (431)
 DISCARD_BYTES = 64 * 2**20       # of a refused body, at most this much is read and dropped before closing
+REFUSE_BODY = "llminfer.refuse_body"  # scope["extensions"][REFUSE_BODY](status, error body): answer, drop the rest
 _CONTENT_LENGTH = re.compile(rb"\r\ncontent-length[ \t]*:[ \t]*(\d{1,30})[ \t]*(?=\r\n)", re.IGNORECASE)
 log = logging.getLogger("llminfer.serve")
 
@@ -41,10 +46,11 @@ def body_too_large(limit: int) -> tuple[str, str]:
             "send a smaller request", "request_too_large")
 
 
-def _response(status: bytes, message: str, code: str) -> bytes:
-    """A complete HTTP/1.1 response carrying an OpenAI-style error, closing the connection."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+def _response(status: bytes, message: str, code: str, error: dict | None = None) -> bytes:
+    """A complete HTTP/1.1 response carrying an OpenAI-style error (error, or one made of message and code), closing
+    the connection."""
+    error = error or {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    body = json.dumps(error).encode()
     return (b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
             % (status, len(body), body))
 
@@ -61,6 +67,7 @@ class _TimedH11Protocol(H11Protocol):
         self._waiting_for = None
         self._head = b""                 # the waiting request's bytes so far, up to the end of its headers
         self._discard = 0                # > 0: a refused body's bytes still to drop before closing
+        self._body_left = None           # the waiting request's declared body bytes not yet received
         super().connection_made(transport)
         self._arm("headers", self.header_timeout_s)
 
@@ -93,16 +100,19 @@ class _TimedH11Protocol(H11Protocol):
             return True
         body_so_far, head, self._head = len(self._head) - size, self._head[:size], b""
         declared = _CONTENT_LENGTH.search(head)
+        self._body_left = int(declared[1]) - body_so_far if declared else None
         if self.max_body_bytes is not None and declared and int(declared[1]) > self.max_body_bytes:
             self._discard = min(int(declared[1]), DISCARD_BYTES) - body_so_far
             self._refuse(b"413 Content Too Large", *body_too_large(self.max_body_bytes), keep_reading=True)
             return False
         return True
 
-    def _refuse(self, status: bytes, message: str, code: str, keep_reading: bool = False) -> None:
+    def _refuse(self, status: bytes, message: str, code: str, keep_reading: bool = False,
+                error: dict | None = None) -> None:
         """Answers status with an error body and closes; with keep_reading, only once the body is dropped."""
-        log.info("refused a request from its headers: %s %s", status.decode(), message[:200])
-        self.transport.write(_response(status, message, code))
+        if error is None:                # the app logs its own refusals
+            log.info("refused a request from its headers: %s %s", status.decode(), message[:200])
+        self.transport.write(_response(status, message, code, error))
         if keep_reading and self._discard > 0:
             self._arm("discard", self.body_timeout_s)
         else:
@@ -115,15 +125,31 @@ class _TimedH11Protocol(H11Protocol):
                 self._disarm()
                 self.transport.close()
             return
-        if self.conn.their_state is h11.IDLE and not self._headers_fit(data):
-            return
+        if self.conn.their_state is h11.IDLE:
+            if not self._headers_fit(data):
+                return
+        elif self._body_left is not None:
+            self._body_left -= len(data)
         super().data_received(data)
+        if self.cycle is not None and REFUSE_BODY not in self.cycle.scope.setdefault("extensions", {}):
+            self.cycle.scope["extensions"][REFUSE_BODY] = self._refuse_body
         state = self.conn.their_state
         if state is h11.SEND_BODY:
             if self._waiting_for != "body":
                 self._arm("body", self.body_timeout_s)
         elif state is not h11.IDLE:          # the request is in (DONE), or the connection is ending
             self._disarm()
+
+    def _refuse_body(self, status: int, error: dict) -> None:
+        """The app's refusal of the request whose body is arriving: answered now (the app's own response is then not
+        sent), the rest of the declared body dropped as it comes, then the connection closed."""
+        cycle, left = self.cycle, self._body_left
+        if cycle is None or cycle.response_started or self.transport.is_closing():
+            return
+        cycle.disconnected = True        # uvicorn sends nothing more for this request
+        self._discard = 0 if left is None or self.conn.their_state is not h11.SEND_BODY else min(left, DISCARD_BYTES)
+        self.flow.resume_reading()
+        self._refuse(b"%d %s" % (status, HTTPStatus(status).phrase.encode()), "", "", keep_reading=True, error=error)
 
     def on_response_complete(self) -> None:
         self._head = b""

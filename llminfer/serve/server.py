@@ -54,7 +54,8 @@ from ..structured import MAX_STATES, Constraint, TokenIndex, UnsupportedSchema, 
 from ..structured import json_object_regex, schema_to_regex
 from .async_engine import EngineLoop, EngineUnavailable, QueueFull, RequestHandle, Update
 from .chat import ChatTemplate, chat_prompt_ids, load_chat_template
-from .limits import body_too_large, uvicorn_options
+from .jsonscan import BodyScanner, TooMany
+from .limits import REFUSE_BODY, body_too_large, uvicorn_options
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_sampling_fields, error_body,
                        new_id, now_s, output_structure)
@@ -401,24 +402,20 @@ class OpenAIServer:
 
     # --- parsing a body --------------------------------------------------------------------------------
 
-    def parse_body(self, raw: bytes, schema):
+    def parse_body(self, raw: bytes, schema, counted: bool = False):
         """The request parsed and checked in size and type, or an APIError (400) naming what is wrong. Chapter 11.
 
         Sizes come first and cost little: the JSON's arrays, objects and values are counted in its bytes before it
-        is parsed (`count_structure`), integers too long to convert are kept as text (`checks.parse_json_int`),
-        and the prompts' number, each prompt's length and their total are checked on the parsed document
-        (`check_sizes`) before the schema reads it, so an oversized request is refused before any per-prompt
-        work."""
+        is parsed (`count_structure`; not again when a `body_scanner` counted them as the body arrived: counted),
+        integers too long to convert are kept as text (`checks.parse_json_int`), and the prompts' number, each
+        prompt's length and their total are checked on the parsed document (`check_sizes`) before the schema
+        reads it, so an oversized request is refused before any per-prompt work."""
         limit, most_values = self.max_json_containers, self.max_json_values
-        containers, commas = count_structure(raw, min(limit, most_values))
+        containers, commas = (0, 0) if counted else count_structure(raw, min(limit, most_values))
         if containers > limit:
-            raise APIError(f"the JSON body holds {containers} arrays and objects, more than the {limit} a request "
-                           f"may hold (at most {self.loop.max_queued_requests} prompts); send fewer prompts or "
-                           "messages per request", code="too_many_values")
+            raise self.too_many(TooMany("containers", containers, limit, None))
         if commas >= most_values:
-            raise APIError(f"the JSON body holds more than {commas} values, more than the {most_values} a request "
-                           f"may hold (at most {self.loop.max_queued_requests} prompts of at most "
-                           f"{self.max_model_len} tokens); send fewer or shorter prompts", code="too_many_values")
+            raise self.too_many(TooMany("values", commas + 1, most_values, None))
         try:
             body = json.loads(raw, parse_int=checks.parse_json_int)
         except (ValueError, UnicodeDecodeError) as exc:       # JSONDecodeError is a ValueError
@@ -448,6 +445,31 @@ class OpenAIServer:
                            param=where) from None
         self._check_model(parsed.model)
         return parsed
+
+    def body_scanner(self) -> BodyScanner:
+        """A scanner that counts a body's values as it streams in, with this server's limits (`jsonscan`)."""
+        return BodyScanner(self.max_json_containers, self.max_json_values, self.loop.max_queued_requests,
+                           self.max_prompt_chars)
+
+    def too_many(self, exc: TooMany) -> APIError:
+        """The 400 for a body past one of its size limits, counted in its bytes (`jsonscan.TooMany`): the count, the
+        limit, the field being read where known, and the fix."""
+        queued, where = self.loop.max_queued_requests, f" (in the field {exc.field!r})" if exc.field else ""
+        if exc.what == "containers":
+            return APIError(f"the JSON body holds at least {exc.count} arrays and objects{where}, more than the "
+                            f"{exc.limit} a request may hold (at most {queued} prompts); send fewer prompts or "
+                            "messages per request", param=exc.field, code="too_many_values")
+        if exc.what == "values":
+            return APIError(f"the JSON body holds at least {exc.count} values{where}, more than the {exc.limit} a "
+                            f"request may hold (at most {queued} prompts of at most {self.max_model_len} tokens); "
+                            "send fewer or shorter prompts", param=exc.field, code="too_many_values")
+        if exc.what == "prompts":
+            return APIError(f"the request holds at least {exc.count} prompts but this server queues at most {queued} "
+                            "requests (max_queued_requests); send at most that many prompts per request",
+                            param="prompt", code="too_many_prompts")
+        return APIError(f"{exc.field} has at least {exc.count} characters, more than the {exc.limit} that could fit "
+                        f"this model's maximum context length of {self.max_model_len} tokens; shorten it",
+                        param="prompt", code="context_length_exceeded")
 
     @property
     def max_json_containers(self) -> int:
@@ -589,8 +611,11 @@ def longest_token_chars(tokenizer) -> int:
 DRAIN_BYTES = 16 * 2**20     # a body over the limit is read and dropped up to this, so its client gets the 413
 
 
-async def read_limited(request: Request, limit: int) -> bytes:
+async def read_limited(request: Request, limit: int, scan=None) -> bytes:
     """The request body, or APIError 413 if it exceeds limit bytes. Chapter 11.
+
+    scan(chunk), if given, sees each chunk as it arrives and may raise an APIError (`jsonscan`: too many values):
+    the HTTP protocol then answers it at once and drops the rest of the body unread (`limits`, REFUSE_BODY).
 
     A declared Content-Length over the limit never gets here: the HTTP protocol answers it from the headers
     (`limits`). For a body sent in chunks, or longer than it said, the excess is read and dropped (never kept) up
@@ -610,11 +635,25 @@ async def read_limited(request: Request, limit: int) -> bytes:
                 raise too_large(close=True)
             if size <= limit:
                 chunks.append(chunk)
+                if scan is not None:
+                    _scan(request, scan, chunk)
     except ClientDisconnect:
         raise APIError("the client went away before its request body arrived", status_code=408) from None
     if size > limit:
         raise too_large()
     return b"".join(chunks)
+
+
+def _scan(request: Request, scan, chunk: bytes) -> None:
+    """scan(chunk); an APIError it raises is answered by the HTTP protocol where it can (the rest of the body is then
+    dropped as it arrives, never parsed), and raised on for the app's error handler (its log line and metrics)."""
+    try:
+        scan(chunk)
+    except APIError as exc:
+        refuse = request.scope.get("extensions", {}).get(REFUSE_BODY)
+        if refuse is not None:
+            refuse(exc.status_code, exc.body())
+        raise
 
 
 def _field_path(loc: tuple) -> str | None:
@@ -703,8 +742,15 @@ def build_app(model=None, tokenizer=None, config: ServeConfig | None = None, ser
         if kind != "application/json":        # a web page can POST text/plain or a form without a preflight
             raise APIError(f"the request body must be JSON sent as Content-Type: application/json, got "
                            f"{_shown(kind or 'no Content-Type')}", status_code=415, code="unsupported_media_type")
-        raw = await read_limited(request, state.config.max_request_bytes)
-        parsed = await asyncio.to_thread(state.parse_body, raw, schema)     # parsing and checking: off the loop
+        scanner = state.body_scanner()
+
+        def scan(chunk: bytes) -> None:         # counted as it arrives: a body past a limit is refused at once
+            try:
+                scanner.feed(chunk)
+            except TooMany as exc:
+                raise state.too_many(exc) from None
+        raw = await read_limited(request, state.config.max_request_bytes, scan)
+        parsed = await asyncio.to_thread(state.parse_body, raw, schema, True)    # parsing and checking: off the loop
         check_sampling_fields(parsed)
         return parsed
 

@@ -358,7 +358,7 @@ def test_a_body_over_the_limit_gets_413(tight):
         "request_too_large"
 
     def chunks():                         # no Content-Length: the limit is found while reading
-        yield b'{"model": "tiny-capitals", "prompt": "'
+        yield b'{"model": "tiny-capitals", "prompt": "hi", "user": "'
         for _ in range(20):
             yield b"y" * 1000
         yield b'"}'
