@@ -1,4 +1,4 @@
-"""Chapter 05's exercises: one request's prefill in chunks, static against continuous batching, a scheduler step."""
+"""Chapter 05's exercises: one request's prefill in chunks, static against continuous batching, a prefill-first step."""
 from __future__ import annotations
 
 import random
@@ -7,12 +7,12 @@ from . import as_wholes, exercise, not_a, run_code
 
 CHUNK_BUDGET, CHUNK_DECODERS, CHUNK_PROMPT = 64, 5, 180      # 05.1
 STEPS_PROMPT, STEPS_OUTPUTS, STEPS_SEQS = 8, (2, 9, 3, 5), 2   # 05.2: four requests, at most two at a time
-STEP_BUDGET, STEP_SEQS = 48, 4                                 # 05.3
+STEP_BUDGET, STEP_SEQS, STEP_BLOCK = 48, 4, 16                 # 05.3: section 2's pool has blocks of 16
 
 
-def _run(prompt_lens, output_lens, budget, max_num_seqs, policy="continuous", on_step=None) -> list[dict]:
+def _run(prompt_lens, output_lens, budget, max_num_seqs, policy="continuous") -> list[dict]:
     """Runs requests (all waiting at the start) through the engine's Scheduler with a model that always samples
-    token 0; returns each step's {request id: tokens}. on_step(scheduler) is called before each step."""
+    token 0; returns each step's {request id: tokens}."""
     from ..engine import BlockManager, SamplingParams, Sequence
     from ..engine.scheduler import Scheduler
     blocks = sum(-(-(p + o) // 16) for p, o in zip(prompt_lens, output_lens))
@@ -22,8 +22,6 @@ def _run(prompt_lens, output_lens, budget, max_num_seqs, policy="continuous", on
         scheduler.add(Sequence(i, [1] * prompt, SamplingParams(max_new_tokens=output), 0.0))
     steps = []
     while scheduler.has_unfinished():
-        if on_step is not None:
-            on_step(scheduler)
         metadata = scheduler.schedule()
         scheduler.finish_step(metadata)
         steps.append(dict(zip((s.request_id for s in metadata.seqs), metadata.query_lens)))
@@ -77,30 +75,105 @@ def static_against_continuous(answer):
     return True, f"static {want[0]} steps, continuous {want[1]}: a short request's slot no longer waits for a long one"
 
 
-def _state(scheduler):
-    running = [(s.request_id, s.num_remaining, s.is_decoding) for s in scheduler.running]
-    waiting = [(s.request_id, s.num_prompt_tokens) for s in scheduler.waiting]
-    return running, waiting
+class _Request:
+    """A request as chapter 05's section 2 holds it (the same attributes), for the reader's step to schedule."""
+
+    def __init__(self, request_id, prompt_len, max_new_tokens):
+        self.id, self.prompt_len, self.max_new = request_id, prompt_len, max_new_tokens
+        self.made = self.computed = self.blocks = 0
+
+    @property
+    def remaining(self):
+        return self.prompt_len + self.made - self.computed
+
+    @property
+    def decoding(self):
+        return self.made > 0 and self.remaining == 1
+
+    def __repr__(self):
+        state = "decoding" if self.decoding else f"{self.remaining} prompt tokens to go"
+        return f"#{self.id} ({state})"
 
 
-@exercise("05.3", "one continuous-batching step: decode, chunk, admit, against the engine's Scheduler")
-def scheduler_step(answer):
+def _ordered_step(order: tuple[str, ...]):
+    """A reference step that serves its parts in `order`: "prefills" (chunks of started prompts), "admit" (waiting
+    requests, first come first served) and "decodes" (one token each). The pool has room for every request."""
+    def step(running, waiting, pool, budget, max_seqs):
+        scheduled = {}
+
+        def run(request):
+            nonlocal budget
+            n = min(request.remaining, budget)
+            need = -(-(request.computed + n) // STEP_BLOCK) - request.blocks
+            pool["free"], request.blocks = pool["free"] - need, request.blocks + need
+            scheduled[request.id], budget = n, budget - n
+
+        for part in order:
+            if part == "admit":
+                while waiting and budget > 0 and len(running) < max_seqs:
+                    running.append(waiting.pop(0))
+                    run(running[-1])
+            else:
+                for request in [r for r in running if r.decoding == (part == "decodes") and r.id not in scheduled]:
+                    if budget > 0:
+                        run(request)
+        return scheduled, []
+    return step
+
+
+_PREFILL_FIRST = ("prefills", "admit", "decodes")
+_MISTAKES = {("decodes", "prefills", "admit"): "that is section 2's order: the decodes still come first",
+             ("prefills", "decodes", "admit"): ("the started prompts come first, but new requests are admitted after "
+                                                "the decodes; their prompts are prompt work too: admit before decoding")}
+
+
+def _serve(step, prompts, outputs, states=None):
+    """Section 2's serve loop over _Request objects with a pool that holds every request; each step's schedule.
+    states, if given, gets the running and waiting requests (as text) before each step."""
+    waiting = [_Request(i, p, o) for i, (p, o) in enumerate(zip(prompts, outputs))]
+    running, pool, steps = [], {"free": sum(-(-(p + o) // STEP_BLOCK) for p, o in zip(prompts, outputs))}, []
+    while (waiting or running) and len(steps) < 10 * sum(prompts) + sum(outputs):
+        if states is not None:
+            states.append((repr(running), repr(waiting)))
+        result = step(running, waiting, pool, STEP_BUDGET, STEP_SEQS)
+        scheduled = result[0] if isinstance(result, tuple) and len(result) == 2 else result
+        if not isinstance(scheduled, dict):
+            raise TypeError(f"a step returns (scheduled, preempted) with scheduled a dict, got {result!r}")
+        scheduled = {k: int(v) for k, v in scheduled.items() if v}
+        for request in list(running):
+            if request.id in scheduled:
+                request.computed += scheduled[request.id]
+                if request.computed == request.prompt_len + request.made:
+                    request.made += 1
+                    if request.made == request.max_new:
+                        running.remove(request)
+                        pool["free"] += request.blocks
+        steps.append(scheduled)
+    return steps
+
+
+@exercise("05.3", "a prefill-first step: section 2's step with prompt work before the decodes")
+def prefill_first_step(answer):
     if not callable(answer):
-        return not_a("a function step(running, waiting, budget, max_num_seqs) -> {request_id: tokens}", answer)
+        return not_a("a function step(running, waiting, pool, budget, max_seqs) -> (scheduled, preempted)", answer)
     generator = random.Random(0)
     prompts = [generator.randint(1, 120) for _ in range(12)]
     outputs = [generator.randint(1, 12) for _ in range(12)]
     states = []
-    steps = _run(prompts, outputs, STEP_BUDGET, STEP_SEQS, on_step=lambda scheduler: states.append(_state(scheduler)))
-    for number, ((running, waiting), want) in enumerate(zip(states, steps), 1):
-        mine, error = run_code(answer, list(running), list(waiting), STEP_BUDGET, STEP_SEQS)
-        if error:
-            return False, error
-        if not isinstance(mine, dict):
-            return not_a("a dict {request_id: tokens}", mine)
-        if {k: int(v) for k, v in mine.items() if v} != want:
-            return False, (f"step {number}: running {running}, waiting {waiting}: you scheduled {mine}, the "
-                           f"Scheduler {want}. Decodes come first, one token each; then the partly prefilled, in "
-                           f"admission order; then waiting requests, first come first served, while tokens are left "
-                           f"and fewer than {STEP_SEQS} run (section 4)")
-    return True, f"{len(steps)} steps of a 12-request workload scheduled exactly as llminfer.engine's Scheduler does"
+    want = _serve(_ordered_step(_PREFILL_FIRST), prompts, outputs, states)
+    mine, error = run_code(_serve, answer, prompts, outputs)
+    if error:
+        return False, error
+    if mine == want:
+        return True, (f"{len(want)} steps of a 12-request workload scheduled prefill-first, as the reference does: "
+                      "new requests reach their first token sooner, and the decodes wait behind the prompts")
+    for order, why in _MISTAKES.items():
+        if mine == _serve(_ordered_step(order), prompts, outputs):
+            return False, why
+    number = next((i for i, (a, b) in enumerate(zip(mine, want)) if a != b), min(len(mine), len(want)))
+    running, waiting = states[min(number, len(states) - 1)]
+    return False, (f"step {number + 1}: running {running}, waiting {waiting}: you scheduled "
+                   f"{mine[number] if number < len(mine) else 'nothing'}, prefill-first schedules "
+                   f"{want[number] if number < len(want) else 'nothing'}. First chunks of the started prompts in "
+                   f"admission order, then admissions (first come first served, while fewer than {STEP_SEQS} run), "
+                   "then one token per decoding request, each while the budget lasts")

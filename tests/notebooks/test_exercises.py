@@ -72,16 +72,24 @@ def _mlp_shard_summing_before_silu(x, w_gate, w_up, w_down, rank, world_size):
     return h @ w_down.T
 
 
-def _step_prefills_first(running, waiting, budget, max_num_seqs):
-    """05.3 wrong: the started prompts' chunks before the decodes, which then wait behind a long prompt."""
+def _step_admits_after_decodes(running, waiting, pool, budget, max_seqs):
+    """05.3 wrong: the started prompts before the decodes, but new requests admitted only after the decodes."""
     scheduled = {}
-    order = [r for r in running if not r[2]] + [r for r in running if r[2]]
-    admitted = [(request_id, prompt_len, False) for request_id, prompt_len in waiting[:max_num_seqs - len(running)]]
-    for request_id, left, _ in order + admitted:
+
+    def run(request):
+        nonlocal budget
+        n = min(request.remaining, budget)
+        need = -(-(request.computed + n) // 16) - request.blocks
+        pool["free"], request.blocks = pool["free"] - need, request.blocks + need
+        scheduled[request.id], budget = n, budget - n
+
+    for request in [r for r in running if not r.decoding] + [r for r in running if r.decoding]:
         if budget > 0:
-            scheduled[request_id] = min(left, budget)
-            budget -= scheduled[request_id]
-    return scheduled
+            run(request)
+    while waiting and budget > 0 and len(running) < max_seqs:
+        running.append(waiting.pop(0))
+        run(running[-1])
+    return scheduled, []
 
 
 def _accept_every_agreeing_guess(target_logits, drafts):
@@ -105,7 +113,7 @@ WRONG = {
     "03.3": lambda answer, ctx: answer // 2,                                    # one FLOP per weight
     "05.1": lambda answer, ctx: (64, answer[1]),                                # the decodes' tokens forgotten
     "05.2": lambda answer, ctx: (answer[0], answer[0]),                         # continuous as long as static
-    "05.3": lambda answer, ctx: _step_prefills_first,
+    "05.3": lambda answer, ctx: _step_admits_after_decodes,
     "06.1": lambda answer, ctx: (5, answer[1]),                                 # the lengths pooled, not per sequence
     "06.2": lambda answer, ctx: (answer[0], [0, 1]),                            # freed blocks reused first
     "06.3": lambda answer, ctx: lambda q, k, v, tables, lengths: answer(q, k, v, tables,   # whole last blocks
