@@ -6,12 +6,17 @@ stage (model, penalties, mask, temperature, top-k, top-p, min-p), through two fu
 - ``stage_table(stage_probs, top_n)``: the tokens to show (the ``top_n`` most likely at any stage, ordered by the
   model's own probability), each stage's probability of each, and how many tokens each stage leaves;
 - ``stages_figure(stage_probs, tokenizer, top_n)``: a matplotlib Figure with one panel per stage, a bar per token,
-  and in each panel's title how many tokens are left.
+  and in each panel's title how many tokens are left;
+- ``build_sampling_widget(logits, tokenizer, history, settings)``: sliders for each setting, a line saying what the
+  pipeline leaves (``summary_line``) and the figure, redrawn as a slider moves.
 
 Nothing displays at import.
 """
 from __future__ import annotations
 
+import dataclasses
+import html
+import io
 from dataclasses import dataclass
 
 import torch
@@ -69,3 +74,70 @@ def stages_figure(stage_probs: dict[str, torch.Tensor], tokenizer=None, top_n: i
     axes[0, 0].set_ylabel("probability")
     fig.tight_layout()
     return fig
+
+
+def summary_line(stage_probs: dict[str, torch.Tensor], settings, tokenizer=None) -> str:
+    """One line: the settings, the tokens the whole pipeline leaves, and the most likely of them."""
+    final = stage_probs[list(stage_probs)[-1]]
+    top = int(final.argmax())
+    left = int((final > 0).sum())
+    return (f"temperature {settings.temperature:.2f} · top-k {settings.top_k or 'off'} · top-p "
+            f"{settings.top_p if settings.top_p is not None else 'off'} · min-p "
+            f"{settings.min_p if settings.min_p is not None else 'off'} · repetition penalty "
+            f"{settings.repetition_penalty:.2f} → {left:,} token{'s' if left != 1 else ''} left · most likely "
+            f"{token_label(tokenizer, top)} at {float(final[top]):.3f}")
+
+
+def build_sampling_widget(logits: torch.Tensor, tokenizer=None, history=None, settings=None, top_n: int = 8):
+    """Sliders for temperature, top-k, top-p, min-p and the repetition penalty over one row's logits (vocab,); each
+    change reruns `llminfer.sampling.stages` and redraws the summary line and the stages figure. Chapter 13.
+
+    top-k 0, top-p 1 and min-p 0 mean no cut. The presence and frequency penalties stay as `settings` has them."""
+    import ipywidgets as widgets
+
+    from ..sampling import SamplerSettings, stages
+
+    settings = settings or SamplerSettings(temperature=1.0)
+    wide = {"description_width": "150px"}
+    controls = {
+        "temperature": widgets.FloatSlider(value=settings.temperature, min=0.0, max=2.0, step=0.05,
+                                           description="temperature", style=wide),
+        "top_k": widgets.IntSlider(value=settings.top_k or 0, min=0, max=100, description="top-k (0: off)",
+                                   style=wide),
+        "top_p": widgets.FloatSlider(value=1.0 if settings.top_p is None else settings.top_p, min=0.05, max=1.0,
+                                     step=0.05, description="top-p (1: off)", style=wide),
+        "min_p": widgets.FloatSlider(value=settings.min_p or 0.0, min=0.0, max=0.5, step=0.01,
+                                     description="min-p (0: off)", style=wide),
+        "repetition_penalty": widgets.FloatSlider(value=settings.repetition_penalty, min=1.0, max=2.0, step=0.05,
+                                                  description="repetition penalty", style=wide),
+    }
+    for name, control in controls.items():
+        control.add_class(f"llminfer-sampling-{name.replace('_', '-')}")
+    summary = widgets.HTML()
+    summary.add_class("llminfer-sampling-summary")
+    chart = widgets.Image(format="png")
+    chart.add_class("llminfer-sampling-chart")
+
+    def chosen() -> SamplerSettings:
+        values = {name: control.value for name, control in controls.items()}
+        return dataclasses.replace(settings, temperature=round(values["temperature"], 4),
+                                   top_k=values["top_k"] or None,
+                                   top_p=None if values["top_p"] >= 1 else round(values["top_p"], 4),
+                                   min_p=round(values["min_p"], 4) or None,
+                                   repetition_penalty=round(values["repetition_penalty"], 4))
+
+    def redraw(_change=None):
+        current = chosen()
+        probs = stages(logits, current, history)
+        summary.value = f"<code>{html.escape(summary_line(probs, current, tokenizer))}</code>"
+        figure = stages_figure(probs, tokenizer, top_n=top_n)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png")
+        chart.value = buffer.getvalue()
+
+    for control in controls.values():
+        control.observe(redraw, names="value")
+    redraw()
+    box = widgets.VBox([*controls.values(), summary, chart])
+    box.add_class("llminfer-sampling")
+    return box

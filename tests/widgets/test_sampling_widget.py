@@ -39,3 +39,20 @@ def test_the_figure_has_a_panel_per_stage():
                for ax, name in zip(shown, STAGES))
     heights = [bar.get_height() for bar in shown[-1].patches]
     assert heights == pytest.approx(stage_table(probs, top_n=6).probs["min-p"])
+
+
+def test_the_widget_redraws_what_the_sliders_leave():
+    from llminfer.widgets.sampling import build_sampling_widget
+
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0])        # probabilities at T = 1: .64 .24 .09 .03 ...
+    box = build_sampling_widget(logits, settings=SamplerSettings(temperature=1.0, top_k=3))
+    controls = {c._dom_classes[0].removeprefix("llminfer-sampling-"): c for c in box.children}
+    assert "→ 3 tokens left · most likely 0 at 0.665" in controls["summary"].value     # e^4 / (e^4 + e^3 + e^2)
+    first = controls["chart"].value
+    controls["top-k"].value = 0                                   # off: all six
+    assert "top-k off" in controls["summary"].value and "→ 6 tokens left" in controls["summary"].value
+    controls["top-p"].value = 0.85                                # .64 + .24 = .88 reaches .85: two
+    assert "→ 2 tokens left" in controls["summary"].value
+    controls["min-p"].value = 0.4                                 # .24 / .64 < .4 after the nucleus: one
+    assert "→ 1 token left · most likely 0 at 1.000" in controls["summary"].value
+    assert controls["chart"].value != first and controls["chart"].value[:4] == b"\x89PNG"
