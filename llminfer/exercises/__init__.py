@@ -21,7 +21,7 @@ __all__ = ["Verdict", "check", "exercise", "exercises", "CHAPTERS"]
 
 # The chapters that have exercises, by number (A1: the appendix); each has a module chNN.py that registers its
 # checkers.
-CHAPTERS = ("01", "02", "03", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14", "A1")
+CHAPTERS = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14", "A1")
 
 _CHECKERS: dict[str, tuple[str, Callable]] = {}    # id -> (one-line title, checker)
 

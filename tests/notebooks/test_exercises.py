@@ -18,7 +18,7 @@ import nbformat
 import pytest
 import torch
 
-from llminfer.exercises import CHAPTERS, Verdict, check, exercises
+from llminfer.exercises import CHAPTERS, Verdict, check, ch04, exercises
 
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = ROOT / "chapters" / "solutions"
@@ -72,6 +72,14 @@ def _mlp_shard_summing_before_silu(x, w_gate, w_up, w_down, rank, world_size):
     return h @ w_down.T
 
 
+def _truncating_one_too_many(cache_class):
+    """04.4 wrong: truncate(length) keeps length - 1 positions."""
+    class OffByOne(cache_class):
+        def truncate(self, length):
+            self.length = length - 1
+    return OffByOne
+
+
 def _step_admits_after_decodes(running, waiting, pool, budget, max_seqs):
     """05.3 wrong: the started prompts before the decodes, but new requests admitted only after the decodes."""
     scheduled = {}
@@ -111,6 +119,10 @@ WRONG = {
     "03.1": lambda answer, ctx: 20 * 19 // 2,                                   # the prompt's re-runs forgotten
     "03.2": lambda answer, ctx: 50,                                             # N / 2
     "03.3": lambda answer, ctx: answer // 2,                                    # one FLOP per weight
+    "04.1": lambda answer, ctx: answer * 7,                                     # all 28 query heads, not 4 K/V heads
+    "04.2": lambda answer, ctx: 24 * 2**30 // (512 * 2**20),                    # the weights left out of the 24 GiB
+    "04.3": lambda answer, ctx: ch04.flop_crossing(ctx["config"]),              # where the FLOP ratio reaches 10
+    "04.4": lambda answer, ctx: _truncating_one_too_many(answer),
     "05.1": lambda answer, ctx: (64, answer[1]),                                # the decodes' tokens forgotten
     "05.2": lambda answer, ctx: (answer[0], answer[0]),                         # continuous as long as static
     "05.3": lambda answer, ctx: _step_admits_after_decodes,
