@@ -43,7 +43,7 @@ def prefill_chunks(answer):
     chunks = [step[new] for step in run if new in step]
     if chunk == CHUNK_BUDGET:
         return False, (f"the {CHUNK_DECODERS} decoding sequences come first, one token each: the prompt gets what "
-                       f"is left of the {CHUNK_BUDGET} (section 4)")
+                       f"is left of the {CHUNK_BUDGET} (sections 2 and 5)")
     if chunk != chunks[0]:
         return False, f"{chunk} tokens: the budget less one token per running decode"
     if steps == -(-CHUNK_PROMPT // CHUNK_BUDGET):
@@ -68,7 +68,7 @@ def static_against_continuous(answer):
         return False, "that is one request at a time; a static batch runs two together, for as long as its longest"
     if static != want[0]:
         return False, (f"static: the first batch runs as long as its longest output, {max(STEPS_OUTPUTS[:2])} steps "
-                       "(the prompt step makes the first token), then the second batch likewise (section 3)")
+                       "(the prompt step makes the first token), then the second batch likewise (section 4)")
     if continuous != want[1]:
         return False, ("continuous: a finished request's place is taken in the very next step; follow the two slots "
                        "step by step (the admitted prompt runs beside the other's decode)")
