@@ -108,7 +108,7 @@ def measure_here(mode: str, link: cost_model.Link | None = None, repeats: int = 
     prompt = _prompt()
     if mode == "tp":
         if link is None:
-            sizes = [4, 4096, 1 << 20]
+            sizes = [16, 4096, 1 << 20]                 # gloo takes a shorter path for one number
             measured = runner.measure_communication(sizes, repeats=2, budget_s=0.01)
             link = cost_model.fit_alpha_beta(sizes, measured["allreduce_s"]).as_link()
         ranks = runner.run_tensor_parallel("tiny-capitals", prompt, max_new_tokens=2, timing_repeats=repeats)
