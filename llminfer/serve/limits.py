@@ -11,7 +11,7 @@ h11 checks the header size only while the headers are incomplete in its buffer, 
 arrive in one read pass. The protocol counts a request's header bytes itself, however they arrive, and answers
 more than MAX_HEADER_BYTES with a 431 before h11 parses them. A request whose Content-Length passes the body
 limit is answered 413 from its headers alone: its body never reaches h11 or the app, and what the client sends
-of it anyway is dropped as it arrives (a length compared per read, no parsing), so that the client reads the
+of it anyway is dropped as it arrives (read into one shared buffer and counted, no parsing), so that the client reads the
 413 rather than a reset, until it is all in, DISCARD_BYTES have passed or the body's deadline, and the
 connection closes. Four clients each sending bodies of the limit's size cost the event loop next to nothing. The
 app may refuse a request while its body is still arriving (`jsonscan`: too many values, counted per chunk): it calls
@@ -23,6 +23,7 @@ max_connections: max_connections connections are served.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -66,7 +67,7 @@ class _TimedH11Protocol(H11Protocol):
         self._deadline = None
         self._waiting_for = None
         self._head = b""                 # the waiting request's bytes so far, up to the end of its headers
-        self._discard = 0                # > 0: a refused body's bytes still to drop before closing
+        self._discard = 0                # a refused body's bytes still to drop before closing (by a _Discard)
         self._body_left = None           # the waiting request's declared body bytes not yet received
         super().connection_made(transport)
         self._arm("headers", self.header_timeout_s)
@@ -115,16 +116,11 @@ class _TimedH11Protocol(H11Protocol):
         self.transport.write(_response(status, message, code, error))
         if keep_reading and self._discard > 0:
             self._arm("discard", self.body_timeout_s)
+            self.transport.set_protocol(_Discard(self, self._discard))
         else:
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
-        if self._discard > 0:            # a refused body: counted and dropped, never parsed
-            self._discard -= len(data)
-            if self._discard <= 0:
-                self._disarm()
-                self.transport.close()
-            return
         if self.conn.their_state is h11.IDLE:
             if not self._headers_fit(data):
                 return
@@ -160,6 +156,31 @@ class _TimedH11Protocol(H11Protocol):
     def connection_lost(self, exc) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+
+class _Discard(asyncio.BufferedProtocol):
+    """What reads a refused body: its bytes land in one buffer that every connection shares and are only counted (no
+    object per read, no parsing); once `left` of them are in, the connection closes. Chapter 11."""
+
+    _buffer = memoryview(bytearray(256 * 1024))
+
+    def __init__(self, owner: _TimedH11Protocol, left: int):
+        self.owner, self.left = owner, left
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.left -= nbytes
+        if self.left <= 0:
+            self.owner._disarm()
+            self.owner.transport.close()
+
+    def eof_received(self) -> bool:
+        return False                     # the client stopped sending: close
+
+    def connection_lost(self, exc) -> None:
+        self.owner.connection_lost(exc)  # uvicorn's bookkeeping of its connections
 
 
 def timed_protocol(header_timeout_s: float, body_timeout_s: float, max_body_bytes: int | None = None) -> type:
