@@ -53,6 +53,7 @@ class BodyScanner:
         self._named = False                  # that string is closed and may be a field's name (a colon follows)
         self._after_colon = False            # the last byte outside strings that is not blank is a colon
         self._prompt_string = False          # the open string is (part of) the prompt
+        self._where = "the prompt"           # which one, as the server's messages name it
         self._chars = 0                      # its characters so far (a lower bound)
 
     def _check(self, what: str, count: int, field: str | None = None) -> None:
@@ -119,7 +120,7 @@ class BodyScanner:
         if self.depth == 1:
             self._name = b""
         self._prompt_string = self.field == "prompt" and (self.depth >= 2 or (self.depth == 1 and self._after_colon))
-        if self._prompt_string:                          # named as the server's messages name it
+        if self._prompt_string:
             self._where = f"prompt[{self._prompt_strings}]" if self.depth >= 2 else "the prompt"
             self._prompt_strings += 1
             self._check("prompts", self.prompts)
