@@ -129,7 +129,7 @@ def index_page(readme: str, chapters: list[tuple[str, str]]) -> str:
     lines += ["", "```{toctree}", ":hidden:", ":caption: Chapters", ""]
     lines += [f"chapters/{stem}" for stem in numbered] + ["```", ""]
     if appendix:
-        lines += ["```{toctree}", ":hidden:", ":caption: Appendix", ""]
+        lines += ["```{toctree}", ":hidden:", ":caption: Appendix (optional)", ""]
         lines += [f"chapters/{stem}" for stem in appendix] + ["```", ""]
     return "\n".join(lines)
 

@@ -140,8 +140,9 @@ def test_staging_strips_markers_collapses_long_cells_shows_widget_shots_and_find
     index = (tmp_path / "src" / "index.md").read_text()
     assert "[`00_intro`](chapters/00_intro.ipynb)" in index
     assert "| [00 · Intro](chapters/00_intro.ipynb) | the start |" in index
-    assert index.index(":caption: Chapters") < index.index("chapters/00_intro\n") < index.index(":caption: Appendix")
-    assert index.index(":caption: Appendix") < index.index("chapters/A1_cpu_kernels\n")
+    appendix = index.index(":caption: Appendix (optional)")
+    assert index.index(":caption: Chapters") < index.index("chapters/00_intro\n") < appendix
+    assert appendix < index.index("chapters/A1_cpu_kernels\n")
     assert "notes" not in index
 
 
