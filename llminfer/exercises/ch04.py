@@ -90,7 +90,7 @@ def ten_steps_crossing(answer, sweep=None, config=None):
         return False, (f"{flops_say} tokens is where the FLOP ratio reaches {TIMES}×; the time ratio gets there much "
                        f"later, because the cached step still reads every weight (section 8): fit the times")
     return False, (f"{value:.0f} tokens: with your sweep's line the recompute takes {TIMES}× your mean cached step "
-                   f"({cached * 1e3:.1f} ms) at about {want:.0f} tokens; solve intercept + slope · n = {TIMES} × cached")
+                   f"({cached * 1e3:.1f} ms) at about {want:.0f} tokens: solve intercept + slope · n = {TIMES} × cached")
 
 
 def _tiny():
@@ -123,7 +123,8 @@ def scratch_truncate(answer):
                            "is what says where the next token goes and which positions attention reads")
         other = tokenizer.encode(" Rome")[0]                        # a different continuation after the roll-back
         mine = model(torch.tensor([[other]]), cache=cache)[:, -1]
-        fresh = model(torch.tensor([prompt + [first, other]]), cache=model.new_cache(batch_size=1, max_seq_len=16), last_only=True)[:, -1]
+        fresh_cache = model.new_cache(batch_size=1, max_seq_len=16)
+        fresh = model(torch.tensor([prompt + [first, other]]), cache=fresh_cache, last_only=True)[:, -1]
     gap = float((mine - fresh).abs().max())
     if cache.length != len(prompt) + 2 or gap > 1e-4:
         return False, (f"after the roll-back a new token's logits differ from a fresh prefill by {gap:.2g} (length "

@@ -124,7 +124,7 @@ def _ordered_step(order: tuple[str, ...]):
 _PREFILL_FIRST = ("prefills", "admit", "decodes")
 _MISTAKES = {("decodes", "prefills", "admit"): "that is section 2's order: the decodes still come first",
              ("prefills", "decodes", "admit"): ("the started prompts come first, but new requests are admitted after "
-                                                "the decodes; their prompts are prompt work too: admit before decoding")}
+                                                "the decodes; their prompts are prompt work too: admit them first")}
 
 
 def _serve(step, prompts, outputs, states=None):
