@@ -5,7 +5,8 @@ should cost about what one costs. This prints, for each weight format and thread
 of the native layer stack (`cpu.stack.PreparedStack`, every layer in one call, random weights of a published shape)
 over 1, 2, 4, 8 and 16 rows of x (positions of one sequence, as a verification forward has them), and its ratio to
 one row. Up to `cpu.MAX_TOKENS` rows the multi-row matrix-vector loops run, past it the blocked kernel. The rows
-take turns within each format and thread count; the table is printed, not recorded.
+take turns within each format and thread count. The table is printed and the record written to
+<out>/rows-<machine>.json (data/benchmarks/ by default).
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from ..fast import optimize_decode
 from ..quant import quantize
 from .decode import ACTIVATIONS, PRECISIONS
 from .measure import shape_config, threads
+from .report import device_slug, load_average, machine, publish
 
-__all__ = ["SUMMARY", "add_arguments", "row_steps", "command"]
+__all__ = ["SUMMARY", "add_arguments", "row_steps", "run", "table", "command"]
 
 SUMMARY = "a layer-stack step over 1-16 rows against one row, each format (chapters 05, 08, 09)"
 
@@ -35,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--rounds", type=int, default=20, help="steps per row count (the median is kept)")
+    parser.add_argument("--out", default="data/benchmarks", help="folder for rows-<machine>.json")
 
 
 def row_steps(stack, rows: list[int], context: int = 32) -> list:
@@ -56,32 +59,54 @@ def row_steps(stack, rows: list[int], context: int = 32) -> list:
     return steps
 
 
-def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if not native_cpu.available():
-        parser.error(f"the native CPU kernels are unavailable: {native_cpu.why_unavailable()}")
-    if min(args.rows) < 1 or min(args.threads) < 1 or args.rounds < 1:
-        parser.error("--rows, --threads and --rounds must be positive")
-    base = load_random(shape_config(args.shape), dtype=torch.float32, seed=0, device="cpu")
-    print(f"{args.shape}, random weights; ms per layer-stack step (ratio to {args.rows[0]} row(s)); "
-          f"up to {native_cpu.MAX_TOKENS} rows the multi-row loops, past it the blocked kernel; "
-          f"{native_cpu.isa()} level")
-    print(f"{'format':<8}{'threads':>8}" + "".join(f"{r:>16}" for r in args.rows))
-    for name in args.formats:
+def run(shape: str = "smollm2-135m", formats=tuple(PRECISIONS), rows=(1, 2, 4, 8, 16), thread_counts=(1, 2),
+        rounds: int = 20) -> dict:
+    """The report: for each format and thread count, the median ms of one layer-stack step over each row count,
+    and its ratio to the first row count."""
+    report = {"machine": machine("cpu"), "slug": device_slug("cpu"), "load_average_before": load_average(),
+              "shape": shape, "isa": native_cpu.isa(), "max_tokens": native_cpu.MAX_TOKENS, "rows": list(rows),
+              "rounds": rounds, "results": []}
+    base = load_random(shape_config(shape), dtype=torch.float32, seed=0, device="cpu")
+    for name in formats:
         _, dtype, scheme = PRECISIONS[name]
         model = copy.deepcopy(base).to(dtype or torch.float32)
         if scheme:
             quantize(model, scheme[0], scheme[1], activations=ACTIVATIONS.get(name, "float"))
         stack = optimize_decode(model).layers
         with torch.inference_mode():
-            steps = row_steps(stack, args.rows)
-            for n in args.threads:
+            steps = row_steps(stack, list(rows))
+            for n in thread_counts:
                 with threads(n):
                     times = [[] for _ in steps]
-                    for _ in range(args.rounds):                      # the row counts take turns
+                    for _ in range(rounds):                           # the row counts take turns
                         for step, kept in zip(steps, times):
                             start = time.perf_counter()
                             step()
                             kept.append(time.perf_counter() - start)
                 medians = [statistics.median(t[1:] or t) * 1e3 for t in times]
-                print(f"{name:<8}{n:>8}" + "".join(f"{m:>9.2f} ({m / medians[0]:.2f})" for m in medians))
+                report["results"].append({"format": name, "threads": n, "ms": medians,
+                                          "ratio": [m / medians[0] for m in medians]})
+    report["load_average_after"] = load_average()
+    return report
+
+
+def table(report: dict) -> str:
+    """The report as the printed table: ms per step, and in brackets the ratio to the first row count."""
+    lines = [f"{report['shape']}, random weights; ms per layer-stack step (ratio to {report['rows'][0]} row(s)); "
+             f"up to {report['max_tokens']} rows the multi-row loops, past it the blocked kernel; "
+             f"{report['isa']} level",
+             f"{'format':<8}{'threads':>8}" + "".join(f"{r:>16}" for r in report["rows"])]
+    for result in report["results"]:
+        lines.append(f"{result['format']:<8}{result['threads']:>8}"
+                     + "".join(f"{m:>9.2f} ({r:.2f})" for m, r in zip(result["ms"], result["ratio"])))
+    return "\n".join(lines)
+
+
+def command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if not native_cpu.available():
+        parser.error(f"the native CPU kernels are unavailable: {native_cpu.why_unavailable()}")
+    if min(args.rows) < 1 or min(args.threads) < 1 or args.rounds < 1:
+        parser.error("--rows, --threads and --rounds must be positive")
+    report = run(args.shape, args.formats, args.rows, args.threads, args.rounds)
+    publish(report, args.out, f"rows-{report['slug']}", table)
     return 0
