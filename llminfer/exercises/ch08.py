@@ -63,7 +63,7 @@ def q4_0_block(answer):
             return not_a("a number and 32 codes", result)
         if want_scale and float(np.float16(scale)) == -want_scale:
             return False, ("the scale has the wrong sign: Q4_0 divides by the signed largest value, d = max / −8, so "
-                           "that value lands on code 0 (section 3)")
+                           "that value lands on code 0 (section 4, after the drawn Q4_1 block)")
         if not close(float(np.float16(scale)), want_scale, rel=1e-3, abs_=1e-12):
             return False, (f"block {i}: scale {scale:g}, llama.cpp stores {want_scale:g}: take the weight of largest "
                            "magnitude, with its sign, and divide it by −8")

@@ -113,14 +113,14 @@ def plot_q4_1_block(axes, raw, scale: float, minimum: float, codes) -> None:
             top.text(i + 0.46, -0.35, str(byte & 0x0F), ha="center", va="center", fontsize=7,
                      color=BLOCK_COLOURS["low"])
             top.text(i + 0.46, -0.8, str(byte >> 4), ha="center", va="center", fontsize=7, color=BLOCK_COLOURS["high"])
-    top.text(1, 1.3, f"d = {scale:.4g}", ha="center", fontsize=8)
-    top.text(3, 1.3, f"m = {minimum:.4g}", ha="center", fontsize=8)
-    top.text(12, 1.3, "codes: byte 4 + j holds weight j (low nibble) and weight j + 16 (high nibble)",
-             ha="center", fontsize=8)
+    top.text(0.96, 1.2, f"scale d\n{scale:.4g}", ha="center", va="bottom", fontsize=8)
+    top.text(2.96, 1.2, f"minimum m\n{minimum:.4g}", ha="center", va="bottom", fontsize=8)
+    top.text(12, 1.2, "codes: byte 4 + j holds weight j (low nibble) and weight j + 16 (high nibble)",
+             ha="center", va="bottom", fontsize=8)
     top.text(-0.3, -0.35, "low", ha="right", va="center", fontsize=7, color=BLOCK_COLOURS["low"])
     top.text(-0.3, -0.8, "high", ha="right", va="center", fontsize=7, color=BLOCK_COLOURS["high"])
     top.set_xlim(-1.5, 20.2)
-    top.set_ylim(-1.1, 1.6)
+    top.set_ylim(-1.1, 2.1)
     for level in range(16):
         bottom.axhline(minimum + level * scale, color="#dddddd", lw=0.8, zorder=0)
     index = np.arange(32)
@@ -129,6 +129,10 @@ def plot_q4_1_block(axes, raw, scale: float, minimum: float, codes) -> None:
         bottom.scatter(index[half], weights[half], s=18, color=colour, zorder=3)
     bottom.set_xlabel("weight j of the block")
     bottom.set_ylabel("w = code · d + m")
+    codes_axis = bottom.twinx()                                  # the same levels, named by their codes
+    codes_axis.set_ylim(bottom.get_ylim())
+    codes_axis.set_yticks([minimum + k * scale for k in (0, 5, 10, 15)], ["0", "5", "10", "15"])
+    codes_axis.set_ylabel("code")
     bottom.set_title("the 32 weights on the block's 16 levels (grey): code 0 is m, code 15 is m + 15d", fontsize=9)
 
 
