@@ -175,9 +175,8 @@ def _build() -> None:
     _state["build"] = str(build)
     cpp_extension.load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=cflags, extra_ldflags=ldflags,
                        build_directory=str(build), is_python_module=False, verbose=False)
-    for op in ("gemv_f32", "gemv_bf16", "gemv_int8", "gemv_int4", "gemv_int4_a8"):   # int4 tiles: 8 rows each
-        torch.library.register_fake(f"llminfer::{op}", lambda x, w, *rest: x.new_empty(
-            (x.shape[0], w.shape[0] * (8 if w.dim() == 3 else 1))))
+    torch.library.register_fake("llminfer::gemv", lambda x, parts, *rest: x.new_empty(   # int4 tiles: 8 rows each
+        (x.shape[0], parts[0].shape[0] * (8 if parts[0].dim() == 3 else 1))))
     for op in ("decode_attention", "paged_attention"):
         torch.library.register_fake(f"llminfer::{op}", lambda q, *rest: q.new_empty(q.shape))
     torch.library.register_fake("llminfer::run_stack", lambda stack, x, *rest: x.new_empty(x.shape))
@@ -291,15 +290,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
                          "pass tile_int4(nibbles, scale, offset)")
     if activations == "int8" and weight.dtype != torch.uint8:
         raise ValueError(f"activations='int8' is for int4 weights (uint8 tiles), got {weight.dtype}")
-    ops = torch.ops.llminfer
-    if weight.dtype == torch.uint8:
-        return (ops.gemv_int4_a8 if activations == "int8" else ops.gemv_int4)(x, weight, scale, offset, group)
-    if weight.dtype == torch.int8:
-        return ops.gemv_int8(x, weight, scale)
-    if weight.dtype in (torch.float32, torch.bfloat16):
-        return (ops.gemv_f32 if weight.dtype == torch.float32 else ops.gemv_bf16)(x, weight)
-    raise ValueError(f"no native kernel for {weight.dtype} weights; float32, bfloat16, int8 and int4 (uint8 "
-                     "tiles) have one")
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.int8, torch.uint8):
+        raise ValueError(f"no native kernel for {weight.dtype} weights; float32, bfloat16, int8 and int4 (uint8 "
+                         "tiles) have one")
+    parts = [t for t in (weight, scale, offset) if t is not None]
+    return torch.ops.llminfer.gemv(x, parts, group or 0, activations == "int8")
 
 
 def tile_int4(nibbles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor

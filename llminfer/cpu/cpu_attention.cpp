@@ -1,5 +1,6 @@
-// Decode attention of the native CPU kernels: a few queries against a K/V cache read in place, contiguous or
-// paged (through block tables). Chapters 06 and 08.
+// Attention of the native CPU kernels: queries against a K/V cache read in place, contiguous or paged (through
+// block tables). Scores, softmax and the weighted sum of V in float32; positions a query may not see are skipped,
+// and a query with no visible key gives NaN, as softmax over nothing does. Chapters 06 and 08.
 
 #include <atomic>
 
@@ -7,203 +8,11 @@
 
 namespace llminfer_cpu {
 
-#ifdef LLMINFER_X86
-// Keys j..j+3 are next: their rows' lines of V (read after the softmax), and those of K 16 keys on, into the cache
-// ahead of use. A layer's cache was last read a whole step of weights ago, so it comes from memory; the hardware
-// alone fetched it a miss at a time (on a Zen 5 a bfloat16 K/V head of about 160 positions took 1.4 to 1.5 times as long).
+// The portable loops (the vector ones are cpu_vec.h's group_scores and group_values): scores[j] = scale · (q · k_j)
+// over n K rows `stride` bytes apart, acc[d] += Σ_j p[j] · v_j[d], and scores[j] <- exp(scores[j] - best) (0 where
+// -inf), returning their sum
 template <WKind kind>
-inline void prefetch_kv(const char* k, int64_t kstride, const char* v, int64_t vstride, int64_t j, int64_t n,
-                        int64_t D) {
-  const int64_t row_bytes = D * wbytes<kind>();
-  for (int64_t i = j; i < j + 4; ++i)
-    for (int64_t line = 0; line < row_bytes; line += 64) {
-      if (i + 16 < n) _mm_prefetch(k + (i + 16) * kstride + line, _MM_HINT_T0);
-      _mm_prefetch(v + i * vstride + line, _MM_HINT_T0);
-    }
-}
-
-// scores[j] = scale · (q · k_j) for n keys whose rows lie `stride` bytes apart, four keys at a time (the V rows
-// alongside, `vstride` apart, fetched ahead for weighted_values)
-template <WKind kind>
-__attribute__((target("avx2,fma"))) void key_scores_avx2(const float* q, const char* k, int64_t stride, int64_t n,
-                                                          int64_t D, float scale, float* scores, const char* v,
-                                                          int64_t vstride) {
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    prefetch_kv<kind>(k, stride, v, vstride, j, n, D);
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    const char* r = k + j * stride;
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 qv = load8(q + d);
-      a0 = _mm256_fmadd_ps(wload8<kind>(r, d), qv, a0);
-      a1 = _mm256_fmadd_ps(wload8<kind>(r + stride, d), qv, a1);
-      a2 = _mm256_fmadd_ps(wload8<kind>(r + 2 * stride, d), qv, a2);
-      a3 = _mm256_fmadd_ps(wload8<kind>(r + 3 * stride, d), qv, a3);
-    }
-    scores[j] = hsum(a0) * scale, scores[j + 1] = hsum(a1) * scale;
-    scores[j + 2] = hsum(a2) * scale, scores[j + 3] = hsum(a3) * scale;
-  }
-  for (; j < n; ++j) {
-    __m256 a0 = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(wload8<kind>(k + j * stride, d), load8(q + d), a0);
-    scores[j] = hsum(a0) * scale;
-  }
-}
-
-// acc[d] += Σ_j p[j] · v_j[d] over n value rows `stride` bytes apart, 32 columns of acc in registers at a time
-template <WKind kind>
-__attribute__((target("avx2,fma"))) void weighted_values_avx2(const float* p, const char* v, int64_t stride,
-                                                               int64_t n, int64_t D, float* acc) {
-  int64_t d = 0;
-  for (; d + 32 <= D; d += 32) {
-    __m256 a0 = load8(acc + d), a1 = load8(acc + d + 8), a2 = load8(acc + d + 16), a3 = load8(acc + d + 24);
-    for (int64_t j = 0; j < n; ++j) {
-      if (p[j] == 0.f) continue;
-      const __m256 pj = _mm256_set1_ps(p[j]);
-      const char* r = v + j * stride;
-      a0 = _mm256_fmadd_ps(wload8<kind>(r, d), pj, a0);
-      a1 = _mm256_fmadd_ps(wload8<kind>(r, d + 8), pj, a1);
-      a2 = _mm256_fmadd_ps(wload8<kind>(r, d + 16), pj, a2);
-      a3 = _mm256_fmadd_ps(wload8<kind>(r, d + 24), pj, a3);
-    }
-    _mm256_storeu_ps(acc + d, a0), _mm256_storeu_ps(acc + d + 8, a1);
-    _mm256_storeu_ps(acc + d + 16, a2), _mm256_storeu_ps(acc + d + 24, a3);
-  }
-  for (; d < D; d += 8) {
-    __m256 a0 = load8(acc + d);
-    for (int64_t j = 0; j < n; ++j)
-      if (p[j] != 0.f) a0 = _mm256_fmadd_ps(wload8<kind>(v + j * stride, d), _mm256_set1_ps(p[j]), a0);
-    _mm256_storeu_ps(acc + d, a0);
-  }
-}
-
-__attribute__((target("avx2,fma"))) float exp_shifted_avx2(float* s, int64_t n, float best) {
-  const __m256 shift = _mm256_set1_ps(best), neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  __m256 sum = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    __m256 v = _mm256_loadu_ps(s + j);
-    __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(v, neg_inf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(v, shift)));
-    _mm256_storeu_ps(s + j, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  float total = hsum(sum);
-  for (; j < n; ++j) {
-    s[j] = std::isinf(s[j]) ? 0.f : std::exp(s[j] - best);
-    total += s[j];
-  }
-  return total;
-}
-
-// AVX-512: the query heads that share a K/V head, up to four at once, against each key and value row loaded and
-// widened once for all of them (the loops above take one head at a time)
-
-// [Σ a, Σ b, Σ c, Σ d] over each vector's lanes, in one tree of adds
-__attribute__((target(LLMINFER_AVX512))) inline __m128 sum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(halves_sum(a), halves_sum(b)),
-                                  _mm256_hadd_ps(halves_sum(c), halves_sum(d)));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-// scores[g·ss + j] = scale · (q[g] · k_j) for G query heads and n keys whose rows lie `stride` bytes apart, four
-// keys at a time; D a multiple of 16
-template <WKind kind, int G>
-__attribute__((target(LLMINFER_AVX512))) void group_scores_avx512(const float* const* q, const char* k,
-                                                                   int64_t stride, int64_t n, int64_t D, float scale,
-                                                                   float* scores, int64_t ss, const char* v,
-                                                                   int64_t vstride) {
-  const __m128 scale4 = _mm_set1_ps(scale);
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    prefetch_kv<kind>(k, stride, v, vstride, j, n, D);
-    __m512 a[G][4];
-    for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm512_setzero_ps();
-    const char* r = k + j * stride;
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 k0 = wload16<kind>(r, d), k1 = wload16<kind>(r + stride, d), k2 = wload16<kind>(r + 2 * stride, d),
-                   k3 = wload16<kind>(r + 3 * stride, d);
-      for (int g = 0; g < G; ++g) {
-        const __m512 qv = _mm512_loadu_ps(q[g] + d);
-        a[g][0] = _mm512_fmadd_ps(k0, qv, a[g][0]);
-        a[g][1] = _mm512_fmadd_ps(k1, qv, a[g][1]);
-        a[g][2] = _mm512_fmadd_ps(k2, qv, a[g][2]);
-        a[g][3] = _mm512_fmadd_ps(k3, qv, a[g][3]);
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      _mm_storeu_ps(scores + g * ss + j, _mm_mul_ps(sum4x16(a[g][0], a[g][1], a[g][2], a[g][3]), scale4));
-  }
-  for (; j < n; ++j)
-    for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) a = _mm512_fmadd_ps(wload16<kind>(k + j * stride, d), _mm512_loadu_ps(q[g] + d), a);
-      scores[g * ss + j] = hsum16(a) * scale;
-    }
-}
-
-// acc[g·D + d] += Σ_j p[g·ps + j] · v_j[d] for G query heads over n value rows `stride` bytes apart, 16·S columns
-// of every head in registers at a time; D a multiple of 16·S
-template <WKind kind, int G, int S>
-__attribute__((target(LLMINFER_AVX512))) void group_values_avx512(const float* p, int64_t ps, const char* v,
-                                                                   int64_t stride, int64_t n, int64_t D, float* acc) {
-  for (int64_t d0 = 0; d0 < D; d0 += 16 * S) {
-    __m512 a[G][S];
-    for (int g = 0; g < G; ++g)
-      for (int s = 0; s < S; ++s) a[g][s] = _mm512_loadu_ps(acc + g * D + d0 + 16 * s);
-    for (int64_t j = 0; j < n; ++j) {
-      __m512 row[S];
-      for (int s = 0; s < S; ++s) row[s] = wload16<kind>(v + j * stride, d0 + 16 * s);
-      for (int g = 0; g < G; ++g) {
-        const __m512 pj = _mm512_set1_ps(p[g * ps + j]);
-        for (int s = 0; s < S; ++s) a[g][s] = _mm512_fmadd_ps(row[s], pj, a[g][s]);
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int s = 0; s < S; ++s) _mm512_storeu_ps(acc + g * D + d0 + 16 * s, a[g][s]);
-  }
-}
-
-template <WKind kind>
-void group_scores(int64_t G, const float* const* q, const char* k, int64_t stride, int64_t n, int64_t D, float scale,
-                  float* scores, int64_t ss, const char* v, int64_t vstride) {
-  switch (G) {
-    case 1: return group_scores_avx512<kind, 1>(q, k, stride, n, D, scale, scores, ss, v, vstride);
-    case 2: return group_scores_avx512<kind, 2>(q, k, stride, n, D, scale, scores, ss, v, vstride);
-    case 3: return group_scores_avx512<kind, 3>(q, k, stride, n, D, scale, scores, ss, v, vstride);
-    default: return group_scores_avx512<kind, 4>(q, k, stride, n, D, scale, scores, ss, v, vstride);
-  }
-}
-
-template <WKind kind, int G>
-void group_values_g(const float* p, int64_t ps, const char* v, int64_t stride, int64_t n, int64_t D, float* acc) {
-  if (D % 64 == 0) return group_values_avx512<kind, G, 4>(p, ps, v, stride, n, D, acc);
-  if (D % 32 == 0) return group_values_avx512<kind, G, 2>(p, ps, v, stride, n, D, acc);
-  return group_values_avx512<kind, G, 1>(p, ps, v, stride, n, D, acc);
-}
-
-template <WKind kind>
-void group_values(int64_t G, const float* p, int64_t ps, const char* v, int64_t stride, int64_t n, int64_t D,
-                  float* acc) {
-  switch (G) {
-    case 1: return group_values_g<kind, 1>(p, ps, v, stride, n, D, acc);
-    case 2: return group_values_g<kind, 2>(p, ps, v, stride, n, D, acc);
-    case 3: return group_values_g<kind, 3>(p, ps, v, stride, n, D, acc);
-    default: return group_values_g<kind, 4>(p, ps, v, stride, n, D, acc);
-  }
-}
-#endif
-
-// ---------------------------------------------------------------------------------------------------
-// decode attention: a few queries against a K/V cache, read in place. Scores, softmax and the weighted
-// sum of V are computed in float32, and positions a query may not see are skipped. A query with no
-// visible key gives NaN, as softmax over nothing does.
-
-template <WKind kind>
-void key_scores(const float* q, const char* k, int64_t stride, int64_t n, int64_t D, float scale, float* scores,
-                const char* v, int64_t vstride, bool avx2) {
-#ifdef LLMINFER_X86
-  if (avx2) return key_scores_avx2<kind>(q, k, stride, n, D, scale, scores, v, vstride);
-#endif
+void key_scores(const float* q, const char* k, int64_t stride, int64_t n, int64_t D, float scale, float* scores) {
   for (int64_t j = 0; j < n; ++j) {
     float s = 0.f;
     for (int64_t d = 0; d < D; ++d) s += q[d] * weight_at<kind>(k + j * stride, d);
@@ -212,19 +21,15 @@ void key_scores(const float* q, const char* k, int64_t stride, int64_t n, int64_
 }
 
 template <WKind kind>
-void weighted_values(const float* p, const char* v, int64_t stride, int64_t n, int64_t D, float* acc, bool avx2) {
-#ifdef LLMINFER_X86
-  if (avx2) return weighted_values_avx2<kind>(p, v, stride, n, D, acc);
-#endif
+void weighted_values(const float* p, const char* v, int64_t stride, int64_t n, int64_t D, float* acc) {
   for (int64_t j = 0; j < n; ++j)
     if (p[j] != 0.f)
       for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * weight_at<kind>(v + j * stride, d);
 }
 
-// scores[j] <- exp(scores[j] - best), 0 where scores[j] is -inf; returns their sum
 inline float softmax_numerators(float* scores, int64_t n, float best, bool avx2) {
 #ifdef LLMINFER_X86
-  if (avx2) return exp_shifted_avx2(scores, n, best);
+  if (avx2) return avx2::exp_shifted(scores, n, best);
 #endif
   float total = 0.f;
   for (int64_t j = 0; j < n; ++j) {
@@ -233,7 +38,6 @@ inline float softmax_numerators(float* scores, int64_t n, float best, bool avx2)
   }
   return total;
 }
-
 
 // fn(k rows, v rows, first position, count) over the keys [begin, end) of query position t, K/V head hk, in runs
 // whose rows lie ks2 (vs2) elements apart: one run in a contiguous cache; in a paged one, a run per block,
@@ -329,17 +133,13 @@ __attribute__((target(LLMINFER_AVX512))) inline __m512 softmax_lanes(float* s, _
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 v = _mm512_mask_loadu_ps(neg_inf, lanes, s);
   const __mmask16 seen = _mm512_cmp_ps_mask(v, neg_inf, _CMP_NEQ_OQ);
-  const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(v, shift)));
+  const __m512 e = _mm512_maskz_mov_ps(seen, V16::exp(_mm512_sub_ps(v, shift)));
   _mm512_mask_storeu_ps(s, lanes, e);
   return e;
 }
 
 // s[0 .. n) <- exp(s - max s), 16 at a time, the last n % 16 under a mask; returns their sum, or 0 (s untouched)
-// where every score is -inf. (A row's keys end at its own position, so 7.5 of them on average were left over, and
-// one at a time through libm's expf they took about as long as the vector loop did. With the masked tail, a layer's
-// attention over 128 positions, 9 query heads on 3 K/V heads, took 264 against 310 µs at one thread on a Xeon with
-// AMX (three alternating processes each), and a 128-token bfloat16 prefill ran 1.03 times as fast, the median of 6
-// alternating pairs at two threads.)
+// where every score is -inf
 __attribute__((target(LLMINFER_AVX512))) float softmax_numerators_avx512(float* s, int64_t n) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t whole = n - n % 16;
@@ -423,14 +223,11 @@ void attend_prefill(const AttentionProblem& P) {
 }
 #endif
 
-// The work is split into tasks of (batch, K/V head, query position, block of keys): the query heads that
-// share the K/V head are done together, so each key and value row is read once for all of them, and the
-// keys are split into blocks so that both a long cache and a few heads spread over every thread. Each task
-// keeps its block's running maximum, sum of exponentials and unnormalised weighted sum of V; the blocks of
-// one query are then merged by rescaling to a common maximum (the online softmax of chapter 07). Where the CPU
-// runs AVX-512 and every key up to a query's own is visible, the query heads of a task go up to four at a time
-// through each K and V row, widened once for all of them (on a Zen 5, 9 query heads over 3 K/V heads of 192
-// bfloat16 positions took 10.7 µs against 17.6 a head at a time).
+// The work is split into tasks of (batch, K/V head, query position, block of keys): the query heads that share the
+// K/V head are done together, so each key and value row is read once for all of them, and the keys are split into
+// blocks so that both a long cache and a few heads spread over every thread. Each task keeps its block's running
+// maximum, sum of exponentials and unnormalised weighted sum of V; the blocks of one query are then merged by
+// rescaling to a common maximum (the online softmax of chapter 07).
 int64_t attention_blocks(const AttentionProblem& P) {
   const int64_t rows = P.B * P.Hkv * P.Tq, Tk = P.n_keys;
   if (P.whole) return fixed_key_blocks(Tk, P.key_block);
@@ -442,10 +239,10 @@ template <WKind kind>
 void attend_tasks(const AttentionProblem& P, int64_t blocks, int64_t task0, int64_t task1,
                   const AttentionParts& parts) {
   const int64_t group = P.H / P.Hkv, D = P.D, Tk = P.n_keys, esize = wbytes<kind>();
-  const bool avx2 = has_avx2() && D % 8 == 0;
-#ifdef LLMINFER_X86
-  const bool wide = has(kAVX512) && D % 16 == 0 && !P.mask;
-#endif
+  // AVX-512 takes up to four query heads a pass over the K and V rows where every key up to a query's own is
+  // visible, AVX2 one head at a time, the portable loops the rest
+  const bool avx2 = has_avx2() && D % 8 == 0, wide = has(kAVX512) && D % 16 == 0 && !P.mask;
+  const int64_t heads = wide ? 4 : 1;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t block = (Tk + blocks - 1) / blocks;
   std::vector<float> scores(group * block);
@@ -464,46 +261,38 @@ void attend_tasks(const AttentionProblem& P, int64_t blocks, int64_t task0, int6
     const int64_t end = std::min<int64_t>(std::min<int64_t>(Tk, begin + block), P.mask ? Tk : P.last[t] + 1);
     if (end <= begin) continue;
     const int64_t n = end - begin;
-#ifdef LLMINFER_X86
-    if (wide) {                                              // up to four heads a pass over the K and V rows
-      for (int64_t g0 = 0; g0 < group; g0 += 4) {
-        const int64_t G = std::min<int64_t>(4, group - g0);
-        float* sc = scores.data() + g0 * block;
-        for_key_runs(P, b, hk, t, begin, end, esize, [&](const char* krows, const char* vrows, int64_t first,
-                                                         int64_t len) {
-          group_scores<kind>(G, qrow + g0, krows, P.ks2 * esize, len, D, P.scale, sc + (first - begin), block,
-                             vrows, P.vs2 * esize);
-        });
-        for (int64_t g = g0; g < g0 + G; ++g) {
-          float* row = scores.data() + g * block;
-          for (int64_t j = 0; j < n; ++j) best[g] = std::max(best[g], row[j]);
-          if (best[g] == neg_inf) std::fill(row, row + n, 0.f);  // nothing visible: this head adds nothing
-          else total[g] = softmax_numerators(row, n, best[g], true);
-        }
-        for_key_runs(P, b, hk, t, begin, end, esize, [&](const char*, const char* vrows, int64_t first, int64_t len) {
-          group_values<kind>(G, sc + (first - begin), block, vrows, P.vs2 * esize, len, D, acc + g0 * D);
-        });
-      }
-      continue;
-    }
-#endif
-    for (int64_t g = 0; g < group; ++g) {
-      float* sc = scores.data() + g * block;
+    for (int64_t g0 = 0; g0 < group; g0 += heads) {
+      const int64_t G = std::min(heads, group - g0);
+      float* sc = scores.data() + g0 * block;
       for_key_runs(P, b, hk, t, begin, end, esize, [&](const char* krows, const char* vrows, int64_t first,
                                                        int64_t len) {
-        key_scores<kind>(qrow[g], krows, P.ks2 * esize, len, D, P.scale, sc + (first - begin), vrows,
-                         P.vs2 * esize, avx2);
+        const int64_t ks = P.ks2 * esize, vs = P.vs2 * esize;
+        float* s = sc + (first - begin);
+#ifdef LLMINFER_X86
+        if (wide) return avx512::group_scores<kind>(G, qrow + g0, krows, ks, len, D, P.scale, s, block, vrows, vs);
+        if (avx2) return avx2::group_scores<kind>(1, qrow + g0, krows, ks, len, D, P.scale, s, block, vrows, vs);
+#endif
+        key_scores<kind>(qrow[g0], krows, ks, len, D, P.scale, s);
       });
-      if (P.mask) {
-        const bool* m = P.mask + b * P.ms0 + (hk * group + g) * P.ms1 + t * P.ms2;
-        for (int64_t j = 0; j < n; ++j)
-          if (!m[(begin + j) * P.ms3]) sc[j] = neg_inf;
+      for (int64_t g = g0; g < g0 + G; ++g) {
+        float* row = scores.data() + g * block;
+        if (P.mask) {
+          const bool* m = P.mask + b * P.ms0 + (hk * group + g) * P.ms1 + t * P.ms2;
+          for (int64_t j = 0; j < n; ++j)
+            if (!m[(begin + j) * P.ms3]) row[j] = neg_inf;
+        }
+        for (int64_t j = 0; j < n; ++j) best[g] = std::max(best[g], row[j]);
+        if (best[g] == neg_inf) std::fill(row, row + n, 0.f);  // nothing visible: this head adds nothing
+        else total[g] = softmax_numerators(row, n, best[g], avx2);
       }
-      for (int64_t j = 0; j < n; ++j) best[g] = std::max(best[g], sc[j]);
-      if (best[g] == neg_inf) continue;
-      total[g] = softmax_numerators(sc, n, best[g], avx2);
       for_key_runs(P, b, hk, t, begin, end, esize, [&](const char*, const char* vrows, int64_t first, int64_t len) {
-        weighted_values<kind>(sc + (first - begin), vrows, P.vs2 * esize, len, D, acc + g * D, avx2);
+        const float* p = sc + (first - begin);
+        const int64_t vs = P.vs2 * esize;
+#ifdef LLMINFER_X86
+        if (wide) return avx512::group_values<kind>(G, p, block, vrows, vs, len, D, acc + g0 * D);
+        if (avx2) return avx2::group_values<kind>(1, p, block, vrows, vs, len, D, acc + g0 * D);
+#endif
+        weighted_values<kind>(p, vrows, vs, len, D, acc + g0 * D);
       });
     }
   }
@@ -548,11 +337,9 @@ void attend(const AttentionProblem& P) {
   std::vector<float> store(AttentionParts::floats(P, blocks));
   const AttentionParts parts(P, blocks, store.data());
   at::parallel_for(0, rows * blocks, 1, [&](int64_t t0, int64_t t1) { attend_tasks<kind>(P, blocks, t0, t1, parts); });
-  // merge the blocks of each query (split over the threads too: a prefill's thousand rows took a tenth of its
-  // attention on one)
+  // merge the blocks of each query (split over the threads too)
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { attend_merge(P, blocks, r0, r1, parts); });
 }
-
 
 template void attend<WKind::F32>(const AttentionProblem& P);
 template void attend<WKind::BF16>(const AttentionProblem& P);
@@ -598,7 +385,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_in, const a
   else attend<WKind::BF16>(P);
   return result(out.data(), q.sizes(), q);
 }
-
 
 // Block tables, checked: tables (S, W) int64, token_seq (N,) the sequence of each query, positions (N,) each
 // query's position (it sees its sequence's positions 0 .. positions[t]); every block a query reads must lie in

@@ -1,7 +1,6 @@
-// The AVX2 + FMA loops of the native CPU kernels (8 floats a register) under the reference's names (cpu_ref.cpp):
-// what ref:: computes, every weight loaded once for all the rows of x a decode step has (up to kMatvecMaxRows).
-// Compiled with target attributes (the extension loads on any x86 CPU); they run only where features() has kAVX2.
-// Chapter 08, Appendix A1.
+// The AVX2 + FMA loops of the native CPU kernels (8 floats a register) under the reference's names (cpu_ref.cpp),
+// every weight loaded once for all the rows of x a decode step has. Compiled with target attributes (the extension
+// loads on any x86 CPU); they run only where features() has kAVX2. Chapter 08, Appendix A1.
 
 #include "cpu_kernels.h"
 
@@ -186,6 +185,25 @@ LLMINFER_TARGET void quantize_x_blocks(const float* x, int64_t n_blocks, int8_t*
     const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * 32), _mm256_shuffle_epi8(ordered, chunks));
   }
+}
+
+// s[0..n) <- exp(s - best), 0 where s is -inf (no key visible); returns their sum
+LLMINFER_TARGET float exp_shifted(float* s, int64_t n, float best) {
+  const __m256 shift = _mm256_set1_ps(best), neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_loadu_ps(s + j);
+    __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(v, neg_inf, _CMP_EQ_OQ), V8::exp(_mm256_sub_ps(v, shift)));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = hsum8(sum);
+  for (; j < n; ++j) {
+    s[j] = std::isinf(s[j]) ? 0.f : std::exp(s[j] - best);
+    total += s[j];
+  }
+  return total;
 }
 
 #undef LLMINFER_TARGET

@@ -286,7 +286,9 @@ namespace llminfer_cpu::avx512_bf16 {
 
 using V = V16;
 #define LLMINFER_TARGET __attribute__((target(LLMINFER_AVX512 ",avx512bf16")))
+#define LLMINFER_ROWS_ONLY                   // the loops' templates only, for BF16DP
 #include "cpu_vec.h"
+#undef LLMINFER_ROWS_ONLY
 
 // bfloat16 weights by vdpbf16ps: x as bfloat16, 32 inputs a step in pairs, the products summed in float32. Taken
 // only where x is bfloat16 already (`bfloat16_exact`), so rounding it changes nothing.

@@ -1,4 +1,11 @@
-// The blocked matrix multiply of the native CPU kernels: products for many rows of x. Chapter 08.
+// The blocked matrix multiply of the native CPU kernels: products for many rows of x (a prefill). Chapter 08.
+//
+// With a hundred rows of x each weight is used a hundred times, and the speed is how many multiply-adds a cycle the
+// core sustains. The AVX2 tile computes 6 outputs (6 rows of W) for 16 tokens at once, in 12 registers: per input k,
+// it broadcasts W[n..n+5][k] and multiplies them into x's 16 tokens at k, laid out for it once per product ("packed":
+// 16 tokens of one input contiguous), 12 multiply-adds for 8 loads. float32 rows of W are read in place; the other
+// formats widen each block of 6 rows to float32 once, which all the token tiles then share. Long inputs are split into
+// chunks so that a chunk of packed x stays in L2.
 
 #include <atomic>
 #include <memory>
@@ -7,27 +14,12 @@
 
 namespace llminfer_cpu {
 
-// ---------------------------------------------------------------------------------------------------
-// products for many rows of x (a prefill): a blocked kernel
-//
-// With a few rows of x each weight is used once and the loops above stream it. With a hundred rows each
-// weight is used a hundred times, and the speed is how many multiply-adds a cycle the core sustains. The
-// kernel below computes a tile of 6 outputs (6 rows of W) for 16 tokens at once, in 12 registers: per input
-// k, it broadcasts W[n..n+5][k] and multiplies them into x's 16 tokens at k, which are laid out for it once
-// per product ("packed": 16 tokens of one input contiguous). That is 12 multiply-adds for 8 loads, so the
-// two FMA units stay busy. float32 rows of W are read in place (the checkpoint's row-major layout); the
-// other formats widen each block of 6 rows to float32 once (a few KB), which all the token tiles then
-// share. The six rows stay in L1 while the token tiles pass; long inputs are split into chunks so that a
-// chunk of packed x stays in L2, as few and as equal as that allows (a second chunk's tiles store and reload every
-// output).
-
 constexpr int64_t kGemmTile = 16;   // tokens of one packed tile
 constexpr int64_t kGemmRowsW = 6;   // rows of W of one tile
 constexpr int64_t kGemmPackedBytes = 384 << 10;  // packed x of one chunk, all token tiles: within L2
 
-// inputs per chunk for a product of M rows and K inputs, packed x `bytes` an element: as few chunks as keep packed
-// x within kGemmPackedBytes (from 256 to 1024 float32 inputs a chunk, twice as many bfloat16 ones), of equal size, a
-// multiple of 32 (where an int4 group can start).
+// inputs per chunk for a product of M rows and K inputs, packed x `bytes` an element: as few equal chunks as keep
+// packed x within kGemmPackedBytes (256 to 1024 float32 inputs, twice as many bfloat16 ones), a multiple of 32
 inline int64_t gemm_chunk(int64_t M, int64_t K, int64_t tokens, int64_t bytes) {
   const int64_t padded = (M + tokens - 1) / tokens * tokens, wide = 4 / bytes;
   const int64_t limit = std::clamp<int64_t>(kGemmPackedBytes / (padded * bytes) / 32 * 32, 256 * wide, 1024 * wide);
@@ -35,18 +27,15 @@ inline int64_t gemm_chunk(int64_t M, int64_t K, int64_t tokens, int64_t bytes) {
   return ((K + chunks - 1) / chunks + 31) / 32 * 32;
 }
 
-// Tokens per group for a product of M rows, N outputs and K inputs whose packed x needs chunks of K: where its
-// outputs (float32) outgrow kGemmPackedBytes, the chunks' partial sums no longer stay in L2 between chunks, and the
-// tokens go in groups instead, each taking every input in as few chunks as its packed x allows (W then read once a
-// group); M where they need not (a quantized W is widened again for every group). Groups are as equal as whole
-// token tiles allow.
+// Tokens per group where packed x needs chunks of K and the outputs outgrow kGemmPackedBytes (the chunks' partial
+// sums would leave L2 between chunks): the tokens then go in equal groups of whole tiles, each in as few chunks as
+// its packed x allows; M otherwise
 inline int64_t gemm_token_group(int64_t M, int64_t N, int64_t K, int64_t tokens, int64_t bytes) {
   if (gemm_chunk(M, K, tokens, bytes) >= K || M * N * 4 <= kGemmPackedBytes) return M;
   const int64_t most = std::max<int64_t>(tokens, kGemmPackedBytes / (K * bytes) / tokens * tokens);
   const int64_t groups = (M + most - 1) / most;
   return ((M + groups - 1) / groups + tokens - 1) / tokens * tokens;
 }
-
 
 #ifdef LLMINFER_X86
 // y[j][0..5] (+)= column j of the 6 x 8 block (r0 .. r5) for tokens j < rows, y rows `ldy` floats apart
@@ -97,10 +86,8 @@ __attribute__((target("avx2,fma"))) void transpose8x8(const float* in, int64_t l
   }
 }
 
-// Where the next block's rows lie in W as stored: `spans` runs of `bytes`, `stride` apart, from p (a float or int8
-// block's rows, or the int4 tiles of 8 rows that hold them). A float tile given one fetches it into L2 a line every
-// other step, so that the next block's widening (or its first token tile, for float32 read in place) finds its rows
-// there and not in memory.
+// Where the next block's rows lie in W as stored: `spans` runs of `bytes`, `stride` apart, from p. A float tile
+// given one fetches it into L2 a line every other step, so that the next block finds its rows there.
 struct Ahead {
   const char* p = nullptr;
   int64_t stride = 0, bytes = 0, spans = 0;
@@ -139,7 +126,6 @@ __attribute__((target("avx2,fma"))) void gemm_tile_6x16(const float* w, int64_t 
   }
 #undef LLMINFER_ROW
   // out (tokens, outputs): each half of 8 tokens transposed in registers, 6 outputs a token stored at once
-  // (a scalar store per element cost about a tenth of the product)
   store_tile_half(a0, a1, a2, a3, a4, a5, y, ldy, std::min<int64_t>(rows, 8), accumulate);
   if (rows > 8) store_tile_half(b0, b1, b2, b3, b4, b5, y + 8 * ldy, ldy, rows - 8, accumulate);
 }
@@ -195,11 +181,9 @@ __attribute__((target("avx2,fma,f16c"))) void widen_rows(const Weight& W, int64_
   }
 }
 
-// rows n .. n + r - 1 (r <= 6) of int4 tiles of 8 rows, inputs [k0, k0 + kc), as float32 into out (row i at
-// out + i·kc), 16 inputs a step: one 64-byte load holds two chunks of 8 inputs of all 8 rows of the tile, a permute
-// puts this row's word of each in 8 lanes, a variable shift its nibbles. The same floats as widen_rows (q·s + z by
-// one FMA) in about a third of its instructions. Chunks start and end on a multiple of 32 inputs (a group is a
-// multiple of 32).
+// widen_rows for int4 tiles, 16 inputs a step: one 64-byte load holds two chunks of 8 inputs of all 8 rows of the
+// tile, a permute puts this row's word of each in 8 lanes, a variable shift its nibbles (the same floats, q·s + z by
+// one FMA, in a third of the instructions)
 __attribute__((target("avx2,fma,f16c,avx512f"))) void widen_int4_tiles_avx512(const Weight& W, int64_t n, int64_t r,
                                                                             int64_t k0, int64_t kc, float* out) {
   const int64_t K = W.K, G = K / W.group;
@@ -224,19 +208,14 @@ __attribute__((target("avx2,fma,f16c,avx512f"))) void widen_int4_tiles_avx512(co
   }
 }
 
-// ---------------------------------------------------------------------------------------------------
-// AVX-512: tiles of rows of W by 16-lane registers of tokens. Two tiles:
-//   float32  6 rows by 64 tokens (four registers a row, 24 accumulators): 6 broadcasts of W and 24 FMAs a step of one
-//            input, W widened to float32 as for AVX2
-//   bfloat16 (AVX512-BF16) one vdpbf16ps multiplies a pair of inputs into 16 tokens: W's bfloat16 rows read in
-//            place (each 32-bit word a pair of inputs, broadcast), x packed as bfloat16 pairs (16 tokens' pairs a
-//            register), products summed in float32; taken only where x is bfloat16 already (a bfloat16 model's
-//            activations), so the numbers are the widening path's up to the order of the sums.
-#define LLMINFER_GEMM_AVX512 "avx2,fma,avx512f,avx512bw,avx512vl"
+// AVX-512: tiles of rows of W by 16-lane registers of tokens. float32: 6 rows by 64 tokens (24 accumulators), W
+// widened as for AVX2. bfloat16 (AVX512-BF16): one vdpbf16ps multiplies a pair of inputs into 16 tokens, W's rows read
+// in place (each 32-bit word a pair of inputs, broadcast), x packed as bfloat16 pairs, taken only where x is bfloat16
+// already (a bfloat16 model's activations), so the numbers are the widening path's up to the order of the sums.
+#define LLMINFER_GEMM_AVX512 LLMINFER_AVX512
 
 // y (rows <= 32 tokens, R <= 16 outputs, rows `ldy` apart) (+)= the accumulators (a: tokens 0..15, b: 16..31):
-// each half transposed in registers, then a token's R outputs stored at once (masked). Through an array on the stack
-// instead, GCC kept the accumulators there on every step of the loop before it.
+// each half transposed in registers, then a token's R outputs stored at once (masked)
 template <int R>
 __attribute__((target(LLMINFER_GEMM_AVX512))) inline void store_tile_x32(const __m512 (&a)[R], const __m512 (&b)[R],
                                                                         float* y, int64_t ldy, int64_t rows,
@@ -290,10 +269,8 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) void gemm_tile_avx512(const float*
 }
 
 // w: R bfloat16 rows `ldw` elements apart; xp: kc / 2 steps of 32 tokens' input pairs (64 bfloat16 a step). 12 rows:
-// 24 accumulators, so each pair of x registers loaded serves 24 vdpbf16ps. `next`, where not null: the same inputs of
-// the next block of R rows, fetched into L1 a line of each row every 16 steps, as far ahead as this tile reads. The
-// driver passes it on a block's first token tile, so that the next block's first tile finds its rows in L1 and not
-// in memory.
+// 24 accumulators, each pair of x registers loaded serving 24 vdpbf16ps. `next`, where not null: the next block's rows,
+// fetched into L1 a line of each every 16 steps (the driver passes it on a block's first token tile).
 template <int R>
 __attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) void gemm_tile_x32_bf16dp(
     const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t kc, float* y, int64_t ldy, int64_t rows,
@@ -302,8 +279,7 @@ __attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) void gemm_tile_x32_b
   __m512 a[R], b[R];
 #pragma GCC unroll 12
   for (int i = 0; i < R; ++i) a[i] = b[i] = _mm512_setzero_ps();
-  // row i's pair at rows[i / 3] + (i % 3)·L: a pointer for each three rows and one register for L, so that the loop's
-  // addresses fit the registers (a pointer a row had GCC keep some on the stack, stepped there every step)
+  // row i's pair at rows3[i / 3] + (i % 3)·L: a pointer for each three rows, so that the addresses fit the registers
   const int64_t L = ldw * 2;
   const char* rows3[R / 3];
   for (int g = 0; g < R / 3; ++g) rows3[g] = reinterpret_cast<const char*>(w) + 3 * g * L;
@@ -335,10 +311,9 @@ struct GatedOut {
   bool bf16;
 };
 
-// The AMX tile configuration the tile below runs under: 8 tiles of 16 rows of 64 bytes. It is the thread's, and
-// torch's oneDNN sets its own on the same threads, so a thread loads it before its share of a product's tiles and
-// releases the tiles after (`TileAMX::begin`, `end`), not on every call.
-// (a constant: as a local filled in before ldtilecfg, GCC dropped the stores it did not see the instruction read)
+// The AMX tile configuration (8 tiles of 16 rows of 64 bytes): the thread's, which torch's oneDNN sets too, so a
+// thread loads it before its share of a product's tiles and releases the tiles after (TileAMX::begin, end). A constant:
+// as a local filled in before ldtilecfg, GCC dropped the stores it did not see the instruction read.
 struct alignas(64) AmxConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
@@ -353,11 +328,9 @@ __attribute__((target(LLMINFER_GEMM_AVX512 ",amx-tile,amx-bf16"))) void amx_end(
 
 // AMX: 32 bfloat16 rows of w (`ldw` elements apart, read in place as two 16-row A tiles: rows 0-15, and the 16 rows
 // `upper` rows on) by 32 tokens of xp (the bfloat16 tile's packed pairs: 16 pairs by 16 tokens is a B tile as it
-// lies, 128 bytes a row) into 4 C tiles of 16 x 16 float32, 32 inputs a step (kc a multiple of 32), under amx_begin's
-// configuration. The C tiles hold (row, token); each is transposed in registers and stored a token at a time (y,
-// rows `ldy` apart). With `gate`, the first 16 rows are gate rows and the other 16 their up rows (`upper` = the MLP's
-// width): SwiGLU of each pair of C tiles, elementwise as they lie, then one transpose, into gate->act (rows `ldy`
-// apart); gate's and up's outputs are never stored, and half the transposes go.
+// lies) into 4 C tiles of 16 x 16 float32 (row, token), 32 inputs a step; each C tile transposed in registers and
+// stored a token at a time (y, rows `ldy` apart). With `gate`, the first 16 rows are gate rows and the other 16 their
+// up rows (`upper` = the MLP's width): SwiGLU of each pair of C tiles as they lie, then one transpose, into gate->act.
 __attribute__((target(LLMINFER_GEMM_AVX512 ",amx-tile,amx-bf16"))) void gemm_tile_x32_amx(
     const uint16_t* w, int64_t ldw, int64_t upper, const uint16_t* xp, int64_t kc, float* y, int64_t ldy,
     int64_t rows, bool accumulate, const GatedOut* gate) {
@@ -387,7 +360,7 @@ __attribute__((target(LLMINFER_GEMM_AVX512 ",amx-tile,amx-bf16"))) void gemm_til
       if (n <= 0) continue;
       __m512 r[16];
       for (int i = 0; i < 16; ++i)
-        r[i] = gated16(_mm512_load_ps(c[h] + 16 * i), _mm512_load_ps(c[h + 2] + 16 * i), gate->bf16);
+        r[i] = V16::gated(_mm512_load_ps(c[h] + 16 * i), _mm512_load_ps(c[h + 2] + 16 * i), gate->bf16);
       transpose16(r);                             // r[j]: token j0 + j's 16 activations
       for (int64_t j = 0; j < n; ++j) _mm512_storeu_ps(y + (j0 + j) * ldy, r[j]);
     }
@@ -408,10 +381,9 @@ __attribute__((target(LLMINFER_GEMM_AVX512 ",amx-tile,amx-bf16"))) void gemm_til
 }
 
 // Tokens [0, rows) of x (rows <= 32, K inputs, bfloat16 values held as float32) as a packed tile of the bfloat16
-// kernel: word [pair][j] holds inputs 2·pair and 2·pair + 1 of token j. 16 pairs of 16 tokens at a time: each
-// token's 32 inputs made 16 words by vcvtne2ps2bf16 (exact on bfloat16 values), the 16 x 16 words then transposed
-// in registers (a word at a time, this took a tenth of a prefill's products). Returns false, the tile unfinished,
-// where an input is not a bfloat16 value: the check the caller would otherwise make on all of x first.
+// kernel: word [pair][j] holds inputs 2·pair and 2·pair + 1 of token j. 16 pairs of 16 tokens at a time: each token's
+// 32 inputs made 16 words by vcvtne2ps2bf16 (exact on bfloat16 values), then transposed in registers. Returns false,
+// the tile unfinished, where an input is not a bfloat16 value.
 __attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) bool pack_bf16_pairs(const float* src, int64_t rows,
                                                                               int64_t K, uint32_t* words) {
   const int64_t pairs = K / 2, whole = pairs - pairs % 16;
@@ -459,8 +431,7 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) inline Packed48 pack48(__m512 a, _
 }
 
 // The outputs of 4 blocks of 12 rows of W for M tokens, each token's 4 × 12 held 16 floats apart (`panel`, 64 floats
-// a token, as the bfloat16 tile stores them there), written to y's 48 columns (rows `ldy` apart) three 16-float
-// vectors a token
+// a token), written to y's 48 columns (rows `ldy` apart), three 16-float vectors a token
 __attribute__((target(LLMINFER_GEMM_AVX512))) void panel_out(const float* panel, int64_t M, float* y, int64_t ldy) {
   for (int64_t m = 0; m < M; ++m) {
     const float* p = panel + m * 64;
@@ -471,8 +442,7 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) void panel_out(const float* panel,
 }
 
 // SwiGLU of a panel's outputs (`panel_out`'s layout), where its 4 blocks are 24 gate rows then their 24 up rows: each
-// token's 24 activations (gated16, as the layer's own SwiGLU pass) into act, rows `lda` apart. Two tokens at a time:
-// their 48 gate outputs, and their 48 up outputs, are three vectors each, as panel_out's.
+// token's 24 activations into act, rows `lda` apart, two tokens (three vectors of gates and of ups) at a time
 __attribute__((target(LLMINFER_GEMM_AVX512))) void panel_gated(const float* panel, int64_t M, bool bf16, float* act,
                                                                int64_t lda) {
   int64_t m = 0;
@@ -481,8 +451,8 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) void panel_gated(const float* pane
     const Packed48 g = pack48(_mm512_load_ps(p), _mm512_load_ps(p + 16), _mm512_load_ps(q), _mm512_load_ps(q + 16));
     const Packed48 u = pack48(_mm512_load_ps(p + 32), _mm512_load_ps(p + 48), _mm512_load_ps(q + 32),
                               _mm512_load_ps(q + 48));
-    const __m512 a0 = gated16(g.v[0], u.v[0], bf16), a1 = gated16(g.v[1], u.v[1], bf16),
-                 a2 = gated16(g.v[2], u.v[2], bf16);
+    const __m512 a0 = V16::gated(g.v[0], u.v[0], bf16), a1 = V16::gated(g.v[1], u.v[1], bf16),
+                 a2 = V16::gated(g.v[2], u.v[2], bf16);
     float *d = act + m * lda, *e = d + lda;                  // token m's 24, then token m + 1's
     _mm512_storeu_ps(d, a0);
     _mm256_storeu_ps(d + 16, _mm512_castps512_ps256(a1));
@@ -495,42 +465,39 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) void panel_gated(const float* pane
     std::memcpy(g, p, 48), std::memcpy(g + 12, p + 16, 48);
     std::memcpy(u, p + 32, 48), std::memcpy(u + 12, p + 48, 48);
     for (int i = 0; i < 2; ++i)
-      _mm512_store_ps(out + 16 * i, gated16(_mm512_load_ps(g + 16 * i), _mm512_load_ps(u + 16 * i), bf16));
+      _mm512_store_ps(out + 16 * i, V16::gated(_mm512_load_ps(g + 16 * i), _mm512_load_ps(u + 16 * i), bf16));
     std::memcpy(act + m * lda, out, 24 * sizeof(float));
   }
 }
 
 // The tile kernels, as the driver below takes them: tokens a tile, the element type of packed x and of the rows of
-// W the tile reads (P inputs a packed step: 1 for float32, 2 for bfloat16 pairs). `ahead`: the next block's rows,
-// which the float tiles fetch into L2 as they go and the bfloat16 tile into L1 (`gemm_tile_x32_bf16dp`). begin() and
-// end() bracket a thread's share of a product (AMX: the tile configuration).
-struct TileAVX2 {
-  using T = float;
-  static constexpr int64_t kTokens = 16, kPair = 1, kRows = 6;
+// W the tile reads (kPair inputs a packed step: 1 for float32, 2 for bfloat16 pairs); begin() and end() bracket a
+// thread's share of a product (AMX: the tile configuration)
+struct TileNoSetup {
   static void begin() {}
   static void end() {}
+};
+struct TileAVX2 : TileNoSetup {
+  using T = float;
+  static constexpr int64_t kTokens = 16, kPair = 1, kRows = 6;
   static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc,
                    const Ahead& ahead) {
     gemm_tile_6x16(w, ldw, xp, kc, y, ldy, rows, acc, ahead);
   }
 };
-struct TileAVX512 {
+struct TileAVX512 : TileNoSetup {
   using T = float;
   static constexpr int64_t kTokens = 64, kPair = 1, kRows = 6;
-  static void begin() {}
-  static void end() {}
   static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc,
                    const Ahead& ahead) {
     gemm_tile_avx512<6, 4>(w, ldw, xp, kc, y, ldy, rows, acc, ahead);
   }
 };
-struct TileBF16DP {
+struct TileBF16DP : TileNoSetup {
   using T = uint16_t;
   static constexpr int64_t kTokens = 32, kPair = 2, kRows = 12;
-  static void begin() {}
-  static void end() {}
   static void tile(const T* w, int64_t ldw, const T* xp, int64_t kc, float* y, int64_t ldy, int64_t rows, bool acc,
-                   const Ahead& ahead) {       // (bfloat16 rows in place, ldw apart: the tile's own schedule)
+                   const Ahead& ahead) {
     gemm_tile_x32_bf16dp<12>(w, ldw, xp, kc, y, ldy, rows, acc, reinterpret_cast<const uint16_t*>(ahead.p));
   }
 };
@@ -572,9 +539,8 @@ struct AlignedBuffer {
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
 };
 
-// The calling thread's buffer for packed x, kept between products up to kScratchBytes: a prefill's products each
-// packed into fresh pages, which the kernel then zeroed at the first touch. Larger ones (long prompts) are allocated
-// per product.
+// The calling thread's buffer for packed x, kept between products up to kScratchBytes (fresh pages each product
+// were zeroed by the kernel at first touch); larger ones are allocated per product
 constexpr size_t kScratchBytes = size_t(16) << 20;
 
 struct PackedX {
@@ -597,12 +563,11 @@ struct PackedX {
   }
 };
 
-// y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, by tiles of `Tile`: x packed once (tile t: element
-// (k, j) at [k / P][j][k % P]), W read in place where the tile takes its format as it is (float32 for the float
-// tiles, bfloat16 for the bfloat16 one) and widened (or copied) a block of 6 rows at a time otherwise. Returns false,
-// having computed nothing, where the bfloat16 tile finds an input of x that is not a bfloat16 value. With `gate`,
-// SwiGLU's activations instead of y (null), where the tile's panels (or AMX tiles, 16 gate rows and their up rows a
-// block) take every row (else false, nothing computed).
+// y (M, N) = x (M, K) · Wᵀ by tiles of `Tile`: x packed once (tile t: element (k, j) at [k / P][j][k % P]), W read in
+// place where the tile takes its format as it is and widened (or copied) a block of rows at a time otherwise. Returns
+// false, having computed nothing, where the bfloat16 tile finds an input of x that is not a bfloat16 value. With
+// `gate`, SwiGLU's activations instead of y (null), where the tile's panels (or AMX tiles, 16 gate rows and their up
+// rows a block) take every row (else false, nothing computed).
 template <class Tile>
 bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y, const GatedOut* gate = nullptr) {
   using T = typename Tile::T;
@@ -628,11 +593,9 @@ bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y, const Ga
   const bool amx_gate = kAMX && gate != nullptr;
   if (amx_gate && !(in_place && N % 2 == 0 && hidden % 16 == 0 && chunk >= K)) return false;
   const int64_t blocks = amx_gate ? hidden / 16 : (N + RW - 1) / RW;   // the last may hold fewer than RW rows
-  // the bfloat16 tile, in one chunk, stores into a thread's panel (4 blocks of outputs, each token's 16 floats apart)
-  // that panel_out then writes to y (rather than 12 floats a token at a time straight into y)
+  // the bfloat16 tile, in one chunk, stores into a thread's panel (4 blocks of outputs) that panel_out writes to y
   const bool panels = kBF16 && RW == 12 && TT == 32 && chunk >= K;
-  // SwiGLU from the panels: a group of 4 blocks is 24 gate rows and the same 24 up rows, so that the gate's and up's
-  // outputs (1.5 MB a layer at 128 tokens) are never written and read back
+  // SwiGLU from the panels: a group of 4 blocks is 24 gate rows and the same 24 up rows (never written out)
   if (gate && !amx_gate && !(panels && in_place && N % (4 * RW) == 0)) return false;
   // block b's first row of W: the next RW rows, or with `gate` gate's or up's rows of the group b / 4
   const auto first_row = [&](int64_t b) {
@@ -728,8 +691,6 @@ bool gemm_blocked(const float* x, int64_t M, const Weight& W, float* y, const Ga
   return true;
 }
 
-// y (M, N) = x (M, K) · Wᵀ for the many rows of a prefill, W in any format: the widest tile this process runs
-// (bfloat16 weights by vdpbf16ps where AVX512-BF16 runs, K is even and x is bfloat16 already)
 void gemm_blocked(const float* x, int64_t M, const Weight& W, float* y) {
   const int64_t bits = features();
   if (W.format == Weight::BF16 && (bits & kAMXBF16) && W.K % 32 == 0 && gemm_blocked<TileAMX>(x, M, W, y)) return;

@@ -1,20 +1,11 @@
 // The matrix-vector products of decode on a CPU, y = x · Wᵀ for a few rows of x (up to kMatvecMaxRows) and a weight
 // W held as float32, bfloat16, int8 (a scale per output channel or per group of inputs) or int4 (a scale and offset
 // per group of inputs, in tiles of 8 rows): the instruction sets in use, the weights checked, and `linear_rows`, which
-// sends a product to the loops of the level the static table names for its format. Chapter 08.
-//
-// A decode step reads every weight once, so its speed is how fast the weights stream from memory, whatever the
-// number of rows of x: each loop loads a weight once for all of them (register-blocked). The loops, ggml's layout:
-//   cpu_ref.cpp     ref::      the portable reference of each loop, any CPU
-//   cpu_vec.h                the loops written once over the vector width (V8, V16), included by:
-//   cpu_avx2.cpp    avx2::     AVX2 + FMA, 8 floats a register; int4 codes isolated in place; W4A8 by maddubs + madd
-//   cpu_avx512.cpp  avx512::   16 floats a register; bfloat16 32 weights a load (even ones by a shift, odd by an AND);
-//                              AVX512-VNNI's int4 (x as three int8 planes) and W4A8 by vpdpbusd
-//                   avx512_bf16::  bfloat16 by vdpbf16ps, where x is bfloat16 already (a bfloat16 model's activations)
-// Each is compiled with its own target attributes (no -march: the extension loads on any x86 CPU). Which may run is
-// set once per process (`features()`, from the CPU's flags or LLMINFER_ISA), and which of them each format's decode
-// loops use by the static table in llminfer/cpu/__init__.py (`matvec_features(kind)`). Past kMatvecMaxRows rows the
-// blocked kernel takes the product (cpu_gemm.cpp).
+// sends a product to the loops (ref::, avx2::, avx512::, avx512_bf16::; cpu_kernels.h) of the level the static table
+// names for its format. A decode step reads every weight once, so its speed is how fast the weights stream from
+// memory, whatever the number of rows of x: each loop loads a weight once for all of them. Each level is compiled with
+// its own target attributes (no -march: the extension loads on any x86 CPU). Past kMatvecMaxRows rows the blocked
+// kernel takes the product (cpu_gemm.cpp). Chapter 08.
 
 #ifdef __linux__
 #include <sys/syscall.h>
@@ -144,23 +135,20 @@ Int4TX int4t_x(const float* x, int64_t M, int64_t K, int64_t group, bool placed)
 constexpr int64_t kGrain = 64;   // output rows a thread takes at least
 
 #ifdef LLMINFER_X86
-// add_residual's row, 16 at a time: x = x + y, in bfloat16 x = round(x + round(y)) (y left as it was); returns how
-// far it got
-__attribute__((target(LLMINFER_AVX512))) int64_t residual_row_avx512(float* xr, const float* yr, int64_t n,
-                                                                   bool bf16) {
+// add_residual's row, 16 at a time: x = x + y, in bfloat16 x = round(x + round(y)) (y left as it was), in one pass;
+// returns how far it got
+__attribute__((target(LLMINFER_AVX512))) int64_t residual_row_avx512(float* xr, const float* yr, int64_t n, bool bf16) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m512 y = _mm512_loadu_ps(yr + i), x = _mm512_loadu_ps(xr + i);
-    _mm512_storeu_ps(xr + i, bf16 ? bf16_round16(_mm512_add_ps(x, bf16_round16(y))) : _mm512_add_ps(x, y));
+    _mm512_storeu_ps(xr + i, bf16 ? V16::bf16_round(_mm512_add_ps(x, V16::bf16_round(y))) : _mm512_add_ps(x, y));
   }
   return i;
 }
 #endif
 
 // rows [m0, m1) and columns [n0, n1) of y (M, N) added into the residual's x (M, N): in bfloat16 y is rounded, then
-// the sum, as the modules round (y itself may be left unrounded). One AVX-512 pass for the three took the rounding and
-// the residual adds of a 128-token bfloat16 prefill from 4.5 % of its perf samples to 2.3 % on a Xeon with AMX (the
-// whole prefill: a median ratio of 1.00 over 6 pairs of alternating processes, under the host's noise).
+// the sum, as the modules round (y itself may be left unrounded)
 void add_residual(const Residual& r, float* y, int64_t N, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const int64_t n = n1 - n0;
   for (int64_t m = m0; m < m1; ++m) {
@@ -187,6 +175,7 @@ void split_rows(const Team* team, int64_t count, int64_t grain, int64_t unit, fl
   });
 }
 
+namespace {
 Weight dense_weight(const at::Tensor& w, const char* op) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), op, ": the weight must be a contiguous (N, K) matrix, got ",
               w.sizes());
@@ -236,8 +225,10 @@ Weight int4_weight(const at::Tensor& w, const at::Tensor& scale, const at::Tenso
   return W;
 }
 
-// A linear given as its parts (cpu_kernels.h); float activations until the caller sets int8_activations.
-Weight weight_from_parts(at::TensorList parts, const char* op) {
+}  // namespace
+
+// A linear given as its parts (cpu_kernels.h); an int4 weight's group, where not given, read from its scale's shape
+Weight weight_from_parts(at::TensorList parts, const char* op, int64_t group) {
   TORCH_CHECK(!parts.empty() && parts.size() <= 3, op, ": a linear is [weight], [codes, scale] or "
               "[nibbles, scale, offset], got ", parts.size(), " tensors");
   const at::Tensor& w = parts[0];
@@ -249,8 +240,7 @@ Weight weight_from_parts(at::TensorList parts, const char* op) {
   if (parts.size() == 2) return int8_weight(w, parts[1], op);
   TORCH_CHECK(parts[1].dim() == 3 && parts[1].size(1) > 0 && w.dim() == 3, op,
               ": int4 is (N/8, K/8, 32) tiles with (N/8, groups, 8) scales");
-  const int64_t K = w.size(1) * 8;
-  return int4_weight(w, parts[1], parts[2], K / parts[1].size(1), op);
+  return int4_weight(w, parts[1], parts[2], group > 0 ? group : w.size(1) * 8 / parts[1].size(1), op);
 }
 
 // rows M of x (K inputs) with each whole chunk of `chunk` inputs as its even then its odd entries (the inputs after
@@ -267,21 +257,13 @@ std::vector<float> even_odd(const float* x, int64_t M, int64_t K, int64_t chunk)
   return xp;
 }
 
-// the group sums of x (M, K) for the int4 loops' offset terms: xsum (M, K / group)
-std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t group) {
-  std::vector<float> xsum(M * (K / group), 0.f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xsum[m * (K / group) + k / group] += x[m * K + k];
-  return xsum;
-}
-
 // y (M, N) = x · Wᵀ for an int4 weight with x rounded to int8 per block of 32 (W4A8)
 void linear_rows_a8(const Weight& W, const float* x, int64_t M, float* y, const Team* team,
                     const Residual* residual) {
   const int64_t N = W.N, K = W.K, B = K / 32;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * B);
-  const std::vector<float> xsum = group_sums(x, M, K, W.group);
+  const std::vector<float> xsum = int4t_x(x, M, K, W.group, false).xsum;
   const int64_t bits = matvec_features(kMatvecI4A8);
   using Tiles = void (*)(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, Terms, int64_t,
                          float*, int64_t, int64_t, int64_t);
@@ -392,31 +374,22 @@ std::vector<float> x_as_float(const at::Tensor& x) {
 }
 
 #ifdef LLMINFER_X86
-// the first n - n % 16 of them
-__attribute__((target(LLMINFER_AVX512))) void round_bf16_avx512(float* p, int64_t n) {
-  for (int64_t i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(p + i, bf16_round16(_mm512_loadu_ps(p + i)));
-}
-
-// the first n - n % 8 of them
-__attribute__((target("avx2,fma"))) void round_bf16_avx2(float* p, int64_t n) {
-  for (int64_t i = 0; i + 8 <= n; i += 8)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), bf16_bits8(_mm256_loadu_ps(p + i)));
-}
-
-__attribute__((target("avx2,fma"))) void to_bf16_avx2(const float* p, int64_t n, uint16_t* out) {
-  for (int64_t i = 0; i + 8 <= n; i += 8) {        // the high halves of the rounded patterns, packed in order
-    const __m256i high = _mm256_srli_epi32(bf16_bits8(_mm256_loadu_ps(p + i)), 16);
+__attribute__((target(LLMINFER_AVX2))) int64_t to_bf16_avx2(const float* p, int64_t n, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {                     // the high halves of the rounded patterns, packed in order
+    const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(V8::bf16_round(_mm256_loadu_ps(p + i))), 16);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
                      _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
   }
+  return i;
 }
 #endif
 
 void round_bf16(float* p, int64_t n) {
   int64_t i = 0;
 #ifdef LLMINFER_X86
-  if (has(kAVX512)) round_bf16_avx512(p, n), i = n - n % 16;
-  if (has_avx2()) round_bf16_avx2(p + i, n - i), i = n - n % 8;
+  if (has(kAVX512)) i = V16::round_row(p, n);
+  if (has_avx2()) i += V8::round_row(p + i, n - i);
 #endif
   for (; i < n; ++i) p[i] = static_cast<float>(c10::BFloat16(p[i]));
 }
@@ -424,7 +397,7 @@ void round_bf16(float* p, int64_t n) {
 void to_bf16(const float* p, int64_t n, uint16_t* out) {
   int64_t i = 0;
 #ifdef LLMINFER_X86
-  if (has_avx2()) to_bf16_avx2(p, n, out), i = n - n % 8;
+  if (has_avx2()) i = to_bf16_avx2(p, n, out);
 #endif
   for (; i < n; ++i) out[i] = c10::BFloat16(p[i]).x;
 }
@@ -441,41 +414,17 @@ at::Tensor result(const float* y, at::IntArrayRef sizes, const at::Tensor& like)
   return out;
 }
 
-at::Tensor gemv(const at::Tensor& x, const Weight& W, const char* op) {
-  check_x(x, W.K, op);
+// y = x · Wᵀ for W given as its parts (weight_from_parts; group: an int4 weight's, 0 to read it from the scale)
+at::Tensor gemv(const at::Tensor& x, at::TensorList parts, int64_t group, bool int8_activations) {
+  Weight W = weight_from_parts(parts, "gemv", group);
+  TORCH_CHECK(!int8_activations || W.format == Weight::I4, "gemv: int8 activations are for int4 weights");
+  W.int8_activations = int8_activations;
+  check_x(x, W.K, "gemv");
   const int64_t M = x.size(0);
   std::vector<float> xf = x_as_float(x), y(M * W.N);
   linear_rows(W, xf.data(), M, y.data());
   return result(y.data(), {M, W.N}, x);
 }
-
-at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat, "gemv_f32: the weight must be float32, got ", w.scalar_type());
-  return gemv(x, dense_weight(w, "gemv_f32"), "gemv_f32");
-}
-
-at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "gemv_bf16: the weight must be bfloat16, got ", w.scalar_type());
-  return gemv(x, dense_weight(w, "gemv_bf16"), "gemv_bf16");
-}
-
-at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-  return gemv(x, int8_weight(w, scale, "gemv_int8"), "gemv_int8");
-}
-
-at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset,
-                     int64_t group) {
-  return gemv(x, int4_weight(w, scale, offset, group, "gemv_int4"), "gemv_int4");
-}
-
-at::Tensor gemv_int4_a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& offset,
-                        int64_t group) {
-  Weight W = int4_weight(w, scale, offset, group, "gemv_int4_a8");
-  W.int8_activations = true;
-  return gemv(x, W, "gemv_int4_a8");
-}
-
-
 
 // ---------------------------------------------------------------------------------------------------
 // the streaming-read probe: every byte of `data` read once, by every thread (contiguous slices), with the

@@ -10,11 +10,8 @@
 using namespace llminfer_cpu;
 
 TORCH_LIBRARY(llminfer, m) {
-  m.def("gemv_f32(Tensor x, Tensor w) -> Tensor");
-  m.def("gemv_bf16(Tensor x, Tensor w) -> Tensor");
-  m.def("gemv_int8(Tensor x, Tensor w, Tensor scale) -> Tensor");
-  m.def("gemv_int4(Tensor x, Tensor w, Tensor scale, Tensor offset, int group) -> Tensor");
-  m.def("gemv_int4_a8(Tensor x, Tensor w, Tensor scale, Tensor offset, int group) -> Tensor");
+  // y = x · Wᵀ, W as its parts: [weight], [codes, scale] (int8) or [codes, scale, offset] (int4 tiles)
+  m.def("gemv(Tensor x, Tensor[] parts, int group=0, bool int8_activations=False) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   // the native-call contract (cpu_layers.cpp): a layer stack prepared once, its fields in the order layer_fields()
   // names, its caches of cache_kind 0 (contiguous) or 1 (a paged pool); a number names it until release_stack.
@@ -52,11 +49,7 @@ TORCH_LIBRARY(llminfer, m) {
 }
 
 TORCH_LIBRARY_IMPL(llminfer, CPU, m) {
-  m.impl("gemv_f32", &gemv_f32);
-  m.impl("gemv_bf16", &gemv_bf16);
-  m.impl("gemv_int8", &gemv_int8);
-  m.impl("gemv_int4", &gemv_int4);
-  m.impl("gemv_int4_a8", &gemv_int4_a8);
+  m.impl("gemv", &gemv);
   m.impl("decode_attention", &decode_attention);
   m.impl("run_stack", &run_stack);
   m.impl("paged_attention", &paged_attention);

@@ -1,5 +1,4 @@
-// The matrix-vector loops written once over the vector width: included (no include guard) by each per-ISA unit
-// inside its namespace,
+// The loops written once over the vector type: included (no include guard) by each per-ISA unit inside its namespace,
 // after `using V = V8;` (cpu_avx2.cpp: AVX2 + FMA, 8 floats a register) or `using V = V16;` (cpu_avx512.cpp:
 // AVX-512, 16), with LLMINFER_TARGET the target attribute of its loops. Chapter 08, Appendix A1.
 //
@@ -128,9 +127,120 @@ LLMINFER_TARGET void rows_by(const typename L::X* x, int64_t M, const Weight& W,
 }
 
 // ref::dense_rows by these loops: float32, bfloat16 and int8 rows widened in registers
+#ifndef LLMINFER_ROWS_ONLY
 void dense_rows(const Weight& W, const float* x, int64_t M, float* y, int64_t n0, int64_t n1) {
   if (W.format == Weight::F32) return rows_by<Widen<WKind::F32>>(x, M, W, y, n0, n1);
   if (W.format == Weight::BF16) return rows_by<Widen<WKind::BF16>>(x, M, W, y, n0, n1);
   if (W.group != W.K) return rows_by<Widen<WKind::I8>, true>(x, M, W, y, n0, n1);
   rows_by<Widen<WKind::I8>>(x, M, W, y, n0, n1);
 }
+
+// Decode attention's loops (cpu_attention.cpp's attend_tasks): G query heads that share a K/V head (up to four,
+// AVX-512; one, AVX2) against each K and V row, loaded and widened once for all of them. Keys j..j+3 are next: their
+// rows' lines of V (read after the softmax), and those of K 16 keys on, go into the cache ahead of use (a layer's
+// cache was last read a whole step of weights ago, so it comes from memory).
+template <WKind kind>
+inline void prefetch_kv(const char* k, int64_t kstride, const char* v, int64_t vstride, int64_t j, int64_t n,
+                        int64_t D) {
+  for (int64_t i = j; i < j + 4; ++i)
+    for (int64_t line = 0; line < D * wbytes<kind>(); line += 64) {
+      if (i + 16 < n) _mm_prefetch(k + (i + 16) * kstride + line, _MM_HINT_T0);
+      _mm_prefetch(v + i * vstride + line, _MM_HINT_T0);
+    }
+}
+
+// the scores of G heads, four keys at a time; D a multiple of kLanes
+template <WKind kind, int G>
+LLMINFER_TARGET void scores_of(const float* const* q, const char* k, int64_t stride, int64_t n, int64_t D, float scale,
+                               float* scores, int64_t ss, const char* v, int64_t vstride) {
+  using Vec = typename V::Vec;
+  const __m128 scale4 = _mm_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    prefetch_kv<kind>(k, stride, v, vstride, j, n, D);
+    Vec a[G][4];
+    for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = V::zero();
+    const char* r = k + j * stride;
+    for (int64_t d = 0; d < D; d += V::kLanes) {
+      const Vec k0 = V::template wload<kind>(r, d), k1 = V::template wload<kind>(r + stride, d),
+                k2 = V::template wload<kind>(r + 2 * stride, d), k3 = V::template wload<kind>(r + 3 * stride, d);
+      for (int g = 0; g < G; ++g) {
+        const Vec qv = V::load(q[g] + d);
+        a[g][0] = V::fmadd(k0, qv, a[g][0]);
+        a[g][1] = V::fmadd(k1, qv, a[g][1]);
+        a[g][2] = V::fmadd(k2, qv, a[g][2]);
+        a[g][3] = V::fmadd(k3, qv, a[g][3]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      _mm_storeu_ps(scores + g * ss + j, _mm_mul_ps(hsum4(a[g][0], a[g][1], a[g][2], a[g][3]), scale4));
+  }
+  for (; j < n; ++j)
+    for (int g = 0; g < G; ++g) {
+      Vec a = V::zero();
+      for (int64_t d = 0; d < D; d += V::kLanes) a = V::fmadd(V::template wload<kind>(k + j * stride, d), V::load(q[g] + d), a);
+      scores[g * ss + j] = V::hsum(a) * scale;
+    }
+}
+
+// the weighted sums of G heads, kLanes·S columns of every head in registers at a time; D a multiple of kLanes·S. One
+// head skips the keys it gives no weight (masked, or far below the largest score).
+template <WKind kind, int G, int S>
+LLMINFER_TARGET void values_of(const float* p, int64_t ps, const char* v, int64_t stride, int64_t n, int64_t D,
+                               float* acc) {
+  using Vec = typename V::Vec;
+  for (int64_t d0 = 0; d0 < D; d0 += V::kLanes * S) {
+    Vec a[G][S];
+    for (int g = 0; g < G; ++g)
+      for (int s = 0; s < S; ++s) a[g][s] = V::load(acc + g * D + d0 + V::kLanes * s);
+    for (int64_t j = 0; j < n; ++j) {
+      if (G == 1 && p[j] == 0.f) continue;
+      Vec row[S];
+      for (int s = 0; s < S; ++s) row[s] = V::template wload<kind>(v + j * stride, d0 + V::kLanes * s);
+      for (int g = 0; g < G; ++g) {
+        const Vec pj = V::set1(p[g * ps + j]);
+        for (int s = 0; s < S; ++s) a[g][s] = V::fmadd(row[s], pj, a[g][s]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int s = 0; s < S; ++s) V::store(acc + g * D + d0 + V::kLanes * s, a[g][s]);
+  }
+}
+
+template <WKind kind>
+void group_scores(int64_t G, const float* const* q, const char* k, int64_t stride, int64_t n, int64_t D, float scale,
+                  float* scores, int64_t ss, const char* v, int64_t vstride) {
+  switch (G) {
+    case 1: return scores_of<kind, 1>(q, k, stride, n, D, scale, scores, ss, v, vstride);
+    case 2: return scores_of<kind, 2>(q, k, stride, n, D, scale, scores, ss, v, vstride);
+    case 3: return scores_of<kind, 3>(q, k, stride, n, D, scale, scores, ss, v, vstride);
+    default: return scores_of<kind, 4>(q, k, stride, n, D, scale, scores, ss, v, vstride);
+  }
+}
+
+template <WKind kind, int G>
+void values_by_width(const float* p, int64_t ps, const char* v, int64_t stride, int64_t n, int64_t D, float* acc) {
+  if (D % (4 * V::kLanes) == 0) return values_of<kind, G, 4>(p, ps, v, stride, n, D, acc);
+  if (D % (2 * V::kLanes) == 0) return values_of<kind, G, 2>(p, ps, v, stride, n, D, acc);
+  values_of<kind, G, 1>(p, ps, v, stride, n, D, acc);
+}
+
+template <WKind kind>
+void group_values(int64_t G, const float* p, int64_t ps, const char* v, int64_t stride, int64_t n, int64_t D,
+                  float* acc) {
+  switch (G) {
+    case 1: return values_by_width<kind, 1>(p, ps, v, stride, n, D, acc);
+    case 2: return values_by_width<kind, 2>(p, ps, v, stride, n, D, acc);
+    case 3: return values_by_width<kind, 3>(p, ps, v, stride, n, D, acc);
+    default: return values_by_width<kind, 4>(p, ps, v, stride, n, D, acc);
+  }
+}
+
+template void group_scores<WKind::F32>(int64_t, const float* const*, const char*, int64_t, int64_t, int64_t, float,
+                                       float*, int64_t, const char*, int64_t);
+template void group_scores<WKind::BF16>(int64_t, const float* const*, const char*, int64_t, int64_t, int64_t, float,
+                                        float*, int64_t, const char*, int64_t);
+template void group_values<WKind::F32>(int64_t, const float*, int64_t, const char*, int64_t, int64_t, int64_t, float*);
+template void group_values<WKind::BF16>(int64_t, const float*, int64_t, const char*, int64_t, int64_t, int64_t, float*);
+
+#endif
