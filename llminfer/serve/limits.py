@@ -11,9 +11,10 @@ h11 checks the header size only while the headers are incomplete in its buffer, 
 arrive in one read pass. The protocol counts a request's header bytes itself, however they arrive, and answers
 more than MAX_HEADER_BYTES with a 431 before h11 parses them. A request whose Content-Length passes the body
 limit is answered 413 from its headers alone: its body never reaches h11 or the app, and what the client sends
-of it anyway is dropped as it arrives (read into one shared buffer and counted, no parsing), so that the client reads the
-413 rather than a reset, until it is all in, DISCARD_BYTES have passed or the body's deadline, and the
-connection closes. Four clients each sending bodies of the limit's size cost the event loop next to nothing. The
+of it anyway is dropped as it arrives (read into one shared buffer and counted, no parsing, at most DISCARD_RATE
+bytes a second), so that the client reads the 413 rather than a reset, until it is all in, DISCARD_BYTES have
+passed or the body's deadline, and the connection closes. Four clients each sending bodies of the limit's size
+cost the event loop next to nothing, and wait on their full sockets rather than take the machine's CPUs. The
 app may refuse a request while its body is still arriving (`jsonscan`: too many values, counted per chunk): it calls
 the scope's REFUSE_BODY extension, and the protocol answers at once and drops the rest of the declared body the same
 way. uvicorn counts the connection it is deciding on among the open ones, so its limit is set one above
@@ -36,6 +37,7 @@ __all__ = ["timed_protocol", "uvicorn_options", "body_too_large", "MAX_HEADER_BY
 
 MAX_HEADER_BYTES = 64 * 1024     # the request line and headers together; more closes the connection (431)
 DISCARD_BYTES = 64 * 2**20       # of a refused body, at most this much is read and dropped before closing
+DISCARD_RATE = 16 * 2**20        # bytes a second: how fast a refused body is read (4 s for DISCARD_BYTES)
 REFUSE_BODY = "llminfer.refuse_body"  # scope["extensions"][REFUSE_BODY](status, error body): answer, drop the rest
 _CONTENT_LENGTH = re.compile(rb"\r\ncontent-length[ \t]*:[ \t]*(\d{1,30})[ \t]*(?=\r\n)", re.IGNORECASE)
 log = logging.getLogger("llminfer.serve")
@@ -160,21 +162,31 @@ class _TimedH11Protocol(H11Protocol):
 
 class _Discard(asyncio.BufferedProtocol):
     """What reads a refused body: its bytes land in one buffer that every connection shares and are only counted (no
-    object per read, no parsing); once `left` of them are in, the connection closes. Chapter 11."""
+    object per read, no parsing); once `left` of them are in, the connection closes. Chapter 11.
+
+    It reads at most DISCARD_RATE bytes a second (reading pauses while it is ahead): a client that sends bad bodies
+    back to back then spends its time waiting on a full socket, not sending, and leaves the machine's CPUs to the
+    other requests. It still reads its answer once its body is in (4 MiB: a quarter of a second)."""
 
     _buffer = memoryview(bytearray(256 * 1024))
 
     def __init__(self, owner: _TimedH11Protocol, left: int):
-        self.owner, self.left = owner, left
+        self.owner, self.left, self.read, self.start = owner, left, 0, owner.loop.time()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._buffer
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.left -= nbytes
+        self.left, self.read = self.left - nbytes, self.read + nbytes
+        transport = self.owner.transport
         if self.left <= 0:
             self.owner._disarm()
-            self.owner.transport.close()
+            transport.close()
+            return
+        ahead = self.read / DISCARD_RATE - (self.owner.loop.time() - self.start)
+        if ahead > 0.005:
+            transport.pause_reading()
+            self.owner.loop.call_later(ahead, lambda: transport.is_closing() or transport.resume_reading())
 
     def eof_received(self) -> bool:
         return False                     # the client stopped sending: close
