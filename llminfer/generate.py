@@ -32,7 +32,7 @@ from .device import check_fits, dtype_bytes, synchronize
 from .kv_cache import Cache
 from .model import Transformer
 from .sampling import History, SamplerSettings, is_penalised, probabilities, sample
-from .structured.constraint import batch_mask, check_constraints
+from .structured.constraint import batch_mask, check_constraints, jump_tokens
 
 __all__ = ["GenerationResult", "TokenTimer", "is_int", "check_flag", "check_int", "check_sampling", "check_capacity",
            "check_request", "as_token_batch", "prefill", "decode_step", "probabilities", "sample_next", "new_generator",
@@ -341,10 +341,14 @@ def token_loop(steps, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int 
                 if constraint is not None and not constraint.finished:
                     constraint.advance(row_token)
             if jump_forward and not done and constraints[0] is not None:
-                forced = constraints[0].forced_tokens().token_ids[:max_new_tokens - n_made]
-                for forced_token in forced:
-                    constraints[0].advance(forced_token)
-                    new_tokens[0, n_made] = forced_token
+                # the sampled token and the forced text, re-tokenized as one where the penalties keep no history
+                run = jump_tokens(constraints[0], int(token[0]), max_new_tokens - n_made, retokenize=history is None)
+                new_tokens[0, n_made - 1:n_made - 1 + len(run)] = torch.tensor(run, device=device)
+                forced = run[1:]
+                if history is not None and forced:
+                    for forced_token in forced:
+                        history.append(torch.tensor([forced_token], device=device))
+                for _ in forced:
                     n_made += 1
                     timer.token()
         if done:

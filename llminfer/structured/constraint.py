@@ -12,9 +12,10 @@ prefill step and `advance`s through them.
 
 The tokenization boundary. A model learnt text cut by its tokenizer, and `"` followed by `name` is not how the
 tokenizer cuts `"name`. SGLang re-tokenizes the last generated tokens together with the forced text and replaces
-them. Here the boundary is kept conservative instead: the tokens already generated stay, and the forced text is
-tokenized on its own, so only the forced text's own cut is canonical. It never breaks the constraint (any cut of
-the forced bytes walks the same DFA path) and it needs no rollback of the KV cache.
+them. `jump_tokens` does that for the token just sampled, which is not in the KV cache yet, so nothing needs
+rolling back there: the sampled token's text and the forced text are tokenized as one, and that cut replaces both
+(the same bytes, so the same DFA path). Where the sampled token ends inside a UTF-8 character, or the new cut does
+not fit the tokens left, the boundary stays conservative: the sampled token, then the forced text tokenized alone.
 
 Finishing within the token budget. A free string can run on until `max_tokens` cuts it, and a cut document does
 not parse. `finish_within(max_tokens)` prevents that: each state knows the fewest bytes that complete the text
@@ -31,7 +32,7 @@ from .index import TokenIndex, Vocabulary, compile_index
 from .json_schema import schema_to_regex
 from .regex import DEAD, MAX_STATES
 
-__all__ = ["Constraint", "ForcedText", "batch_mask", "check_constraints"]
+__all__ = ["Constraint", "ForcedText", "batch_mask", "check_constraints", "jump_tokens"]
 
 
 class ForcedText(tuple):
@@ -56,6 +57,7 @@ class Constraint:
         self.finished = False                  # EOS was taken
         self.max_tokens: int | None = None     # see finish_within
         self.taken = 0                         # tokens advanced through, EOS and forced tokens included
+        self._previous: int | None = None      # the state before the last advance (undo_last)
 
     @classmethod
     def from_regex(cls, pattern: str, tokenizer, max_states: int = MAX_STATES) -> "Constraint":
@@ -117,8 +119,16 @@ class Constraint:
         if target == DEAD:
             raise ValueError(f"token {token_id} ({self.index.vocab.token_bytes[token_id]!r}) leaves the pattern "
                              f"{self.index.dfa.pattern[:80]!r}; sample only where allowed_mask() is True")
+        self._previous = self.state
         self.state = target
         self.taken += 1
+
+    def undo_last(self) -> None:
+        """Step back over the last token advanced through (not EOS): jump-forward's re-tokenization replaces it."""
+        if self._previous is None:
+            raise ValueError("nothing to undo: undo_last steps back over one advance(), once")
+        self.state, self._previous = self._previous, None
+        self.taken -= 1
 
     def forced_bytes(self) -> bytes:
         """The bytes that must come next: followed while the state does not accept and exactly one byte keeps it
@@ -146,6 +156,34 @@ class Constraint:
             raise ValueError("forced_tokens needs the tokenizer: build the Constraint with tokenizer=...")
         text = self.forced_bytes().decode("utf-8")
         return ForcedText((text, self.tokenizer.encode(text) if text else []))
+
+
+def jump_tokens(constraint: Constraint, sampled: int, budget: int, retokenize: bool = True) -> list[int]:
+    """Jump-forward right after `sampled` (the token just sampled, which `constraint` has advanced through): the
+    tokens to run next, the first in the sampled token's place, with the constraint advanced through all of them.
+
+    Without forced text that is [sampled]. With it: the sampled token's text and the forced text tokenized as one
+    (SGLang's boundary) where retokenize, the token decodes on its own and the cut fits; else [sampled, *the forced
+    text's own tokens]. Never more than `budget` tokens after the first."""
+    forced = constraint.forced_tokens()
+    if not forced.text:
+        return [sampled]
+    tokens = [sampled, *forced.token_ids]
+    if retokenize:
+        try:
+            text = constraint.index.vocab.token_bytes[sampled].decode("utf-8") + forced.text
+        except UnicodeDecodeError:                         # the sampled token ends inside a character
+            text = None
+        canonical = None if text is None else constraint.tokenizer.encode(text)
+        if canonical and canonical != tokens and len(canonical) - 1 <= budget:
+            constraint.undo_last()                         # back to before the sampled token: same bytes follow
+            for token in canonical:
+                constraint.advance(token)
+            return canonical
+    tokens = tokens[:budget + 1]
+    for token in tokens[1:]:
+        constraint.advance(token)
+    return tokens
 
 
 def check_constraints(constraint, batch: int, vocab_size: int, eos_token_id: int | None) -> list:

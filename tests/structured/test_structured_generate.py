@@ -4,6 +4,7 @@ free one, and bad combinations are refused before compute."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -176,3 +177,37 @@ def test_engine_batches_a_constrained_request_with_free_ones(real, prompt):
     assert outputs[cut].finish_reason == "length" and tokenizer.decode(outputs[cut].token_ids).startswith('{"')
     with pytest.raises(ValueError, match="ends with token 2"):
         engine.add_request(prompt, SamplingParams(max_new_tokens=4), constraint=Constraint.from_regex("a", tokenizer))
+
+
+def test_jump_forward_retokenizes_the_sampled_token_with_the_forced_text(real):
+    from llminfer.structured.constraint import jump_tokens
+
+    _, tokenizer = real
+    pattern = r"(P|L)aris is nice\."
+    conservative = Constraint.from_regex(pattern, tokenizer)
+    [p] = tokenizer.encode("P")
+    conservative.advance(p)
+    assert jump_tokens(conservative, p, budget=10, retokenize=False) == [p] + tokenizer.encode("aris is nice.")
+    sglang = Constraint.from_regex(pattern, tokenizer)
+    sglang.advance(p)
+    run = jump_tokens(sglang, p, budget=10)
+    assert run == tokenizer.encode("Paris is nice.") != [p] + tokenizer.encode("aris is nice.")   # one cut, as trained
+    assert sglang.state == conservative.state and sglang.is_accepting     # the same bytes: the same state
+    short = Constraint.from_regex(pattern, tokenizer)
+    short.advance(p)
+    assert jump_tokens(short, p, budget=1) == [p] + tokenizer.encode("aris is nice.")[:1]   # no room: cut as before
+
+
+def test_jump_forward_with_retokenized_boundaries_stays_in_the_pattern(real, prompt):
+    model, tokenizer = real
+    for pattern in (r"(P|L)aris is (nice|big)\.", r'\{"city": "(Paris|Lima)", "population_in_millions": [0-9]\}'):
+        calls = []
+        hook = model.register_forward_hook(lambda *args: calls.append(1))
+        try:
+            out = generate(model, prompt, max_new_tokens=40, constraint=Constraint.from_regex(pattern, tokenizer),
+                           jump_forward=True)
+        finally:
+            hook.remove()
+        assert out.token_ids[-1] == tokenizer.eos_token_id
+        assert re.fullmatch(pattern, tokenizer.decode(out.token_ids[:-1])), tokenizer.decode(out.token_ids)
+        assert len(calls) < len(out.token_ids) - 2                # forced runs took one forward each
