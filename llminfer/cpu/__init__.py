@@ -1,14 +1,12 @@
 """The native CPU backend: products, attention and whole layers in C++ (beside this file). Chapter 08, Appendix A1.
 
-A decode step reads every weight once for a few rows of x (memory-bound); a prefill multiplies many rows (compute-
-bound). `gemv` multiplies float32, bfloat16, int8 or int4 weights (int4 also with int8 activations, W4A8) in their
-stored layouts: the multi-row matrix-vector loops up to MAX_TOKENS rows, the blocked kernel past them. Beside it
-`decode_attention` (the attention backend 'native'), `paged_attention`, the layer stack (`cpu.stack`) and
-`stream_read`. The loops are chosen once, at load, from the CPU's flags (`choose_isa`, the static table
-DECODE_LOOPS): nothing is timed or kept. LLMINFER_ISA forces a level, LLMINFER_PREFILL a prefill's path. The source
-compiles on first use (about 15 s) into LLMINFER_KERNEL_CACHE (default ~/.cache/llminfer/kernels); without a
-compiler `available()` is False, `why_unavailable()` says why and callers keep torch's kernels;
-LLMINFER_NATIVE_KERNELS=0 turns them off.
+`gemv` multiplies float32, bfloat16, int8 or int4 weights (int4 also with int8 activations, W4A8) in their stored
+layouts: the multi-row matrix-vector loops up to MAX_TOKENS rows (decode), the blocked kernel past them (prefill).
+Beside it `decode_attention` (the attention backend 'native'), `paged_attention`, the layer stack (`cpu.stack`) and
+`stream_read`. The loops are chosen once, at load, from the CPU's flags (`choose_isa`, the static table DECODE_LOOPS):
+nothing is timed or kept. LLMINFER_ISA forces a level, LLMINFER_PREFILL a prefill's path. The source compiles on first
+use (about 15 s) into LLMINFER_KERNEL_CACHE (default ~/.cache/llminfer/kernels); without a compiler `available()` is
+False, `why_unavailable()` says why and callers keep torch's kernels; LLMINFER_NATIVE_KERNELS=0 turns them off.
 """
 from __future__ import annotations
 
@@ -37,13 +35,10 @@ SOURCES = tuple(_HERE / name for name in ("cpu_ref.cpp", "cpu_avx2.cpp", "cpu_av
                                           "cpu_gemm.cpp", "cpu_attention.cpp", "cpu_layers.cpp", "cpu_ops.cpp"))
 HEADERS = (_HERE / "cpu_kernels.h", _HERE / "cpu_vec.h")
 # Products of up to this many rows of x take the multi-row matrix-vector loops (each weight read once for all the
-# rows: a batch's decode step, a speculative verification), more rows the blocked kernel. On the AVX2 EPYC the
-# multi-row loops ran 9-16 rows faster than the blocked kernel for int8, int4 and W4A8 (which it widens to float32
-# first), about as fast for bfloat16 (`python -m llminfer.bench rows` prints the table). Compiled in
-# (-DLLMINFER_MATVEC_MAX_ROWS; torch.ops.llminfer.matvec_max_rows()).
+# rows), more rows the blocked kernel (`python -m llminfer.bench rows` prints a step's cost by rows). Compiled in.
 MAX_TOKENS = 16
 # A decode step's threads share attention by K/V heads, and from this many cached positions on by blocks of keys,
-# merged in order (the numbers do not depend on the thread count). Compiled in (-DLLMINFER_SPLIT_KEYS). Appendix A1.
+# merged in order (the numbers do not depend on the thread count). Compiled in. Appendix A1.
 SPLIT_KEYS = 1024
 
 _lock = threading.Lock()
@@ -239,9 +234,8 @@ def isa_features() -> tuple[str, ...]:
     return _state["isa"].features if load() else ()
 
 
-# A prefill (more than MAX_TOKENS rows) runs by the blocked kernel wherever the vector loops run: it ran every format's
-# 128-token prefill of SmolLM2-135M faster than torch's matmul on every class recorded (data/benchmarks/
-# decode-cpu-*.json, "prefill" > "by_precision": 1.2-5.5x). The portable loops keep torch's (dequantized) matmul.
+# A prefill (more than MAX_TOKENS rows) runs by the blocked kernel wherever the vector loops run (every class's record
+# shows it faster than torch's matmul for every format); the portable loops keep torch's (dequantized) matmul.
 PREFILL_PATHS = ("blocked", "torch")
 PREFILL_ENV = "LLMINFER_PREFILL"           # 'blocked' or 'torch' forces the path (for comparisons)
 _prefill: dict = {"forced": None}

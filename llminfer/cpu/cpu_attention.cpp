@@ -74,9 +74,8 @@ constexpr int64_t kPrefillBlock = 16;   // query positions of a task
 
 // S[i·ss + j] = scale · Σ_d q[i][d] · kt[d·kts + j] for R rows and 32 keys j
 template <int R>
-__attribute__((target(LLMINFER_AVX512))) inline void prefill_scores_tile(const float* const* q, const float* kt,
-                                                                          int64_t kts, int64_t D, float scale,
-                                                                          float* S, int64_t ss) {
+LLMINFER_ON_AVX512 inline void prefill_scores_tile(const float* const* q, const float* kt, int64_t kts, int64_t D,
+                                                   float scale, float* S, int64_t ss) {
   __m512 a[R], b[R];
   for (int i = 0; i < R; ++i) a[i] = b[i] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
@@ -96,9 +95,8 @@ __attribute__((target(LLMINFER_AVX512))) inline void prefill_scores_tile(const f
 
 // O[i·os + d0 ..] = Σ_j p[i·ps + j] · v_j[d0 .. d0 + 16·C) for R rows over n value rows `stride` bytes apart
 template <WKind kind, int R, int C>
-__attribute__((target(LLMINFER_AVX512))) inline void prefill_values_tile(const float* p, int64_t ps, const char* v,
-                                                                          int64_t stride, int64_t n, int64_t d0,
-                                                                          float* const* o) {
+LLMINFER_ON_AVX512 inline void prefill_values_tile(const float* p, int64_t ps, const char* v, int64_t stride, int64_t n,
+                                                   int64_t d0, float* const* o) {
   __m512 a[R][C];
   for (int i = 0; i < R; ++i)
     for (int c = 0; c < C; ++c) a[i][c] = _mm512_setzero_ps();
@@ -117,8 +115,7 @@ __attribute__((target(LLMINFER_AVX512))) inline void prefill_values_tile(const f
 // dst[d·kts + j] = k_j[d] for keys j < n (rows `stride` bytes apart), 0 for n <= j < kts (a multiple of 16): 16 keys
 // by 16 dimensions at a time, transposed in registers; D a multiple of 16
 template <WKind kind>
-__attribute__((target(LLMINFER_AVX512))) void transpose_keys(const char* k, int64_t stride, int64_t n, int64_t D,
-                                                              float* dst, int64_t kts) {
+LLMINFER_ON_AVX512 void transpose_keys(const char* k, int64_t stride, int64_t n, int64_t D, float* dst, int64_t kts) {
   for (int64_t j0 = 0; j0 < kts; j0 += 16)
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       __m512 r[16];
@@ -129,7 +126,7 @@ __attribute__((target(LLMINFER_AVX512))) void transpose_keys(const char* k, int6
 }
 
 // s[lanes] <- exp(s - shift), 0 where s is -inf; returns them (0 in the other lanes)
-__attribute__((target(LLMINFER_AVX512))) inline __m512 softmax_lanes(float* s, __mmask16 lanes, __m512 shift) {
+LLMINFER_ON_AVX512 inline __m512 softmax_lanes(float* s, __mmask16 lanes, __m512 shift) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 v = _mm512_mask_loadu_ps(neg_inf, lanes, s);
   const __mmask16 seen = _mm512_cmp_ps_mask(v, neg_inf, _CMP_NEQ_OQ);
@@ -140,7 +137,7 @@ __attribute__((target(LLMINFER_AVX512))) inline __m512 softmax_lanes(float* s, _
 
 // s[0 .. n) <- exp(s - max s), 16 at a time, the last n % 16 under a mask; returns their sum, or 0 (s untouched)
 // where every score is -inf
-__attribute__((target(LLMINFER_AVX512))) float softmax_numerators_avx512(float* s, int64_t n) {
+LLMINFER_ON_AVX512 float softmax_numerators_avx512(float* s, int64_t n) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t whole = n - n % 16;
   const __mmask16 last = static_cast<__mmask16>((1u << (n % 16)) - 1);
@@ -346,6 +343,17 @@ template void attend<WKind::BF16>(const AttentionProblem& P);
 template void attend_tasks<WKind::F32>(const AttentionProblem&, int64_t, int64_t, int64_t, const AttentionParts&);
 template void attend_tasks<WKind::BF16>(const AttentionProblem&, int64_t, int64_t, int64_t, const AttentionParts&);
 
+// P's outputs (Tq·D floats a head, with `scale`) as a new tensor shaped and typed like q
+at::Tensor attend_into(AttentionProblem& P, const at::Tensor& q, double scale) {
+  std::vector<float> out(q.numel());
+  P.scale = static_cast<float>(scale);
+  P.out = out.data();
+  P.os0 = P.H * P.Tq * P.D, P.os1 = P.Tq * P.D, P.os2 = P.D;
+  if (q.scalar_type() == at::kFloat) attend<WKind::F32>(P);
+  else attend<WKind::BF16>(P);
+  return result(out.data(), q.sizes(), q);
+}
+
 // q (B, H, Tq, D); k, v (B, Hkv, Tk, D) with unit stride along D; an optional boolean mask broadcastable to
 // (B, H, Tq, Tk) (True = may attend), else the causal rule (query i sees keys 0 .. Tk - Tq + i).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -364,7 +372,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_in, const a
   const at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
   const at::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
   const int64_t Tk = k.size(2);
-  std::vector<float> qf = x_as_float(q), out(B * H * Tq * D);
+  std::vector<float> qf = x_as_float(q);
   std::vector<int64_t> last(Tq);
   for (int64_t t = 0; t < Tq; ++t) last[t] = Tk - Tq + t;
   AttentionProblem P{B, H, k.size(1), Tq, D, Tk, qf.data(), H * Tq * D, Tq * D, D,
@@ -378,12 +386,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_in, const a
     P.ms0 = mask.stride(0), P.ms1 = mask.stride(1), P.ms2 = mask.stride(2), P.ms3 = mask.stride(3);
   }
   P.last = last.data();
-  P.scale = static_cast<float>(scale);
-  P.out = out.data();
-  P.os0 = H * Tq * D, P.os1 = Tq * D, P.os2 = D;
-  if (q.scalar_type() == at::kFloat) attend<WKind::F32>(P);
-  else attend<WKind::BF16>(P);
-  return result(out.data(), q.sizes(), q);
+  return attend_into(P, q, scale);
 }
 
 // Block tables, checked: tables (S, W) int64, token_seq (N,) the sequence of each query, positions (N,) each
@@ -435,7 +438,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   TORCH_CHECK(positions.size(0) == N, op, ": ", positions.size(0), " positions for ", N, " query tokens");
   const int64_t Hkv = k_pool.size(2), block_size = k_pool.size(1);
   const int64_t longest = check_block_tables(block_tables, token_seq, positions, k_pool.size(0), block_size, op);
-  std::vector<float> qf = x_as_float(q), out(H * N * D);          // (H, N, D)
+  std::vector<float> qf = x_as_float(q);                            // (H, N, D)
   AttentionProblem P{1, H, Hkv, N, D, longest, qf.data(), H * N * D, N * D, D,
                      static_cast<const char*>(k_pool.data_ptr()), static_cast<const char*>(v_pool.data_ptr()),
                      0, D, Hkv * D, 0, D, Hkv * D};
@@ -444,12 +447,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   P.seq = token_seq.data_ptr<int64_t>();
   P.table_stride = block_tables.size(1);
   P.block_size = block_size;
-  P.scale = static_cast<float>(scale);
-  P.out = out.data();
-  P.os0 = H * N * D, P.os1 = N * D, P.os2 = D;
-  if (q.scalar_type() == at::kFloat) attend<WKind::F32>(P);
-  else attend<WKind::BF16>(P);
-  return result(out.data(), q.sizes(), q);
+  return attend_into(P, q, scale);
 }
 
 }  // namespace llminfer_cpu

@@ -11,14 +11,12 @@ using V = V8;
 #define LLMINFER_TARGET __attribute__((target("avx2,fma,f16c")))
 #include "cpu_vec.h"
 
-// int4 in tiles of 8 rows (the layout the quantized layers keep for these kernels): codes (N/8, K/8, 32) bytes,
-// where tile t, chunk c holds, as 8 little-endian 32-bit words, rows 8t..8t+7's codes for inputs 8c..8c+7 (word
-// j: row 8t+j, its nibble i the code of input 8c+i; the bytes are the row-major nibbles of that row, in place).
-// scale and offset are (N/8, G, 8): the 8 rows of a tile next to each other for each group. One 32-byte load
-// brings 64 codes, the lane of a row holding its 8 codes; each code is isolated in place by one AND (the last by
-// one shift) and converted by one vcvtdq2ps (code i arrives as q·16^i, so x is read pre-scaled by 16^-i: `int4t_x`),
-// and multiplied into the 8 rows at once against x broadcast from L1, for each of MX rows of x. A tile's bytes are
-// one stream; one row of x takes two tiles at a time (two streams), in four chains each (codes i % 4).
+// int4 in tiles of 8 rows: codes (N/8, K/8, 32) bytes, where tile t, chunk c holds, as 8 little-endian 32-bit words,
+// rows 8t..8t+7's codes for inputs 8c..8c+7 (word j: row 8t+j, its nibble i the code of input 8c+i); scale and offset
+// are (N/8, G, 8). One 32-byte load brings 64 codes, the lane of a row holding its 8 codes; each code is isolated in
+// place by one AND (the last by one shift) and converted by one vcvtdq2ps (code i arrives as q·16^i, so x is read
+// pre-scaled by 16^-i: `int4t_x`), and multiplied into the 8 rows at once against x broadcast from L1, for each of MX
+// rows of x. One row of x takes two tiles at a time (two streams), in four chains each (codes i % 4).
 template <int T, int MX>
 LLMINFER_TARGET void int4_block(const float* xs, const float* xsum, int64_t K, const uint8_t* w, Terms terms,
                                 int64_t group, int64_t tile, float* y, int64_t N) {

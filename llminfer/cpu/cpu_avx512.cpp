@@ -1,7 +1,7 @@
 // The AVX-512 loops of the native CPU kernels (16 floats a register) under the reference's names (cpu_ref.cpp), and
 // those of its extensions: AVX512-VNNI (int8 dot products by vpdpbusd) and AVX512-BF16 (vdpbf16ps). Compiled with
-// target attributes; they run only where features() has the bits (this process's level, LLMINFER_ISA) and, for
-// decode, where the static table names them (matvec_features). Chapter 08, Appendix A1.
+// target attributes; they run only where features() has the bits and, for decode, where the static table names them
+// (matvec_features). Chapter 08, Appendix A1.
 
 #include "cpu_kernels.h"
 
@@ -14,9 +14,8 @@ using V = V16;
 
 // bfloat16 on 16 lanes: one 64-byte load brings 32 weights, two a 32-bit lane; a bfloat16 is the top half of its
 // float32, so the lane shifted left by 16 is the even weight and the lane ANDed with 0xFFFF0000 the odd one (2
-// instructions for 32 weights, where widening 16 at a time takes 4; on a Zen 4 the widening loop was bound by its
-// instructions, below memory speed), against x's chunk of 32 as its 16 even, then its 16 odd entries (`even_odd`;
-// x itself for the inputs after the last chunk)
+// instructions for 32 weights, where widening 16 at a time takes 4), against x's chunk of 32 as its 16 even, then its
+// 16 odd entries (`even_odd`; x itself for the inputs after the last chunk)
 struct BF16Split {
   using X = float;
   using XV = __m512;
@@ -47,13 +46,10 @@ void bf16_rows(const Weight& W, const float* xp, int64_t M, float* y, int64_t n0
 // holds 1 + q/16 exactly. That is multiplied into a chain against x (plain, not scaled) whose lanes 0-7 hold input
 // 8c+i and lanes 8-15 input 8c+8+i (one vpermps of the 16 inputs, shared by the tiles). A group's chains then hold
 // Σ(1 + q/16)·x = Σx + Σq·x/16, so its scale is taken 16 times and its offset less those 16 scales:
-// 16s·(Σx + Σq·x/16) + (o - 16s)·Σx = s·Σq·x + o·Σx. The two halves are summed at the end. (On a Zen 5, against
-// one AND and one vcvtdq2ps a code, a (49152 x 576) product ran 1.03 to 1.04 times as fast.)
-
+// 16s·(Σx + Σq·x/16) + (o - 16s)·Σx = s·Σq·x + o·Σx. The two halves are summed at the end.
 template <int T>
-LLMINFER_TARGET void int4t_tiles_avx512(const float* x, const float* xsum, int64_t K,
-                                                                       const uint8_t* w, Terms terms, int64_t group,
-                                                                       int64_t tile, float* out) {
+LLMINFER_TARGET void int4t_tiles_avx512(const float* x, const float* xsum, int64_t K, const uint8_t* w, Terms terms,
+                                        int64_t group, int64_t tile, float* out) {
   const int64_t G = K / group;
   __m512i pick[8];
   for (int i = 0; i < 8; ++i)
@@ -68,9 +64,7 @@ LLMINFER_TARGET void int4t_tiles_avx512(const float* x, const float* xsum, int64
   for (int64_t g = 0; g < G; ++g) {
     __m512 a[T], b[T], c[T], d[T];                          // four chains a tile: codes i % 4
     for (int t = 0; t < T; ++t) a[t] = b[t] = c[t] = d[t] = _mm512_setzero_ps();
-    for (int t = 0; t < T; ++t) {
-      prefetch_terms(terms, ((tile + T + t) * G + g) * 8);
-    }
+    for (int t = 0; t < T; ++t) prefetch_terms(terms, ((tile + T + t) * G + g) * 8);
     for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
       __m512i v[T];
       for (int t = 0; t < T; ++t) {
@@ -121,9 +115,7 @@ void int4_tiles(const Weight& W, const float* x, const float* xsum, int64_t M, f
 // The bytes of x the 512-bit int8 dot-product loops on int4 tiles multiply, laid out once per product so that they
 // read each pair of chunks' even and odd fours as whole registers: per 16 inputs (chunks c and c + 1, each in xq as
 // its 4 even then its 4 odd inputs), 128 bytes: c's even four 8 times, c + 1's even four 8 times (lanes 0-7 and
-// 8-15 of one load), then the two odd fours the same way. spread: K·8 bytes; K a multiple of 16. (The 256-bit loops
-// broadcast each four from xq instead: read spread, 8 times the bytes, a decode step on a Zen 3 ran 1.2-1.3x
-// slower.)
+// 8-15 of one load), then the two odd fours the same way. spread: K·8 bytes; K a multiple of 16.
 __attribute__((target("avx2"))) void int4t_spread(const int8_t* xq, int64_t K, int8_t* spread) {
   for (int64_t k = 0; k < K; k += 16) {
     int32_t four[4];                                      // c even, c odd, c + 1 even, c + 1 odd
@@ -137,8 +129,8 @@ __attribute__((target("avx2"))) void int4t_spread(const int8_t* xq, int64_t K, i
 }
 
 // int8 dot products on 512-bit registers (AVX512-VNNI), for W4A8 and for int4 with float x. One 64-byte load
-// brings two chunks of a tile, as in the weight-only loop above. The x bytes each half multiplies are laid out once
-// per product (`int4t_spread`, which the 256-bit loops read too), so the vpdpbusd read them straight from L1.
+// brings two chunks of a tile, as in the weight-only loop above; the x bytes each half multiplies are laid out once
+// per product (`int4t_spread`), so the vpdpbusd read them straight from L1.
 //   Planes = 1 (W4A8): x ≈ xq·dx, one int8 plane. Per 32 inputs a tile takes a prefetch two tiles ahead, a load,
 //     the nibbles by AND and shift, and two vpdpbusd (into two sums, so that no instruction waits on the one
 //     before), twice; then one conversion and one FMA by dx on all 16 lanes.
@@ -196,10 +188,7 @@ __attribute__((target(LLMINFER_AVX512 ",f16c,avx512vnni"))) void int4t_dp_avx512
 }
 
 // tiles [t0, t1) of y (M, N) for the int8 dot-product loops (W4A8; int4 with float x as three planes), one tile at
-// a time: W4A8's loop is short enough that two tiles' streams at once (as the float loops read them) slowed it from
-// memory, to below one tile's pace, on a Zen 4; for the three planes, two tiles at once were slower too (Zen 5)
-// (xq: each row of x as `Tile` reads it, `spread` bytes an input: 1 for xq itself, 3 for its three planes, 8 and 24
-// for those in `int4t_spread`'s layout)
+// a time (xq: each row of x as `Tile` reads it, `spread` bytes an input: 8, or 24 for three planes)
 template <void (*Tile)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, Terms, int64_t, int64_t,
                        float*), int64_t spread = 1>
 void rows_int4t_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
@@ -224,7 +213,7 @@ void int4_tiles_a8(const int8_t* xq, const float* dx, const float* xsum, int64_t
 // bits, as float32 keeps 24) is split into balanced base-256 digits, X = a·2^16 + b·2^8 + c, and dx = 2^(E-22)
 // (exact: powers of two). digits holds the a, b and c planes of K bytes each, one after the other, each in the
 // tiled order (each chunk of 8 as its 4 even, then its 4 odd inputs). x must be finite.
-__attribute__((target("avx2,fma"))) void int4_x_digits(const float* x, int64_t K, int8_t* digits, float* dx) {
+LLMINFER_ON_AVX2 void int4_x_digits(const float* x, int64_t K, int8_t* digits, float* dx) {
   const __m256i chunk = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   const __m256i half = _mm256_set1_epi32(128), byte = _mm256_set1_epi32(255);
   // the low byte of each 32-bit lane to the bottom of its 128-bit half, then the two halves' four bytes side by side
@@ -264,8 +253,7 @@ __attribute__((target("avx2,fma"))) void int4_x_digits(const float* x, int64_t K
 }
 
 // ref::int4_tiles with float x by three int8 planes (`int4_x_digits`) and vpdpbusd; x finite. Each thread lays out
-// its own planes: spread, they are 24 bytes an input, and read from the core that wrote them they cost more than
-// writing them again.
+// its own planes (24 bytes an input: cheaper to write again than to read from the core that wrote them).
 void int4_planes(const Weight& W, const float* x, const float* xsum, int64_t M, float* y, int64_t t0, int64_t t1) {
   const int64_t N = W.N, K = W.K, B = K / 32;
   thread_local std::vector<int8_t> digits, spread;

@@ -39,9 +39,8 @@ inline int64_t gemm_token_group(int64_t M, int64_t N, int64_t K, int64_t tokens,
 
 #ifdef LLMINFER_X86
 // y[j][0..5] (+)= column j of the 6 x 8 block (r0 .. r5) for tokens j < rows, y rows `ldy` floats apart
-__attribute__((target("avx2,fma"))) inline void store_tile_half(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4,
-                                                                 __m256 r5, float* y, int64_t ldy, int64_t rows,
-                                                                 bool accumulate) {
+LLMINFER_ON_AVX2 inline void store_tile_half(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4, __m256 r5, float* y,
+                                             int64_t ldy, int64_t rows, bool accumulate) {
   const __m256 zero = _mm256_setzero_ps();
   const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
   const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
@@ -69,7 +68,7 @@ __attribute__((target("avx2,fma"))) inline void store_tile_half(__m256 r0, __m25
 }
 
 // out[i·ldo + j] = in[j·ldi + i] for an 8 x 8 block
-__attribute__((target("avx2,fma"))) void transpose8x8(const float* in, int64_t ldi, float* out, int64_t ldo) {
+LLMINFER_ON_AVX2 void transpose8x8(const float* in, int64_t ldi, float* out, int64_t ldo) {
   __m256 r[8], t[8];
   for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(in + j * ldi);
   for (int j = 0; j < 8; j += 2) t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]), t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
@@ -104,9 +103,8 @@ struct Ahead {
 
 // y (rows <= 16 tokens, 6 outputs, rows `ldy` apart) (+)= packed x[0..kc)[0..16) · W[0..5][0..kc)ᵀ, W rows
 // `ldw` floats apart
-__attribute__((target("avx2,fma"))) void gemm_tile_6x16(const float* w, int64_t ldw, const float* xp, int64_t kc,
-                                                         float* y, int64_t ldy, int64_t rows, bool accumulate,
-                                                         const Ahead& next) {
+LLMINFER_ON_AVX2 void gemm_tile_6x16(const float* w, int64_t ldw, const float* xp, int64_t kc, float* y, int64_t ldy,
+                                     int64_t rows, bool accumulate, const Ahead& next) {
   Ahead ahead = next;
   // twelve named accumulators: as an array, the compiler spills them to the stack every step
   __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0,
@@ -212,14 +210,12 @@ __attribute__((target("avx2,fma,f16c,avx512f"))) void widen_int4_tiles_avx512(co
 // widened as for AVX2. bfloat16 (AVX512-BF16): one vdpbf16ps multiplies a pair of inputs into 16 tokens, W's rows read
 // in place (each 32-bit word a pair of inputs, broadcast), x packed as bfloat16 pairs, taken only where x is bfloat16
 // already (a bfloat16 model's activations), so the numbers are the widening path's up to the order of the sums.
-#define LLMINFER_GEMM_AVX512 LLMINFER_AVX512
 
 // y (rows <= 32 tokens, R <= 16 outputs, rows `ldy` apart) (+)= the accumulators (a: tokens 0..15, b: 16..31):
 // each half transposed in registers, then a token's R outputs stored at once (masked)
 template <int R>
-__attribute__((target(LLMINFER_GEMM_AVX512))) inline void store_tile_x32(const __m512 (&a)[R], const __m512 (&b)[R],
-                                                                        float* y, int64_t ldy, int64_t rows,
-                                                                        bool accumulate) {
+LLMINFER_ON_AVX512 inline void store_tile_x32(const __m512 (&a)[R], const __m512 (&b)[R], float* y, int64_t ldy,
+                                              int64_t rows, bool accumulate) {
   static_assert(R <= 16);
   const __mmask16 mask = static_cast<__mmask16>((1u << R) - 1);
   for (int64_t h = 0; h < 2 && 16 * h < rows; ++h) {
@@ -238,9 +234,8 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) inline void store_tile_x32(const _
 // y (rows <= 16·V tokens, R outputs, rows `ldy` apart) (+)= packed x[0..kc)[0..16·V) · W[0..R)[0..kc)ᵀ, W rows `ldw`
 // floats apart: R·V accumulators, each broadcast of W multiplied into V registers of x.
 template <int R, int V>
-__attribute__((target(LLMINFER_GEMM_AVX512))) void gemm_tile_avx512(const float* w, int64_t ldw, const float* xp,
-                                                                     int64_t kc, float* y, int64_t ldy, int64_t rows,
-                                                                     bool accumulate, const Ahead& next) {
+LLMINFER_ON_AVX512 void gemm_tile_avx512(const float* w, int64_t ldw, const float* xp, int64_t kc, float* y,
+                                         int64_t ldy, int64_t rows, bool accumulate, const Ahead& next) {
   static_assert(V % 2 == 0 && R * V + V < 32);       // accumulators, x and a broadcast in the 32 registers
   Ahead ahead = next;                                 // (a copy: passed by value, the caller's stores stalled)
   __m512 a[V][R];
@@ -272,7 +267,7 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) void gemm_tile_avx512(const float*
 // 24 accumulators, each pair of x registers loaded serving 24 vdpbf16ps. `next`, where not null: the next block's rows,
 // fetched into L1 a line of each every 16 steps (the driver passes it on a block's first token tile).
 template <int R>
-__attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) void gemm_tile_x32_bf16dp(
+__attribute__((target(LLMINFER_AVX512 ",avx512bf16"))) void gemm_tile_x32_bf16dp(
     const uint16_t* w, int64_t ldw, const uint16_t* xp, int64_t kc, float* y, int64_t ldy, int64_t rows,
     bool accumulate, const uint16_t* next) {
   static_assert(R % 3 == 0);
@@ -322,16 +317,16 @@ struct alignas(64) AmxConfig {
 alignas(64) constexpr AmxConfig kAmxConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64},
                                               {16, 16, 16, 16, 16, 16, 16, 16}};
 
-__attribute__((target(LLMINFER_GEMM_AVX512 ",amx-tile,amx-bf16"))) void amx_begin() { _tile_loadconfig(&kAmxConfig); }
+__attribute__((target(LLMINFER_AVX512 ",amx-tile,amx-bf16"))) void amx_begin() { _tile_loadconfig(&kAmxConfig); }
 
-__attribute__((target(LLMINFER_GEMM_AVX512 ",amx-tile,amx-bf16"))) void amx_end() { _tile_release(); }
+__attribute__((target(LLMINFER_AVX512 ",amx-tile,amx-bf16"))) void amx_end() { _tile_release(); }
 
 // AMX: 32 bfloat16 rows of w (`ldw` elements apart, read in place as two 16-row A tiles: rows 0-15, and the 16 rows
 // `upper` rows on) by 32 tokens of xp (the bfloat16 tile's packed pairs: 16 pairs by 16 tokens is a B tile as it
 // lies) into 4 C tiles of 16 x 16 float32 (row, token), 32 inputs a step; each C tile transposed in registers and
 // stored a token at a time (y, rows `ldy` apart). With `gate`, the first 16 rows are gate rows and the other 16 their
 // up rows (`upper` = the MLP's width): SwiGLU of each pair of C tiles as they lie, then one transpose, into gate->act.
-__attribute__((target(LLMINFER_GEMM_AVX512 ",amx-tile,amx-bf16"))) void gemm_tile_x32_amx(
+__attribute__((target(LLMINFER_AVX512 ",amx-tile,amx-bf16"))) void gemm_tile_x32_amx(
     const uint16_t* w, int64_t ldw, int64_t upper, const uint16_t* xp, int64_t kc, float* y, int64_t ldy,
     int64_t rows, bool accumulate, const GatedOut* gate) {
   _tile_zero(0);
@@ -384,7 +379,7 @@ __attribute__((target(LLMINFER_GEMM_AVX512 ",amx-tile,amx-bf16"))) void gemm_til
 // kernel: word [pair][j] holds inputs 2·pair and 2·pair + 1 of token j. 16 pairs of 16 tokens at a time: each token's
 // 32 inputs made 16 words by vcvtne2ps2bf16 (exact on bfloat16 values), then transposed in registers. Returns false,
 // the tile unfinished, where an input is not a bfloat16 value.
-__attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) bool pack_bf16_pairs(const float* src, int64_t rows,
+__attribute__((target(LLMINFER_AVX512 ",avx512bf16"))) bool pack_bf16_pairs(const float* src, int64_t rows,
                                                                               int64_t K, uint32_t* words) {
   const int64_t pairs = K / 2, whole = pairs - pairs % 16;
   __m512i low = _mm512_setzero_si512();                      // every input's low 16 bits, or-ed
@@ -422,7 +417,7 @@ __attribute__((target(LLMINFER_GEMM_AVX512 ",avx512bf16"))) bool pack_bf16_pairs
 struct Packed48 {
   __m512 v[3];
 };
-__attribute__((target(LLMINFER_GEMM_AVX512))) inline Packed48 pack48(__m512 a, __m512 b, __m512 c, __m512 e) {
+LLMINFER_ON_AVX512 inline Packed48 pack48(__m512 a, __m512 b, __m512 c, __m512 e) {
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 18, 19);
   const __m512i second = _mm512_setr_epi32(4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 18, 19, 20, 21, 22, 23);
   const __m512i third = _mm512_setr_epi32(8, 9, 10, 11, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27);
@@ -432,7 +427,7 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) inline Packed48 pack48(__m512 a, _
 
 // The outputs of 4 blocks of 12 rows of W for M tokens, each token's 4 × 12 held 16 floats apart (`panel`, 64 floats
 // a token), written to y's 48 columns (rows `ldy` apart), three 16-float vectors a token
-__attribute__((target(LLMINFER_GEMM_AVX512))) void panel_out(const float* panel, int64_t M, float* y, int64_t ldy) {
+LLMINFER_ON_AVX512 void panel_out(const float* panel, int64_t M, float* y, int64_t ldy) {
   for (int64_t m = 0; m < M; ++m) {
     const float* p = panel + m * 64;
     const Packed48 o = pack48(_mm512_load_ps(p), _mm512_load_ps(p + 16), _mm512_load_ps(p + 32),
@@ -443,8 +438,7 @@ __attribute__((target(LLMINFER_GEMM_AVX512))) void panel_out(const float* panel,
 
 // SwiGLU of a panel's outputs (`panel_out`'s layout), where its 4 blocks are 24 gate rows then their 24 up rows: each
 // token's 24 activations into act, rows `lda` apart, two tokens (three vectors of gates and of ups) at a time
-__attribute__((target(LLMINFER_GEMM_AVX512))) void panel_gated(const float* panel, int64_t M, bool bf16, float* act,
-                                                               int64_t lda) {
+LLMINFER_ON_AVX512 void panel_gated(const float* panel, int64_t M, bool bf16, float* act, int64_t lda) {
   int64_t m = 0;
   for (; m + 2 <= M; m += 2) {
     const float *p = panel + m * 64, *q = p + 64;
@@ -544,22 +538,18 @@ struct AlignedBuffer {
 constexpr size_t kScratchBytes = size_t(16) << 20;
 
 struct PackedX {
-  void* data = nullptr;
   std::unique_ptr<AlignedBuffer<char>> own;     // a product too large for the kept buffer
+  void* data;
   explicit PackedX(size_t bytes) {
     thread_local std::unique_ptr<AlignedBuffer<char>> kept;
     thread_local size_t kept_bytes = 0;
     if (bytes > kScratchBytes) {
       own = std::make_unique<AlignedBuffer<char>>(bytes);
-      data = own->data;
-      return;
-    }
-    if (bytes > kept_bytes) {
+    } else if (bytes > kept_bytes) {
       kept.reset();
-      kept = std::make_unique<AlignedBuffer<char>>(bytes);
-      kept_bytes = bytes;
+      kept = std::make_unique<AlignedBuffer<char>>(bytes), kept_bytes = bytes;
     }
-    data = kept->data;
+    data = own ? own->data : kept->data;
   }
 };
 

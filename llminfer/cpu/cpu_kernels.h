@@ -92,9 +92,11 @@ int64_t set_features(int64_t bits, const std::vector<int64_t>& decode);
 #ifdef LLMINFER_X86
 #define LLMINFER_AVX2 "avx2,fma"
 #define LLMINFER_AVX512 "avx2,fma,avx512f,avx512bw,avx512vl"   // the target of the 16-lane loops
+#define LLMINFER_ON_AVX2 __attribute__((target(LLMINFER_AVX2)))
+#define LLMINFER_ON_AVX512 __attribute__((target(LLMINFER_AVX512)))
 
 template <WKind kind>
-__attribute__((target(LLMINFER_AVX2))) inline __m256 wload8(const void* w, int64_t i) {
+LLMINFER_ON_AVX2 inline __m256 wload8(const void* w, int64_t i) {
   if constexpr (kind == WKind::F32) {
     return _mm256_loadu_ps(static_cast<const float*>(w) + i);
   } else if constexpr (kind == WKind::BF16) {
@@ -107,7 +109,7 @@ __attribute__((target(LLMINFER_AVX2))) inline __m256 wload8(const void* w, int64
 }
 
 template <WKind kind>
-__attribute__((target(LLMINFER_AVX512))) inline __m512 wload16(const void* w, int64_t i) {
+LLMINFER_ON_AVX512 inline __m512 wload16(const void* w, int64_t i) {
   if constexpr (kind == WKind::F32) {
     return _mm512_loadu_ps(static_cast<const float*>(w) + i);
   } else if constexpr (kind == WKind::BF16) {
@@ -119,22 +121,22 @@ __attribute__((target(LLMINFER_AVX512))) inline __m512 wload16(const void* w, in
   }
 }
 
-__attribute__((target(LLMINFER_AVX2))) inline float hsum8(__m256 v) {
+LLMINFER_ON_AVX2 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-__attribute__((target(LLMINFER_AVX512))) inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
+LLMINFER_ON_AVX512 inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
 // the two 256-bit halves of v added
-__attribute__((target(LLMINFER_AVX512))) inline __m256 halves_sum(__m512 v) {
+LLMINFER_ON_AVX512 inline __m256 halves_sum(__m512 v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 // [Σ a, Σ b, Σ c, Σ d]: 8 lanes by hsum8 each; 16 lanes in one tree of adds
-__attribute__((target(LLMINFER_AVX2))) inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+LLMINFER_ON_AVX2 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_setr_ps(hsum8(a), hsum8(b), hsum8(c), hsum8(d));
 }
-__attribute__((target(LLMINFER_AVX512))) inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+LLMINFER_ON_AVX512 inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(halves_sum(a), halves_sum(b)),
                                   _mm256_hadd_ps(halves_sum(c), halves_sum(d)));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -213,14 +215,14 @@ LLMINFER_VEC(V16, __m512, __m512i, 16, LLMINFER_AVX512, 512, hsum16, wload16, LL
 
 // r[i] <- column i of the 16 x 16 block of 32-bit lanes whose row j is r[j]
 // the 64-bit lanes of a and b interleaved: the low ones of each 128-bit lane (pd_lo), or the high ones (pd_hi)
-__attribute__((target(LLMINFER_AVX512))) inline __m512 pd_lo(__m512 a, __m512 b) {
+LLMINFER_ON_AVX512 inline __m512 pd_lo(__m512 a, __m512 b) {
   return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
 }
-__attribute__((target(LLMINFER_AVX512))) inline __m512 pd_hi(__m512 a, __m512 b) {
+LLMINFER_ON_AVX512 inline __m512 pd_hi(__m512 a, __m512 b) {
   return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
 }
 
-__attribute__((target(LLMINFER_AVX512))) inline void transpose16(__m512 (&r)[16]) {
+LLMINFER_ON_AVX512 inline void transpose16(__m512 (&r)[16]) {
   __m512 t[16];
   for (int i = 0; i < 16; i += 2) {                          // pairs of rows interleaved
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);

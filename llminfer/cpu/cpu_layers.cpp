@@ -1,4 +1,9 @@
-// Whole decoder layers of the native CPU kernels, a few tokens (or a prefill) in one call. Chapter 08.
+// Whole decoder layers of the native CPU kernels, a few tokens (or a prefill) in one call. Chapter 08. A layer:
+//   h = rmsnorm(x); q, k, v = h · W_qkvᵀ (+ bias); RoPE on q and k; k, v written into the cache at their positions;
+//   attention of q over the slots up to each token's position; x += attention · W_oᵀ;
+//   h = rmsnorm(x); x += (silu(gate) · up) · W_downᵀ with gate, up = h · W_gate_upᵀ.
+// The same arithmetic as the layer's modules, in float32, rounded to the model's dtype where the modules round (each
+// product, the norm, RoPE, the attention output, each sum), so bfloat16 matches them to within a rounding step.
 
 #include "cpu_kernels.h"
 
@@ -10,15 +15,6 @@
 
 namespace llminfer_cpu {
 
-// ---------------------------------------------------------------------------------------------------
-// one decoder layer for a few tokens, in one call:
-//   h = rmsnorm(x); q, k, v = h · W_qkvᵀ (+ bias); RoPE on q and k; k, v written into the cache at their
-//   positions; attention of q over the slots up to each token's position; x += attention · W_oᵀ;
-//   h = rmsnorm(x); x += (silu(gate) · up) · W_downᵀ with gate, up = h · W_gate_upᵀ.
-// The same arithmetic as the layer's modules, in float32, rounded to the model's dtype where the modules
-// round (each product, the norm, RoPE, the attention output, each sum), so bfloat16 matches them to
-// within a rounding step.
-
 template <typename T>
 inline const T* ptr_as(const at::Tensor& t) { return static_cast<const T*>(t.data_ptr()); }
 
@@ -26,7 +22,7 @@ inline float bf16_round(float v) { return static_cast<float>(c10::BFloat16(v)); 
 
 #ifdef LLMINFER_X86
 // rope() on 8 dimensions of each half at a time: D / 2 a multiple of 8
-__attribute__((target("avx2,fma"))) void rope_avx2(float* v, const float* c, const float* s, int64_t D, bool bf16) {
+LLMINFER_ON_AVX2 void rope_avx2(float* v, const float* c, const float* s, int64_t D, bool bf16) {
   const int64_t half = D / 2;
   for (int64_t d = 0; d < half; d += 8) {
     const __m256 lo = _mm256_loadu_ps(v + d), hi = _mm256_loadu_ps(v + half + d);
@@ -87,7 +83,7 @@ void for_rows(int64_t M, const Fn& fn) {
 #ifdef LLMINFER_X86
 // rms_norm's two loops on vector lanes, the same operations in the same order (the same bits): the sum of squares
 // with its four double chains as four lanes, then the output 8 at a time. Each returns how far it got.
-__attribute__((target("avx2,fma"))) int64_t squares_avx2(const float* row, int64_t dim, double (&ss)[4]) {
+LLMINFER_ON_AVX2 int64_t squares_avx2(const float* row, int64_t dim, double (&ss)[4]) {
   __m256d chains = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 4 <= dim; i += 4) {
@@ -98,13 +94,12 @@ __attribute__((target("avx2,fma"))) int64_t squares_avx2(const float* row, int64
   return i;
 }
 
-__attribute__((target("avx2,fma"))) int64_t norm_out_avx2(const float* row, int64_t dim, const float* w, float inv,
-                                                        bool bf16, float* o) {
+LLMINFER_ON_AVX2 int64_t norm_out_avx2(const float* row, int64_t dim, const float* w, float inv, bool bf16, float* o) {
   const __m256 inv8 = _mm256_set1_ps(inv);
   int64_t i = 0;
   for (; i + 8 <= dim; i += 8) {
     const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(row + i), inv8), wi = _mm256_loadu_ps(w + i);
-    _mm256_storeu_ps(o + i, bf16 ? V8::bf16_round(_mm256_mul_ps(V8::bf16_round(scaled), wi)) : _mm256_mul_ps(wi, scaled));
+    _mm256_storeu_ps(o + i, bf16 ? V8::bf16_round(V8::mul(V8::bf16_round(scaled), wi)) : _mm256_mul_ps(wi, scaled));
   }
   return i;
 }
@@ -136,18 +131,14 @@ void rms_norm(const float* x, int64_t M, int64_t dim, const at::Tensor& weight, 
   });
 }
 
-// ---------------------------------------------------------------------------------------------------
 // The native-call contract. A layer stack crosses into C++ once (prepare_stack), each layer as named fields in the
-// one order below, which llminfer/cpu/stack.py builds (`layer_arguments`, from its LAYER_TENSORS: the op
-// layer_fields() gives these names back, and a test compares the two):
+// one order below, which llminfer/cpu/stack.py builds (its LAYER_TENSORS; the op layer_fields() names them back):
 //   tensors, kLayerTensors a layer, None where absent: the two norms' weights, the qkv bias, then per product (qkv,
-//   o, gate_up, down) its weight, scale and offset. A weight's format is its dtype: float32 or bfloat16 (alone), int8
-//   codes with a scale, or int4 nibbles (uint8, row-major or in tiles of 8 rows) with a scale and an offset;
+//   o, gate_up, down) its weight, scale and offset (weight_from_parts);
 //   eps, two a layer: the input norm's and the post-attention norm's;
 //   activations, one a product: kFloatActivations, or kInt8Activations (int4 only, W4A8: x rounded to int8).
-// The caches are the stack's too, one K and one V a layer, of the kind given: kContiguous, (B, H_kv, slots, D)
-// written at each step's positions; kPaged, a pool (num_blocks, block_size, H_kv, D) written and read through the
-// block tables each step hands over. A step (run_stack) then hands over x, cos, sin and the positions alone.
+// The caches are the stack's too, one K and one V a layer: kContiguous, (B, H_kv, slots, D) written at each step's
+// positions; kPaged, a pool (num_blocks, block_size, H_kv, D) read through the block tables each step hands over.
 constexpr const char* kLayerFields[] = {"input_norm", "post_norm", "qkv_bias", "qkv.weight", "qkv.scale", "qkv.offset",
                                         "o.weight", "o.scale", "o.offset", "gate_up.weight", "gate_up.scale",
                                         "gate_up.offset", "down.weight", "down.scale", "down.offset"};
@@ -260,17 +251,13 @@ Layer check_layer(const Step& st, const std::vector<c10::optional<at::Tensor>>& 
                   const char* op) {
   const bool bf16 = st.dtype == at::kBFloat16;
   const size_t first = l * kLayerTensors;
+  const std::vector<int64_t> shape = st.paged ? std::vector<int64_t>{st.num_blocks, st.block_size, st.Hkv, st.D}
+                                               : std::vector<int64_t>{st.B, st.Hkv, st.S, st.D};
   for (const at::Tensor* c : {&k_cache, &v_cache})
-    TORCH_CHECK(!st.paged || (c->dim() == 4 && c->size(0) == st.num_blocks && c->size(1) == st.block_size &&
-                              c->size(2) == st.Hkv && c->size(3) == st.D && c->is_contiguous() &&
-                              c->scalar_type() == st.dtype && c->device().is_cpu()), op,
-                ": the pools must be contiguous (num_blocks=", st.num_blocks, ", block_size=", st.block_size,
-                ", H_kv=", st.Hkv, ", D=", st.D, ") CPU tensors of x's dtype, got ", c->sizes(), " ", c->scalar_type());
-  for (const at::Tensor* c : {&k_cache, &v_cache})
-    TORCH_CHECK(st.paged || c->dim() == 4 && c->size(0) == st.B && c->size(1) == st.Hkv && c->size(2) == st.S &&
-                c->size(3) == st.D && c->is_contiguous() && c->scalar_type() == st.dtype && c->device().is_cpu(),
-                op, ": the caches must be contiguous (B=", st.B, ", H_kv=", st.Hkv, ", slots=", st.S, ", D=", st.D,
-                ") CPU tensors of x's dtype, got ", c->sizes(), " ", c->scalar_type());
+    TORCH_CHECK(c->sizes() == at::IntArrayRef(shape) && c->is_contiguous() && c->scalar_type() == st.dtype &&
+                c->device().is_cpu(), op, ": the ", st.paged ? "pools (num_blocks, block_size, H_kv, D)" :
+                "caches (B, H_kv, slots, D)", " must be contiguous ", at::IntArrayRef(shape), " CPU tensors of x's "
+                "dtype, got ", c->sizes(), " ", c->scalar_type());
   for (size_t i : {first, first + 1})
     TORCH_CHECK(t[i].has_value() && t[i]->numel() == st.dim && t[i]->is_contiguous() &&
                 t[i]->scalar_type() == st.dtype, op, ": the norm weights must be contiguous (", st.dim,
@@ -296,8 +283,7 @@ Layer check_layer(const Step& st, const std::vector<c10::optional<at::Tensor>>& 
   return L;
 }
 // Whether a decode step's threads share its attention by blocks of keys rather than by K/V heads: where the cache
-// holds kSplitKeys positions or more, as attend then splits every query's keys (AttentionProblem::key_block). By
-// heads, SmolLM2-135M's 3 K/V heads went 2 and 1 to 2 threads
+// holds kSplitKeys positions or more, as attend then splits every query's keys (AttentionProblem::key_block)
 inline bool keys_split(const Step& st) { return st.last_pos + 1 >= kSplitKeys; }
 
 // The layers' intermediate rows shared by the threads, made once for a call's layers, as large as the largest
@@ -455,9 +441,6 @@ void run_layer(const Step& st, const Layer& L, float* x, Workspace& ws, Own& own
     if (bf16) round_bf16(own.att.data(), M * st.H * st.D);
     att = own.att.data();
   } else {
-    // (Sharing out the query heads instead, 5 and 4 of 9 where K/V heads go 2 and 1, took a barrier more, between
-    // the cache writes and attention, and on a Zen 5 gained nothing: both threads then read two K/V heads' cache,
-    // and those reads, from memory, are what attention waits on.)
     if (k1 > k0) attend_heads(st, L, ws.qkv.data(), ws.att.data(), k0, k1);
     barrier();                                               // every head's attention complete
   }
@@ -483,12 +466,11 @@ void run_layer(const Step& st, const Layer& L, float* x, Workspace& ws, Own& own
 }
 
 // x through every layer of a stack, in place. A decode step's few tokens run in one parallel region of torch's
-// threads for all the layers, in place of a region for each product and each attention with one thread alone for
-// the work between them (on a Zen 5 a compiled step ran from as fast, W4A8, to 8 % faster, int8); a prefill's many
-// rows split each part over the threads.
+// threads for all the layers, in place of a region for each product and each attention; a prefill's many rows split
+// each part over the threads.
 void run_layers(const Step& st, const std::vector<Layer>& layers, std::vector<float>& x) {
-  // the calling thread's workspace, kept between calls while it holds at most 16 MiB (a prefill's were fresh pages,
-  // which the kernel zeroed at first touch); a longer prompt's is let go after its call
+  // the calling thread's workspace, kept between calls while it holds at most 16 MiB (fresh pages are zeroed by the
+  // kernel at first touch); a longer prompt's is let go after its call
   thread_local Workspace ws;
   thread_local Own own;
   ws.fit(st, layers);
@@ -514,7 +496,6 @@ void run_layers(const Step& st, const std::vector<Layer>& layers, std::vector<fl
   }
 }
 
-// ---------------------------------------------------------------------------------------------------
 // Prepared stacks (the contract above): their fields and caches held in a table of this process, by number, until
 // release_stack, and checked at the first step of each shape. Each step checks that no tensor it holds has moved
 // (a weight's .data rebound, weights moved onto huge pages): a weight changed after prepare_stack needs a new stack.

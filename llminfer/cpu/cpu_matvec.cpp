@@ -18,11 +18,10 @@
 
 namespace llminfer_cpu {
 
-// ---------------------------------------------------------------------------------------------------
-// the instruction sets in use
-
+// the instruction sets in use: all of them (features) and each format's decode loops' (g_matvec; -1: features())
 namespace {
 std::atomic<int64_t> g_features{-1};
+std::atomic<int64_t> g_matvec[kMatvecKinds] = {-1, -1, -1, -1, -1};
 
 #ifdef LLMINFER_X86
 // Whether the CPU has AMX tiles with AMX-BF16 (CPUID leaf 7: EDX bits 22 and 24) and Linux lets this process use
@@ -66,10 +65,6 @@ int64_t features() {
   return bits;
 }
 
-namespace {
-std::atomic<int64_t> g_matvec[kMatvecKinds] = {-1, -1, -1, -1, -1};
-}
-
 int64_t set_features(int64_t bits, const std::vector<int64_t>& decode) {
   TORCH_CHECK(decode.empty() || static_cast<int64_t>(decode.size()) == kMatvecKinds, "set_cpu_features: decode holds ",
               kMatvecKinds, " formats' bits, got ", decode.size());
@@ -87,24 +82,9 @@ int64_t matvec_features(int64_t kind) {
   return bits < 0 ? features() : bits;
 }
 
-namespace {
-int64_t matvec_kind(const Weight& W) {
-  switch (W.format) {
-    case Weight::F32: return kMatvecF32;
-    case Weight::BF16: return kMatvecBF16;
-    case Weight::I8: return kMatvecI8;
-    default: return W.int8_activations ? kMatvecI4A8 : kMatvecI4;
-  }
-}
-}  // namespace
-
-// ---------------------------------------------------------------------------------------------------
-// int4 in tiles of 8 rows (cpu_avx2.cpp describes the layout)
-
-// xs (M, K): x with input 8c+i multiplied by 16^-i (i < 7), and x itself for i = 7, whose code is shifted down to
-// the bottom (q·2^28 does not fit a positive int32; one shift isolates it, where an AND would follow any other);
-// made only where `placed` (for the AVX2 loop: the AVX-512 and portable ones read x itself); xsum (M, G) the
-// group sums of x
+// int4 in tiles of 8 rows (cpu_avx2.cpp describes the layout). xs (M, K): x with input 8c+i multiplied by 16^-i
+// (i < 7), and x itself for i = 7, whose code is shifted down to the bottom (q·2^28 does not fit a positive int32),
+// made only where `placed` (for the AVX2 loop: the others read x itself); xsum (M, G) the group sums of x
 struct Int4TX {
   std::vector<float> xs, xsum;
 };
@@ -129,15 +109,12 @@ Int4TX int4t_x(const float* x, int64_t M, int64_t K, int64_t group, bool placed)
   return out;
 }
 
-// ---------------------------------------------------------------------------------------------------
-// one weight matrix in any of the four formats, and its product with a few float32 rows
-
 constexpr int64_t kGrain = 64;   // output rows a thread takes at least
 
 #ifdef LLMINFER_X86
 // add_residual's row, 16 at a time: x = x + y, in bfloat16 x = round(x + round(y)) (y left as it was), in one pass;
 // returns how far it got
-__attribute__((target(LLMINFER_AVX512))) int64_t residual_row_avx512(float* xr, const float* yr, int64_t n, bool bf16) {
+LLMINFER_ON_AVX512 int64_t residual_row_avx512(float* xr, const float* yr, int64_t n, bool bf16) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m512 y = _mm512_loadu_ps(yr + i), x = _mm512_loadu_ps(xr + i);
@@ -306,7 +283,8 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y, const Tea
   // W4A8 for a decode step's few rows; more rows (a prefill without the blocked kernel) keep float activations
   if (W.format == Weight::I4 && W.int8_activations && M <= kMatvecMaxRows)
     return linear_rows_a8(W, x, M, y, team, residual);
-  const int64_t bits = matvec_features(matvec_kind(W));
+  // (the formats F32, BF16 and I8 are the kinds of the same numbers)
+  const int64_t bits = matvec_features(W.format == Weight::I4 ? kMatvecI4 : static_cast<MatvecKind>(W.format));
   const bool avx2 = bits & kAVX2, avx512 = bits & kAVX512;
   if (W.format == Weight::I4) {
     // x placed for the AVX2 loop (the AVX-512 and portable ones read x itself), and its group sums
@@ -349,9 +327,6 @@ void linear_rows(const Weight& W, const float* x, int64_t M, float* y, const Tea
   });
 }
 
-// ---------------------------------------------------------------------------------------------------
-// the matrix-vector ops
-
 void check_x(const at::Tensor& x, int64_t K, const char* op) {
   TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device());
   TORCH_CHECK(x.dim() == 2, op, ": x must be (tokens, in_features), got ", x.sizes());
@@ -374,7 +349,7 @@ std::vector<float> x_as_float(const at::Tensor& x) {
 }
 
 #ifdef LLMINFER_X86
-__attribute__((target(LLMINFER_AVX2))) int64_t to_bf16_avx2(const float* p, int64_t n, uint16_t* out) {
+LLMINFER_ON_AVX2 int64_t to_bf16_avx2(const float* p, int64_t n, uint16_t* out) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {                     // the high halves of the rounded patterns, packed in order
     const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(V8::bf16_round(_mm256_loadu_ps(p + i))), 16);
@@ -426,7 +401,6 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList parts, int64_t group, bool i
   return result(y.data(), {M, W.N}, x);
 }
 
-// ---------------------------------------------------------------------------------------------------
 // the streaming-read probe: every byte of `data` read once, by every thread (contiguous slices), with the
 // widest loads this process runs (64 bytes with AVX-512, 32 with AVX2), into four independent XOR chains so the
 // loads, not the arithmetic, set the pace. Returns a checksum, so that the reads cannot be left out.

@@ -1,7 +1,5 @@
-// The native CPU kernels' ops, registered with torch as torch.ops.llminfer.*. Chapter 08.
-//
-// Built once by llminfer/cpu/__init__.py with torch's extension builder from the units named in
-// cpu_kernels.h, into one extension.
+// The native CPU kernels' ops, registered with torch as torch.ops.llminfer.* (built by llminfer/cpu/__init__.py from
+// the units cpu_kernels.h names, into one extension). Chapter 08.
 
 #include <torch/library.h>
 
@@ -35,10 +33,9 @@ TORCH_LIBRARY(llminfer, m) {
   });
   m.def("matvec_max_rows() -> int", []() -> int64_t { return kMatvecMaxRows; });
   m.def("split_keys() -> int", []() -> int64_t { return kSplitKeys; });
-  // the instruction sets in use (bits of Feature); set_cpu_features returns the bits the CPU lacks (0: set)
+  // the instruction sets in use (bits of Feature); set_cpu_features(bits, decode) sets them and each format's decode
+  // loops' (float32, bfloat16, int8, int4, W4A8), returning the bits the CPU lacks (0: set)
   m.def("cpu_features() -> int", []() -> int64_t { return features(); });
-  // set_cpu_features(bits, decode): the instruction sets in use and each format's decode loops' (float32, bfloat16,
-  // int8, int4, W4A8); returns the bits the CPU lacks (0: set)
   m.def("set_cpu_features(int bits, int[] decode=[]) -> int", [](int64_t bits, at::IntArrayRef decode) -> int64_t {
     return set_features(bits, decode.vec());
   });

@@ -178,7 +178,8 @@ LLMINFER_TARGET void scores_of(const float* const* q, const char* k, int64_t str
   for (; j < n; ++j)
     for (int g = 0; g < G; ++g) {
       Vec a = V::zero();
-      for (int64_t d = 0; d < D; d += V::kLanes) a = V::fmadd(V::template wload<kind>(k + j * stride, d), V::load(q[g] + d), a);
+      for (int64_t d = 0; d < D; d += V::kLanes)
+        a = V::fmadd(V::template wload<kind>(k + j * stride, d), V::load(q[g] + d), a);
       scores[g * ss + j] = V::hsum(a) * scale;
     }
 }

@@ -1,11 +1,10 @@
 """The native-call contract: a layer stack prepared once, then one op a step over contiguous or paged K/V. Chapter 08.
 
-A stack's weights cross into C++ once, as named fields: a `LayerWeights` a layer (both norms and their epsilons, the
-products qkv, o, gate_up and down as `NativeWeight`s with their activations' format said outright, the qkv bias).
-`layer_arguments` lays them out for the op `prepare_stack` in the one order LAYER_TENSORS names (cpu_layers.cpp reads
-that order and names it back through `torch.ops.llminfer.layer_fields()`), with the caches of an explicit `CacheKind`.
-A `PreparedStack` then runs a step with a few tensors, not the hundreds of weights. A weight changed after preparing
-is not picked up: the owner prepares again, and a step over tensors that have moved is refused.
+A stack's weights cross into C++ once, as named fields: a `LayerWeights` a layer, its products `NativeWeight`s with
+their activations' format said outright. `layer_arguments` lays them out for the op `prepare_stack` in the one order
+LAYER_TENSORS names (cpu_layers.cpp names it back through `torch.ops.llminfer.layer_fields()`), with the caches of an
+explicit `CacheKind`. A `PreparedStack` then runs a step with a few tensors. A weight changed after preparing is not
+picked up: the owner prepares again, and a step over tensors that have moved is refused.
 """
 from __future__ import annotations
 
@@ -77,8 +76,7 @@ def layer_arguments(layers: Sequence[LayerWeights]) -> tuple[list[torch.Tensor |
     """Returns the layers as `prepare_stack` takes them: their tensors in LAYER_TENSORS' order layer after layer,
     their epsilons (input, post) and their products' activation formats."""
     tensors: list[torch.Tensor | None] = []
-    eps: list[float] = []
-    activations: list[int] = []
+    eps, activations = [], []
     for layer in layers:
         tensors += [layer.input_norm, layer.post_norm, layer.qkv_bias]
         for product in layer.products():
