@@ -10,6 +10,7 @@ False, `why_unavailable()` says why and callers keep torch's kernels; LLMINFER_N
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -168,8 +169,13 @@ def _build() -> None:
     if not any(build.glob("*.so")):
         print(f"llminfer: compiling the CPU decode kernels once into {build} (about 15 s)", file=sys.stderr)
     _state["build"] = str(build)
-    cpp_extension.load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=cflags, extra_ldflags=ldflags,
-                       build_directory=str(build), is_python_module=False, verbose=False)
+    # torch marks a build in progress with a file, `lock`, that a killed build leaves behind, and every later start
+    # would wait on it forever. An flock dies with its process: holding it, no other build runs, so a `lock` is stale.
+    with open(build / "llminfer.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        cpp_extension.load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=cflags,
+                           extra_ldflags=ldflags, build_directory=str(build), is_python_module=False, verbose=False)
     torch.library.register_fake("llminfer::gemv", lambda x, parts, *rest: x.new_empty(   # int4 tiles: 8 rows each
         (x.shape[0], parts[0].shape[0] * (8 if parts[0].dim() == 3 else 1))))
     for op in ("decode_attention", "paged_attention"):
