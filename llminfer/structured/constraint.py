@@ -19,13 +19,15 @@ not fit the tokens left, the boundary stays conservative: the sampled token, the
 
 Finishing within the token budget. A free string can run on until `max_tokens` cuts it, and a cut document does
 not parse. `finish_within(max_tokens)` prevents that: each state knows the fewest bytes that complete the text
-(`TokenIndex.distances`); once the tokens left only just cover that distance (and EOS), the mask keeps only the
-tokens that bring the text nearer to completion, so a document that can still be finished is. A byte-level
-vocabulary has a token for every byte, so such a token always exists. `generate` and the engine call it with the
-request's max_new_tokens.
+(`TokenIndex.distances`), and near the end of the budget the mask keeps only the tokens after which that rest
+still fits in the tokens left (`TokenIndex.within`): a byte-level vocabulary spells any rest of d bytes in at most
+d tokens, then EOS. A token that opens a four-byte emoji moves the end further away, so it is refused once the
+budget could not close it. A document that can be finished in time is; where even the shortest cannot fit, the
+mask keeps the tokens that come nearer. `generate` and the engine call it with the request's max_new_tokens.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .index import TokenIndex, Vocabulary, compile_index
@@ -86,22 +88,19 @@ class Constraint:
         return self
 
     @property
-    def closing(self) -> bool:
-        """Whether the tokens left only just cover the shortest completion (and EOS): the mask is narrowed."""
+    def left(self) -> int | None:
+        """The tokens left in the budget, the next one included (None without a budget or once EOS was taken)."""
         if self.max_tokens is None or self.finished:
-            return False
-        near = self.max_tokens - self.taken <= self.index.distances[self.state] + 1
-        return near and len(self.index.closing_tokens(self.state)) > 0   # none: a vocabulary without byte tokens
+            return None
+        return self.max_tokens - self.taken
 
     def allowed_token_ids(self):
         """The ids allowed next, sorted (a numpy array); none once EOS was taken."""
-        if self.closing:
-            return self.index.closing_tokens(self.state)
-        return self.index.allowed_tokens(DEAD if self.finished else self.state)
+        return np.flatnonzero(self.allowed_mask().numpy())
 
     def allowed_mask(self) -> torch.Tensor:
         """A bool tensor over the vocabulary, True where the next token may be sampled."""
-        return self.index.mask(DEAD if self.finished else self.state, closing=self.closing)
+        return self.index.mask(DEAD if self.finished else self.state, self.left)
 
     def advance(self, token_id: int) -> None:
         """Move past `token_id`; ValueError if the pattern does not allow it here."""

@@ -106,8 +106,9 @@ class TokenIndex:
     def __init__(self, dfa: DFA, vocab: Vocabulary):
         self.dfa, self.vocab = dfa, vocab
         self._allowed: dict[int, np.ndarray] = {}
-        self._masks: dict[tuple[int, bool], torch.Tensor] = {}
+        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
         self._closing: dict[int, np.ndarray] = {}
+        self._within: dict[tuple[int, int], np.ndarray] = {}
         self._distances: np.ndarray | None = None
         n = dfa.num_states                      # the transition table with DEAD as one more row, n, that stays n
         self._table = np.array(dfa.transitions + [[DEAD] * 256], dtype=np.int64).reshape(n + 1, 256)
@@ -129,23 +130,47 @@ class TokenIndex:
         the tokens that end nearer an accepting state (`distances`), and EOS where `state` accepts."""
         if state == DEAD:
             return np.zeros(0, dtype=np.int64)
+        ids, ends = self._ends(state)
+        if closing:
+            ids = ids[self.distances[ends] < self.distances[state]]
+        if self.dfa.accepting[state] and self.eos_token_id is not None:
+            ids = np.append(ids, self.eos_token_id)
+        return np.sort(ids).astype(np.int64)
+
+    def _ends(self, state: int) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens allowed in `state` (EOS aside) and the state each ends in."""
         dead, vocab = self.dfa.num_states, self.vocab
         rows = np.arange(len(vocab.candidates))                       # the surviving tokens (rows of vocab.table)
         states = np.full(len(rows), state, dtype=np.int64)
-        found = [np.zeros(0, dtype=np.int64)]
+        found, reached = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
         for j in range(vocab.table.shape[1]):
             states = self._table[states, vocab.table[rows, j]]        # one byte further, all at once
             alive = states != dead
             rows, states = rows[alive], states[alive]
             ends = vocab.lengths[rows] == j + 1                       # tokens complete here, still alive: allowed
-            keep = ends & (self.distances[states] < self.distances[state]) if closing else ends
-            found.append(vocab.candidates[rows[keep]])
+            found.append(vocab.candidates[rows[ends]])
+            reached.append(states[ends])
             rows, states = rows[~ends], states[~ends]
             if not len(rows):
                 break
-        if self.dfa.accepting[state] and self.eos_token_id is not None:
-            found.append(np.array([self.eos_token_id]))
-        return np.sort(np.concatenate(found)).astype(np.int64)
+        return np.concatenate(found), np.concatenate(reached)
+
+    def within(self, state: int, left: int) -> np.ndarray | None:
+        """The sorted ids allowed in `state` after which the text can still be completed, EOS included, within
+        `left` tokens counting this one: a token is kept if the state it ends in is at most left - 2 bytes from a
+        match (a byte-level vocabulary spells any such rest in as many tokens, then EOS). None when no allowed
+        token can break that (left is far from the end), so the plain mask applies."""
+        if left - 2 >= self.distances[state] + self.vocab.table.shape[1]:
+            return None                         # no token moves the end further than its own length
+        key = (state, left)
+        kept = self._within.get(key)
+        if kept is None:
+            ids, ends = self._ends(state)
+            kept = ids[self.distances[ends] <= left - 2]
+            if self.dfa.accepting[state] and self.eos_token_id is not None:
+                kept = np.append(kept, self.eos_token_id)
+            kept = self._within[key] = np.sort(kept).astype(np.int64)
+        return kept
 
     @property
     def distances(self) -> np.ndarray:
@@ -179,15 +204,20 @@ class TokenIndex:
             closing = self._closing[state] = self._walk(state, closing=True)
         return closing
 
-    def mask(self, state: int, closing: bool = False) -> torch.Tensor:
-        """A bool tensor over the vocabulary, True where the token is allowed in `state` (closing: only where it
-        is among `closing_tokens`)."""
-        key = (state, closing)
+    def mask(self, state: int, left: int | None = None) -> torch.Tensor:
+        """A bool tensor over the vocabulary, True where the token is allowed in `state`; with `left` (the tokens
+        left, this one included) only where the text can still be completed in time (`within`), or, where
+        nothing can, where it comes nearer to completion (`closing_tokens`)."""
+        ids = None if left is None else self.within(state, left)
+        if ids is not None and not len(ids):                     # too late to finish: come as near as possible
+            ids, left = self.closing_tokens(state), -1
+            if not len(ids):                                     # (a vocabulary without a token for each byte)
+                ids, left = None, None
+        key = (state, None if ids is None else left)
         mask = self._masks.get(key)
         if mask is None:
             mask = torch.zeros(len(self.vocab), dtype=torch.bool)
-            ids = self.closing_tokens(state) if closing else self.allowed_tokens(state)
-            mask[torch.from_numpy(ids)] = True
+            mask[torch.from_numpy(self.allowed_tokens(state) if ids is None else ids)] = True
             self._masks[key] = mask
         return mask
 

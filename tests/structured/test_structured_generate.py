@@ -140,6 +140,29 @@ def test_a_free_string_is_closed_within_max_tokens(real):
     assert max(lengths) == 16, lengths                      # the budget bound, and the document still closed
 
 
+def test_an_adversary_cannot_push_the_end_past_the_budget(real):
+    """At every step this sampler takes, of the tokens the mask allows, one that leaves the text furthest from a
+    match (the first byte of a four-byte emoji inside a string, where it can): the document still closes in time."""
+    _, tokenizer = real
+    schema = {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 24},
+                                               "items": {"type": "array", "items": {"type": "string"}}},
+              "required": ["topic", "items"]}
+    for budget in (30, 41, 64):
+        constraint = Constraint.from_schema(schema, tokenizer).finish_within(budget)
+        index, made = constraint.index, []
+        while not constraint.finished:
+            assert len(made) < budget, tokenizer.decode(made)
+            allowed = constraint.allowed_token_ids()
+            ends = [index.dfa.walk(index.vocab.token_bytes[t], constraint.state) if t != index.eos_token_id else -1
+                    for t in allowed.tolist()]
+            token = int(allowed[max(range(len(allowed)), key=lambda i: index.distances[ends[i]] if ends[i] >= 0
+                                    else -1)])
+            constraint.advance(token)
+            made.append(token)
+        assert made[-1] == tokenizer.eos_token_id and len(made) <= budget
+        jsonschema.validate(json.loads(tokenizer.decode(made[:-1])), schema)
+
+
 def test_bad_combinations_refused(real, prompt):
     model, tokenizer = real
     constraint = Constraint.from_regex("[0-9]+", tokenizer)
