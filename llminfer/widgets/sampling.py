@@ -129,11 +129,11 @@ def build_sampling_widget(logits: torch.Tensor, tokenizer=None, history=None, se
     def redraw(_change=None):
         current = chosen()
         probs = stages(logits, current, history)
-        summary.value = f"<code>{html.escape(summary_line(probs, current, tokenizer))}</code>"
         figure = stages_figure(probs, tokenizer, top_n=top_n)
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png")
-        chart.value = buffer.getvalue()
+        chart.value = buffer.getvalue()               # the figure first: a new summary line means both are new
+        summary.value = f"<code>{html.escape(summary_line(probs, current, tokenizer))}</code>"
 
     for control in controls.values():
         control.observe(redraw, names="value")

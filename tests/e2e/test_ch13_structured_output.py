@@ -66,6 +66,8 @@ def test_sliders_rerun_the_pipeline_and_count_what_it_leaves(lab, left):
     # the widget opens on the chapter's settings: T 0.8, top-k 20, top-p 0.9, min-p 0.1
     says(left(0.8, 20, 0.9, 0.1))
     first_chart = chart.get_attribute("src")
+    assert chart.evaluate("img => img.complete && img.naturalWidth > 100")
+    lab.screenshot("ch13-sampling", locator=lab.output_of(summary))      # the default state, for the website
 
     lab.set_text(lab.widget("llminfer-sampling-top-k").locator(".widget-readout"), 0)      # top-k off
     lab.set_text(lab.widget("llminfer-sampling-min-p").locator(".widget-readout"), 0)      # min-p off
@@ -78,4 +80,3 @@ def test_sliders_rerun_the_pipeline_and_count_what_it_leaves(lab, left):
 
     lab.set_text(lab.widget("llminfer-sampling-min-p").locator(".widget-readout"), 0.05)
     says(left(1.5, None, 0.9, 0.05))
-    lab.screenshot("ch13-sampling", locator=lab.output_of(summary))
