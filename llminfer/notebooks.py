@@ -31,9 +31,6 @@ WIDGET_REPR = re.compile(r"^[A-Z]\w*\(")  # e.g. "VBox(children=(...))"
 # A notebook progress bar's saved text is its state when it was drawn ("requests:   0%|   | 0/20"), never its
 # end: a frozen bar on the page. Such outputs are dropped; the live bar still shows while a cell runs.
 PROGRESS_BAR = re.compile(r"^[^\n|]*\d+%\|")
-# The kernels that record or check a chapter draw no progress bars (tqdm reads TQDM_* variables as defaults), so
-# the recorded outputs and the ones nbval computes agree; chapters/conftest.py sets the same for nbval.
-RECORDING_ENV = {"TQDM_DISABLE": "1"}
 KEPT_LANGUAGE_INFO = ("name", "mimetype", "file_extension", "pygments_lexer", "codemirror_mode", "nbconvert_exporter")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -246,21 +243,11 @@ class _Client(NotebookClient):
 
 def execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int = 600, kernel_name: str = "python3",
             allow_errors: bool = False) -> nbformat.NotebookNode:
-    """Return nb executed top to bottom in a fresh kernel whose working directory is cwd (its environment has
-    RECORDING_ENV)."""
+    """Return nb executed top to bottom in a fresh kernel whose working directory is cwd."""
     client = _Client(nb, timeout=timeout, kernel_name=kernel_name, allow_errors=allow_errors,
                      record_timing=False, store_widget_state=True,  # Output widgets need it; normalise drops it
                      resources={"metadata": {"path": str(cwd)}})
-    saved = {key: os.environ.get(key) for key in RECORDING_ENV}
-    os.environ.update(RECORDING_ENV)             # the kernel inherits this process's environment
-    try:
-        client.execute()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    client.execute()
     return nb
 
 
