@@ -33,6 +33,16 @@ def prompt(real):
     return tokenizer.apply_chat_template([{"role": "user", "content": "Give me the capital of France as JSON."}])
 
 
+def jump_forward(model, prompt, constraint):
+    """generate(jump_forward=True) with at most 40 new tokens; returns its result and the model's forward count."""
+    calls = []
+    hook = model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        return generate(model, prompt, max_new_tokens=40, constraint=constraint, jump_forward=True), len(calls)
+    finally:
+        hook.remove()
+
+
 def test_constraint_walk(real):
     _, tokenizer = real
     constraint = Constraint.from_schema(CAPITAL, tokenizer)
@@ -73,15 +83,9 @@ def test_generate_constrained_parses_and_validates(real, prompt):
     jsonschema.validate(document, CAPITAL)
     assert tokenizer.decode(free.token_ids) != tokenizer.decode(plain.token_ids)
 
-    calls = []
-    hook = model.register_forward_hook(lambda *args: calls.append(1))
-    try:
-        jumped = generate(model, prompt, max_new_tokens=40, constraint=Constraint.from_schema(CAPITAL, tokenizer),
-                          jump_forward=True)
-    finally:
-        hook.remove()
+    jumped, forwards = jump_forward(model, prompt, Constraint.from_schema(CAPITAL, tokenizer))
     jsonschema.validate(json.loads(tokenizer.decode(jumped.token_ids)), CAPITAL)
-    assert len(calls) < len(jumped.token_ids) - 5          # the forced keys and quotes took no step each
+    assert forwards < len(jumped.token_ids) - 5          # the forced keys and quotes took no step each
 
     # a constrained row beside a free one: each is what it is alone
     batch = torch.tensor([prompt, prompt])
@@ -224,13 +228,7 @@ def test_jump_forward_retokenizes_the_sampled_token_with_the_forced_text(real):
 def test_jump_forward_with_retokenized_boundaries_stays_in_the_pattern(real, prompt):
     model, tokenizer = real
     for pattern in (r"(P|L)aris is (nice|big)\.", r'\{"city": "(Paris|Lima)", "population_in_millions": [0-9]\}'):
-        calls = []
-        hook = model.register_forward_hook(lambda *args: calls.append(1))
-        try:
-            out = generate(model, prompt, max_new_tokens=40, constraint=Constraint.from_regex(pattern, tokenizer),
-                           jump_forward=True)
-        finally:
-            hook.remove()
+        out, forwards = jump_forward(model, prompt, Constraint.from_regex(pattern, tokenizer))
         assert out.token_ids[-1] == tokenizer.eos_token_id
         assert re.fullmatch(pattern, tokenizer.decode(out.token_ids[:-1])), tokenizer.decode(out.token_ids)
-        assert len(calls) < len(out.token_ids) - 2                # forced runs took one forward each
+        assert forwards < len(out.token_ids) - 2                # forced runs took one forward each
